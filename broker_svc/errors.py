@@ -1,0 +1,126 @@
+"""The error tree: every error Clockwork raises derives from ``BrokerSvcError``.
+
+::
+
+    BrokerSvcError
+    ├── ConfigurationError (ValueError)      bad settings or URL
+    ├── BrokerUnavailable (ConnectionError)  cannot reach or keep the broker
+    ├── PublishError                         a publish was not confirmed
+    │   ├── PublishNacked                    the broker refused it (nack)
+    │   └── Unroutable                       no queue was bound for it (mandatory return)
+    ├── MessageError                         a message cannot be used as it is
+    │   ├── ContentDisallowed                content type not in the accept list (pickle, yaml, ...)
+    │   ├── DecodeError                      the body does not decode
+    │   ├── MessageTooLarge (ValueError)     body over the configured limit
+    │   └── InvalidTaskMessage               decodes, but is not a protocol-v2 task
+    ├── NotRegistered (KeyError)             no task of that name in the app
+    ├── ResultTimeout (TimeoutError)         ``AsyncResult.get`` ran out of time
+    ├── SoftTimeLimitExceeded                raised inside a task when its soft time limit passes
+    └── TaskError                            a task failed remotely (carries the remote type)
+        └── TaskRevokedError                 the task was revoked or expired
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BrokerSvcError",
+    "BrokerUnavailable",
+    "ConfigurationError",
+    "ContentDisallowed",
+    "DecodeError",
+    "InvalidTaskMessage",
+    "MessageError",
+    "MessageTooLarge",
+    "NotRegistered",
+    "PublishError",
+    "PublishNacked",
+    "ResultTimeout",
+    "SoftTimeLimitExceeded",
+    "TaskError",
+    "TaskRevokedError",
+    "Unroutable",
+]
+
+
+class BrokerSvcError(Exception):
+    """Root of every error raised by Clockwork."""
+
+
+class ConfigurationError(BrokerSvcError, ValueError):
+    """Settings or a broker URL are invalid."""
+
+
+class BrokerUnavailable(BrokerSvcError, ConnectionError):
+    """The broker could not be reached, or the connection was lost for good."""
+
+
+class PublishError(BrokerSvcError):
+    """A message was not confirmed by the broker."""
+
+
+class PublishNacked(PublishError):
+    """The broker answered a publish with basic.nack."""
+
+
+class Unroutable(PublishError):
+    """The broker returned a mandatory publish: no queue is bound for its routing key."""
+
+
+class MessageError(BrokerSvcError):
+    """A message (task, result or control) cannot be used as it is."""
+
+
+class ContentDisallowed(MessageError):
+    """The content type is not in the accept list; the body was not decoded."""
+
+
+class DecodeError(MessageError):
+    """The body does not decode with its declared content type."""
+
+
+class MessageTooLarge(MessageError, ValueError):
+    """The body is larger than the configured limit."""
+
+
+class InvalidTaskMessage(MessageError):
+    """The message decodes but is not a valid protocol-v2 task."""
+
+
+class NotRegistered(BrokerSvcError, KeyError):
+    """No task with this name is registered in the app."""
+
+    def __str__(self) -> str:
+        # KeyError's str() adds quotes; keep the plain name, as Celery shows it.
+        return str(self.args[0]) if self.args else ""
+
+
+class ResultTimeout(BrokerSvcError, TimeoutError):
+    """A result did not arrive within the timeout."""
+
+
+class SoftTimeLimitExceeded(BrokerSvcError):
+    """Raised inside a task when its soft time limit passes; the task may catch it to clean up.
+
+    On the wire it is Celery's ``celery.exceptions.SoftTimeLimitExceeded``.
+    """
+
+
+class TaskError(BrokerSvcError):
+    """A task failed on a worker.
+
+    ``AsyncResult.get()`` raises a subclass of this *and* of the remote exception type when that
+    type is a builtin (so ``except ValueError`` works), else a plain ``TaskError``.
+
+    Attributes:
+        exc_type: the remote exception's class name (``"ValueError"``).
+        exc_module: the remote exception's module (``"builtins"``).
+        remote_traceback: the remote traceback text, if the worker sent one.
+    """
+
+    exc_type: str = ""
+    exc_module: str = ""
+    remote_traceback: str | None = None
+
+
+class TaskRevokedError(TaskError):
+    """The task was revoked, expired or terminated before it finished."""
