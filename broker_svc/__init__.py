@@ -1,0 +1,61 @@
+"""Clockwork's client library: tasks, publishing with confirms, results, and the shared wire parts."""
+
+from __future__ import annotations
+
+from broker_svc.app import App
+from broker_svc.clock import LamportClock
+from broker_svc.errors import (
+    BrokerSvcError,
+    BrokerUnavailable,
+    ConfigurationError,
+    ContentDisallowed,
+    DecodeError,
+    InvalidTaskMessage,
+    MessageError,
+    MessageTooLarge,
+    NotRegistered,
+    PublishError,
+    PublishNacked,
+    ResultTimeout,
+    SoftTimeLimitExceeded,
+    TaskError,
+    TaskRevokedError,
+    Unroutable,
+)
+from broker_svc.message import TaskMessage
+from broker_svc.publisher import Publisher
+from broker_svc.result import AsyncResult
+from broker_svc.settings import Settings
+from broker_svc.states import State
+from broker_svc.task import Signature, Task
+
+__all__ = [
+    # the app and its tasks
+    "App",
+    "AsyncResult",
+    "Signature",
+    "State",
+    "Task",
+    # publishing and configuration
+    "LamportClock",
+    "Publisher",
+    "Settings",
+    "TaskMessage",
+    # errors
+    "BrokerSvcError",
+    "BrokerUnavailable",
+    "ConfigurationError",
+    "ContentDisallowed",
+    "DecodeError",
+    "InvalidTaskMessage",
+    "MessageError",
+    "MessageTooLarge",
+    "NotRegistered",
+    "PublishError",
+    "PublishNacked",
+    "ResultTimeout",
+    "SoftTimeLimitExceeded",
+    "TaskError",
+    "TaskRevokedError",
+    "Unroutable",
+]

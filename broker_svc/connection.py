@@ -1,0 +1,586 @@
+"""The blocking side's one broker connection: pika driven by a background I/O thread.
+
+Callers on any thread hand messages over and return at once; the I/O thread publishes them with
+publisher confirms (pipelined, never one round trip per message), tracks each confirm, republishes
+what a lost connection left unconfirmed, and delivers consumed messages to callbacks. This is the
+only module that imports pika, so pika's exceptions are translated here.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pika
+import pika.channel
+import pika.exceptions
+import pika.frame
+import pika.spec
+import structlog
+
+from broker_svc.errors import BrokerSvcError, BrokerUnavailable, PublishError, PublishNacked, Unroutable
+from broker_svc.message import WireMessage
+from broker_svc.settings import Settings
+from broker_svc.topology import QueueSpec
+
+__all__ = ["BrokerConnection", "Delivery", "PendingPublish"]
+
+log = structlog.get_logger(__name__)
+
+_BACKOFF_START_S = 0.2
+_BACKOFF_MAX_S = 5.0
+_TICK_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """A consumed message, as handed to a consumer callback (on the I/O thread)."""
+
+    body: bytes
+    content_type: str | None
+    correlation_id: str | None
+    headers: dict[str, Any]
+    routing_key: str
+    redelivered: bool
+
+
+def _is_permanent(error: BaseException | str) -> bool:
+    if isinstance(
+        error, pika.exceptions.ProbableAuthenticationError | pika.exceptions.ProbableAccessDeniedError
+    ):
+        return True
+    if isinstance(error, pika.exceptions.ConnectionClosedByBroker):
+        return error.reply_code in (403, 530)
+    return False
+
+
+class PendingPublish:
+    """One message on its way to the broker, and whether the broker confirmed it.
+
+    Thread-safe: the I/O thread settles it, any thread may wait on it.
+    """
+
+    __slots__ = (
+        "_event",
+        "attempts",
+        "declare",
+        "error",
+        "exchange",
+        "mandatory",
+        "message",
+        "routing_key",
+        "sent_at",
+    )
+
+    def __init__(
+        self,
+        message: WireMessage,
+        *,
+        exchange: str,
+        routing_key: str,
+        declare: QueueSpec | None = None,
+        mandatory: bool = True,
+    ) -> None:
+        self.message = message
+        self.exchange = exchange
+        self.routing_key = routing_key
+        self.declare = declare
+        self.mandatory = mandatory
+        self.attempts = 0
+        self.sent_at = 0.0
+        self.error: BrokerSvcError | None = None
+        self._event = threading.Event()
+
+    @property
+    def done(self) -> bool:
+        """True once confirmed or failed for good."""
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None) -> bool:
+        """Wait until settled; True if settled within ``timeout``."""
+        return self._event.wait(timeout)
+
+    def settle(self, error: BrokerSvcError | None = None) -> None:
+        """Mark it confirmed (``error`` None) or failed. Called by the I/O thread."""
+        if not self._event.is_set():
+            self.error = error
+            self._event.set()
+
+
+Consumer = Callable[[Delivery], None]
+
+
+class BrokerConnection:
+    """A pika connection run by its own daemon thread, with reconnect and pipelined confirms.
+
+    Args:
+        settings: broker URL, timeouts and retry bounds.
+        name: the connection name shown by ``rabbitmqctl list_connections``.
+        consumers: queues to declare and consume (auto-ack) on every (re)connect.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        name: str,
+        consumers: Sequence[tuple[QueueSpec, Consumer]] = (),
+    ) -> None:
+        self._settings = settings
+        self._name = name
+        self._consumers = list(consumers)
+        self._outbox: collections.deque[PendingPublish] = collections.deque()
+        self._retry: collections.deque[PendingPublish] = collections.deque()
+        self._unconfirmed: dict[int, PendingPublish] = {}
+        self._returned: set[tuple[str | None, str]] = set()
+        self._declared: set[str] = set()
+        self._warned_unroutable: set[str] = set()
+        self._declaring: str | None = None
+        self._next_tag = 1
+        self._lock = threading.Lock()
+        self._wake_pending = False
+        self._stopping = False
+        self._ready = threading.Event()
+        self._conn: pika.SelectConnection | None = None
+        self._channel: pika.channel.Channel | None = None
+        self._down_since: float | None = None
+        self._thread = threading.Thread(target=self._run, name=f"clockwork-io-{name}", daemon=True)
+        self._started = False
+
+    # -- any thread ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the I/O thread (idempotent); connecting happens in the background."""
+        with self._lock:
+            if self._started:
+                return
+            self._started = True
+        self._thread.start()
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait until connected with a channel in confirm mode."""
+        return self._ready.wait(timeout)
+
+    @property
+    def pending_count(self) -> int:
+        """Messages handed over and not yet settled."""
+        with self._lock:
+            return len(self._outbox) + len(self._retry) + len(self._unconfirmed)
+
+    def publish(self, pending: PendingPublish) -> None:
+        """Hand a message to the I/O thread; returns without waiting for the broker.
+
+        Raises:
+            BrokerUnavailable: the connection was closed.
+        """
+        self.publish_many((pending,))
+
+    def publish_many(self, items: Sequence[PendingPublish]) -> None:
+        """Hand several messages over in one wake-up of the I/O thread.
+
+        Raises:
+            BrokerUnavailable: the connection was closed.
+        """
+        with self._lock:
+            if self._stopping:
+                raise BrokerUnavailable("the connection is closed")
+            self._outbox.extend(items)
+            wake = not self._wake_pending and self._ready.is_set()
+            if wake:
+                self._wake_pending = True
+        if not self._started:
+            self.start()
+        if wake:
+            self._call_soon(self._drain)
+
+    def call(self, fn: Callable[[pika.channel.Channel, Callable[[], None]], None], timeout: float) -> None:
+        """Run ``fn(channel, done)`` on the I/O thread and wait until it calls ``done``.
+
+        Raises:
+            BrokerUnavailable: not connected, or ``done`` was not called within ``timeout``.
+        """
+        finished = threading.Event()
+        if not self.wait_ready(timeout):
+            raise BrokerUnavailable(f"not connected to {self._settings.safe_broker_url}")
+
+        def run() -> None:
+            if self._channel is None or not self._channel.is_open:
+                return
+            fn(self._channel, finished.set)
+
+        self._call_soon(run)
+        if not finished.wait(timeout):
+            raise BrokerUnavailable(f"broker operation did not finish within {timeout} s")
+
+    def delete_queue(self, name: str, timeout: float) -> None:
+        """Delete a queue (used for a client's result queue on close).
+
+        Raises:
+            BrokerUnavailable: not connected, or the broker did not answer in time.
+        """
+
+        def run(channel: pika.channel.Channel, done: Callable[[], None]) -> None:
+            channel.queue_delete(name, callback=lambda _frame: done())
+
+        self.call(run, timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the I/O thread; what is still unsettled fails with ``BrokerUnavailable``."""
+        with self._lock:
+            self._stopping = True
+            started = self._started
+        if started:
+            self._call_soon(self._shutdown)
+            self._thread.join(timeout)
+        self._fail_all(BrokerUnavailable("the connection was closed before the broker confirmed"))
+
+    # -- I/O thread ------------------------------------------------------------------------------
+
+    def _call_soon(self, fn: Callable[[], None]) -> None:
+        conn = self._conn
+        if conn is None:
+            return
+        try:
+            conn.ioloop.add_callback_threadsafe(fn)
+        except Exception:  # the loop is gone; the run loop settles everything on its way out
+            log.debug("io_loop_unavailable", connection=self._name)
+
+    def _run(self) -> None:
+        backoff = _BACKOFF_START_S
+        while not self._stopping:
+            started = time.monotonic()
+            self._run_connection()
+            if self._stopping:
+                break
+            if self._down_since is None:
+                self._down_since = time.monotonic()
+            if time.monotonic() - self._down_since > self._settings.reconnect_window_s:
+                self._fail_all(
+                    BrokerUnavailable(
+                        f"no connection to {self._settings.safe_broker_url} for "
+                        f"{self._settings.reconnect_window_s} s"
+                    )
+                )
+                self._down_since = time.monotonic()
+            if time.monotonic() - started > 10:
+                backoff = _BACKOFF_START_S  # it was up for a while: retry quickly
+            time.sleep(backoff)  # reconnect backoff on the I/O thread; no caller waits on it
+            backoff = min(backoff * 2, _BACKOFF_MAX_S)
+        self._fail_all(BrokerUnavailable("the connection was closed before the broker confirmed"))
+
+    def _parameters(self) -> pika.URLParameters:
+        params = pika.URLParameters(self._settings.broker_url)
+        params.virtual_host = self._settings.virtual_host  # pika reads "//" as vhost ""
+        params.heartbeat = self._settings.heartbeat_s
+        params.socket_timeout = self._settings.connect_timeout_s
+        params.stack_timeout = self._settings.connect_timeout_s * 2
+        params.blocked_connection_timeout = self._settings.confirm_timeout_s
+        params.connection_attempts = 1
+        params.client_properties = {"connection_name": self._name, "product": "clockwork"}
+        return params
+
+    def _run_connection(self) -> None:
+        try:
+            conn = pika.SelectConnection(
+                self._parameters(),
+                on_open_callback=self._on_open,
+                on_open_error_callback=self._on_open_error,
+                on_close_callback=self._on_closed,
+            )
+        except Exception as exc:
+            log.warning("broker_connect_failed", url=self._settings.safe_broker_url, error=str(exc))
+            return
+        self._conn = conn
+        try:
+            conn.ioloop.start()
+        finally:
+            self._conn = None
+            conn.ioloop.close()  # releases the loop's wake-up socket pair
+
+    def _on_open_error(self, conn: pika.SelectConnection, error: BaseException | str) -> None:
+        log.warning("broker_connect_failed", url=self._settings.safe_broker_url, error=str(error))
+        if _is_permanent(error):
+            # Wrong credentials or vhost will not fix themselves: fail what waits now, keep trying
+            # in the background for what comes later.
+            self._fail_all(BrokerUnavailable(f"broker refused the connection: {error}"))
+        conn.ioloop.stop()
+
+    def _on_open(self, conn: pika.SelectConnection) -> None:
+        conn.channel(on_open_callback=self._on_channel_open)
+
+    def _on_channel_open(self, channel: pika.channel.Channel) -> None:
+        self._channel = channel
+        self._declared.clear()
+        self._next_tag = 1
+        channel.add_on_close_callback(self._on_channel_closed)
+        channel.add_on_return_callback(self._on_return)
+        channel.confirm_delivery(ack_nack_callback=self._on_confirm, callback=self._on_confirm_mode)
+
+    def _on_confirm_mode(self, _frame: pika.frame.Method) -> None:
+        assert self._channel is not None
+        self._start_consumers(list(self._consumers))
+
+    def _start_consumers(self, remaining: list[tuple[QueueSpec, Consumer]]) -> None:
+        # Consumers first (a reply queue must exist before any task names it), then publishing.
+        channel = self._channel
+        if channel is None:
+            return
+        if remaining:
+            spec, callback = remaining[0]
+
+            def consume() -> None:
+                channel.basic_consume(spec.name, self._deliver(callback), auto_ack=True)
+                self._start_consumers(remaining[1:])
+
+            self._declare(spec, on_done=consume)
+            return
+        self._down_since = None
+        with self._lock:
+            # What a lost connection left unconfirmed goes out first, in its original order.
+            self._outbox.extendleft(reversed(self._retry))
+            self._retry.clear()
+            self._wake_pending = True
+        self._ready.set()
+        log.debug("broker_connected", connection=self._name)
+        self._drain()
+        self._schedule_tick()
+
+    def _deliver(self, callback: Consumer) -> Callable[..., None]:
+        def on_message(
+            _ch: pika.channel.Channel,
+            method: pika.spec.Basic.Deliver,
+            props: pika.spec.BasicProperties,
+            body: bytes,
+        ) -> None:
+            delivery = Delivery(
+                body=body,
+                content_type=props.content_type,
+                correlation_id=props.correlation_id,
+                headers=props.headers or {},
+                routing_key=method.routing_key,
+                redelivered=bool(method.redelivered),
+            )
+            try:
+                callback(delivery)
+            except Exception:
+                log.exception("consumer_callback_failed", connection=self._name)
+
+        return on_message
+
+    def _declare(self, spec: QueueSpec, on_done: Callable[[], None] | None = None) -> None:
+        """Declare a queue (and its exchange and binding); ``on_done`` runs after the bind-ok.
+
+        pika holds RPCs back while another is in flight but sends publishes at once, so a publish
+        must wait for ``on_done`` rather than rely on channel ordering.
+        """
+        channel = self._channel
+        if channel is None:
+            return
+        exchange = spec.exchange
+        self._declaring = spec.name
+
+        def bound(_frame: pika.frame.Method | None = None) -> None:
+            self._declared.add(spec.name)
+            self._declaring = None
+            if on_done is not None:
+                on_done()
+
+        def declare_queue(_frame: pika.frame.Method | None = None) -> None:
+            channel.queue_declare(
+                spec.name,
+                durable=spec.durable,
+                exclusive=spec.exclusive,
+                auto_delete=spec.auto_delete,
+                arguments=spec.arguments or None,
+                callback=bind if exchange is not None else bound,
+            )
+
+        def bind(_frame: pika.frame.Method) -> None:
+            assert exchange is not None
+            channel.queue_bind(spec.name, exchange.name, routing_key=spec.routing_key, callback=bound)
+
+        if exchange is not None:
+            channel.exchange_declare(
+                exchange.name,
+                exchange_type=exchange.type,
+                durable=exchange.durable,
+                auto_delete=exchange.auto_delete,
+                callback=declare_queue,
+            )
+        else:
+            declare_queue()
+
+    def _drain(self) -> None:
+        channel = self._channel
+        with self._lock:
+            self._wake_pending = False
+            if channel is None or not channel.is_open:
+                return
+            batch = list(self._outbox)
+            self._outbox.clear()
+        now = time.monotonic()
+        for index, pending in enumerate(batch):
+            if pending.done:
+                continue
+            spec = pending.declare
+            if spec is not None and spec.name not in self._declared:
+                # Hold this and every later message (order matters) until the queue exists.
+                with self._lock:
+                    self._outbox.extendleft(reversed(batch[index:]))
+                self._declare(spec, on_done=self._drain)
+                return
+            msg = pending.message
+            props = pika.BasicProperties(
+                content_type=msg.content_type,
+                content_encoding=msg.content_encoding,
+                headers=msg.headers,
+                delivery_mode=msg.delivery_mode,
+                priority=msg.priority,
+                correlation_id=msg.correlation_id,
+                reply_to=msg.reply_to,
+                expiration=msg.expiration,
+            )
+            try:
+                channel.basic_publish(
+                    pending.exchange, pending.routing_key, msg.body, props, mandatory=pending.mandatory
+                )
+            except (ValueError, TypeError) as exc:
+                pending.settle(PublishError(f"message cannot be encoded by the AMQP client: {exc}"))
+                continue
+            except (pika.exceptions.AMQPError, OSError) as exc:
+                # The connection is going away; these go out again once it is back.
+                with self._lock:
+                    self._outbox.extendleft(reversed(batch[index:]))
+                log.warning("publish_failed", error=str(exc))
+                return
+            pending.attempts += 1
+            pending.sent_at = now
+            with self._lock:
+                self._unconfirmed[self._next_tag] = pending
+            self._next_tag += 1
+
+    def _on_return(
+        self,
+        _ch: pika.channel.Channel,
+        method: pika.spec.Basic.Return,
+        props: pika.spec.BasicProperties,
+        _body: bytes,
+    ) -> None:
+        # basic.return precedes the basic.ack of the same message; remember it for the ack.
+        self._returned.add((props.correlation_id, method.routing_key))
+        if method.routing_key not in self._warned_unroutable:
+            self._warned_unroutable.add(method.routing_key)  # once per key, not per message
+            log.warning("publish_returned", routing_key=method.routing_key, reply=method.reply_text)
+
+    def _on_confirm(self, frame: pika.frame.Method) -> None:
+        method = frame.method
+        tag: int = method.delivery_tag
+        nacked = isinstance(method, pika.spec.Basic.Nack)
+        with self._lock:
+            if method.multiple:
+                tags = [t for t in self._unconfirmed if t <= tag]
+            else:
+                tags = [tag] if tag in self._unconfirmed else []
+            settled = [self._unconfirmed.pop(t) for t in tags]
+        for pending in settled:
+            key = (pending.message.correlation_id, pending.routing_key)
+            if key in self._returned:
+                self._returned.discard(key)
+                pending.settle(Unroutable(f"no queue is bound for routing key {pending.routing_key!r}"))
+            elif nacked:
+                self._retry_or_fail(pending, PublishNacked("the broker refused the message (nack)"))
+            else:
+                pending.settle()
+
+    def _retry_or_fail(self, pending: PendingPublish, error: BrokerSvcError) -> None:
+        if pending.attempts >= self._settings.publish_attempts:
+            pending.settle(error)
+            return
+        with self._lock:
+            self._outbox.append(pending)
+            wake = not self._wake_pending
+            self._wake_pending = True
+        if wake:
+            self._call_soon(self._drain)
+
+    def _schedule_tick(self) -> None:
+        if self._conn is not None:
+            self._conn.ioloop.call_later(_TICK_S, self._tick)
+
+    def _tick(self) -> None:
+        # A broker that never confirms (frozen node, alarm) must not block callers forever:
+        # drop the connection so unconfirmed messages are republished on a fresh one.
+        conn = self._conn
+        if conn is None or not conn.is_open:
+            return
+        with self._lock:
+            oldest = min((p.sent_at for p in self._unconfirmed.values()), default=None)
+        if oldest is not None and time.monotonic() - oldest > self._settings.confirm_timeout_s:
+            log.warning("confirm_timeout", timeout_s=self._settings.confirm_timeout_s)
+            conn.close(reply_code=320, reply_text="confirm timeout")
+            return
+        self._schedule_tick()
+
+    def _on_channel_closed(self, _ch: pika.channel.Channel, reason: BaseException) -> None:
+        # A channel error (e.g. a 406 on a declare) ends the channel, not the process: start
+        # over on a fresh connection so the confirm sequence begins at 1 again.
+        self._channel = None
+        declaring, self._declaring = self._declaring, None
+        if declaring is not None and isinstance(reason, pika.exceptions.ChannelClosedByBroker):
+            # The broker refused the declaration itself (406 different arguments, 403 access):
+            # retrying cannot help, so the messages for that queue fail now, with the reason.
+            self._fail_where(
+                lambda p: p.declare is not None and p.declare.name == declaring,
+                PublishError(f"the broker refused to declare queue {declaring!r}: {reason}"),
+            )
+        if not self._stopping:
+            log.warning("broker_channel_closed", connection=self._name, reason=str(reason))
+        conn = self._conn
+        if conn is not None and conn.is_open:
+            conn.close()
+
+    def _on_closed(self, conn: pika.SelectConnection, reason: BaseException) -> None:
+        self._ready.clear()
+        self._channel = None
+        with self._lock:
+            lost = [self._unconfirmed[t] for t in sorted(self._unconfirmed)]
+            self._unconfirmed.clear()
+            self._returned.clear()
+        for pending in lost:
+            if pending.attempts >= self._settings.publish_attempts:
+                pending.settle(BrokerUnavailable(f"connection lost before confirm: {reason}"))
+            else:
+                with self._lock:
+                    self._retry.append(pending)
+        if not self._stopping:
+            log.warning("broker_connection_lost", connection=self._name, reason=str(reason))
+        conn.ioloop.stop()
+
+    def _shutdown(self) -> None:
+        conn = self._conn
+        if conn is not None and conn.is_open:
+            conn.close()
+        elif conn is not None:
+            conn.ioloop.stop()
+
+    def _fail_where(self, matches: Callable[[PendingPublish], bool], error: BrokerSvcError) -> None:
+        with self._lock:
+            failing = [p for p in self._outbox if matches(p)]
+            kept = [p for p in self._outbox if not matches(p)]
+            self._outbox.clear()
+            self._outbox.extend(kept)
+        for pending in failing:
+            pending.settle(error)
+
+    def _fail_all(self, error: BrokerSvcError) -> None:
+        with self._lock:
+            items = [*self._outbox, *self._retry, *self._unconfirmed.values()]
+            self._outbox.clear()
+            self._retry.clear()
+            self._unconfirmed.clear()
+        for pending in items:
+            pending.settle(error)

@@ -1,0 +1,170 @@
+"""The publisher: encodes tasks, hands them to the connection, and keeps account of confirms."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from types import TracebackType
+
+from broker_svc.clock import LamportClock
+from broker_svc.connection import BrokerConnection, Consumer, PendingPublish
+from broker_svc.errors import BrokerSvcError, MessageTooLarge, PublishError
+from broker_svc.message import TaskMessage, WireMessage, encode_task
+from broker_svc.settings import Settings
+from broker_svc.topology import DEFAULT_EXCHANGE, QueueSpec, QueueType, task_queue
+
+__all__ = ["Publisher"]
+
+
+class Publisher:
+    """Publishes task messages with pipelined publisher confirms.
+
+    ``send`` returns once the message is handed to the connection (``confirm="pipelined"``) or
+    once the broker confirmed it (``confirm="each"``). ``flush`` waits for every confirm and reports
+    what failed. Thread-safe; use it as a context manager or call ``close``.
+
+    Args:
+        settings: connection and publishing settings.
+        clock: the process's Lamport clock, forwarded for every message.
+        name: connection name shown by the broker.
+        consumers: queues the same connection consumes (a client's result queue).
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        clock: LamportClock,
+        name: str = "clockwork-publisher",
+        consumers: Sequence[tuple[QueueSpec, Consumer]] = (),
+    ) -> None:
+        self._settings = settings
+        self._clock = clock
+        self._connection = BrokerConnection(settings, name=name, consumers=consumers)
+        self._lock = threading.Lock()
+        self._inflight: deque[PendingPublish] = deque()
+        self._failed: list[PendingPublish] = []
+
+    @property
+    def connection(self) -> BrokerConnection:
+        """The underlying connection (for result queues and control calls on it)."""
+        return self._connection
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def prepare(
+        self,
+        message: TaskMessage,
+        *,
+        queue: str,
+        queue_type: QueueType = "classic",
+        serializer: str | None = None,
+    ) -> PendingPublish:
+        """Stamp the clock, encode and size-check a task; nothing is sent yet.
+
+        Raises:
+            MessageTooLarge: the body is over ``max_body_bytes`` (checked before publishing).
+            TypeError: an argument cannot be encoded.
+        """
+        if message.clock is None:
+            message = dataclasses.replace(message, clock=self._clock.forward())
+        wire = encode_task(message, serializer=serializer or self._settings.serializer)
+        self._check_size(wire)
+        return PendingPublish(
+            wire,
+            exchange=DEFAULT_EXCHANGE,
+            routing_key=queue,
+            declare=task_queue(queue, queue_type=queue_type),
+        )
+
+    def submit(self, items: Sequence[PendingPublish]) -> None:
+        """Hand prepared messages to the connection; in ``each`` mode wait for their confirms.
+
+        Raises:
+            PublishError: (``each`` mode) a message was not confirmed.
+            BrokerUnavailable: the publisher is closed or the broker unreachable.
+        """
+        with self._lock:
+            self._prune()
+            self._inflight.extend(items)
+        self._connection.publish_many(items)
+        if self._settings.confirm == "each":
+            deadline = time.monotonic() + self._settings.confirm_timeout_s + self._settings.reconnect_window_s
+            for pending in items:
+                if not pending.wait(max(0.0, deadline - time.monotonic())):
+                    raise PublishError(f"no confirm within {self._settings.confirm_timeout_s} s")
+                if pending.error is not None:
+                    raise pending.error
+
+    def send(self, message: TaskMessage, *, queue: str, queue_type: QueueType = "classic") -> PendingPublish:
+        """Prepare and submit one task.
+
+        Raises:
+            MessageTooLarge: the body is over the limit (nothing was sent).
+            PublishError: (``each`` mode) the broker did not confirm it.
+        """
+        pending = self.prepare(message, queue=queue, queue_type=queue_type)
+        self.submit((pending,))
+        return pending
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every message handed over so far is confirmed.
+
+        Raises:
+            PublishError: some messages failed or stayed unconfirmed; the error says how many and why.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            waiting = list(self._inflight)
+            self._inflight.clear()
+            failed, self._failed = self._failed, []
+        unconfirmed = 0
+        for pending in waiting:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not pending.wait(remaining):
+                unconfirmed += 1
+                with self._lock:
+                    self._inflight.append(pending)
+            elif pending.error is not None:
+                failed.append(pending)
+        if failed or unconfirmed:
+            first: BrokerSvcError | None = failed[0].error if failed else None
+            error = PublishError(
+                f"{len(failed)} message(s) failed and {unconfirmed} unconfirmed"
+                + (f"; first error: {first}" if first else f" after {timeout} s")
+            )
+            raise error from first
+
+    def close(self, timeout: float | None = None) -> None:
+        """Flush, then close the connection.
+
+        Raises:
+            PublishError: what ``flush`` raises; the connection is closed all the same.
+        """
+        try:
+            self.flush(self._settings.confirm_timeout_s if timeout is None else timeout)
+        finally:
+            self._connection.close()
+
+    def _prune(self) -> None:
+        # Drop settled messages from the front so a long-running producer keeps a bounded list.
+        inflight = self._inflight
+        while inflight and inflight[0].done:
+            pending = inflight.popleft()
+            if pending.error is not None:
+                self._failed.append(pending)
+
+    def _check_size(self, wire: WireMessage) -> None:
+        if len(wire.body) > self._settings.max_body_bytes:
+            raise MessageTooLarge(
+                f"task body of {len(wire.body)} bytes is over max_body_bytes={self._settings.max_body_bytes}"
+            )

@@ -1,0 +1,240 @@
+"""Results over the ``rpc://`` reply queue: one queue per client, many tasks, thread-safe waits."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Final
+
+import structlog
+
+from broker_svc import codec
+from broker_svc.connection import Delivery, PendingPublish
+from broker_svc.errors import MessageError, ResultTimeout, TaskError
+from broker_svc.outcome import Outcome, exception_from_wire
+from broker_svc.states import READY_STATES, State
+
+__all__ = ["AsyncResult", "ResultStore"]
+
+log = structlog.get_logger(__name__)
+
+# States kept per task for ``get(on_message=...)`` replay; progress updates beyond this are dropped
+# oldest-first (the latest state is always kept).
+_HISTORY_LIMIT: Final = 256
+
+OnMessage = Callable[[dict[str, Any]], None]
+
+
+class ResultStore:
+    """The latest states of the tasks one client is waiting for, fed by its reply-queue consumer.
+
+    Only tasks this client registered are kept, so stray or late results cost no memory.
+    """
+
+    def __init__(self, *, accept: frozenset[str], max_bytes: int) -> None:
+        self._accept = accept
+        self._max_bytes = max_bytes
+        self._cond = threading.Condition()
+        self._wanted: dict[str, int] = {}
+        self._history: dict[str, deque[Outcome]] = {}
+
+    def register(self, task_id: str) -> None:
+        """Start keeping results for ``task_id`` (one call per ``AsyncResult`` holding it)."""
+        with self._cond:
+            self._wanted[task_id] = self._wanted.get(task_id, 0) + 1
+
+    def release(self, task_id: str) -> None:
+        """Stop keeping results for ``task_id`` once no ``AsyncResult`` holds it."""
+        with self._cond:
+            count = self._wanted.get(task_id, 0) - 1
+            if count > 0:
+                self._wanted[task_id] = count
+            else:
+                self._wanted.pop(task_id, None)
+                self._history.pop(task_id, None)
+
+    def forget(self, task_id: str) -> None:
+        """Drop the states received so far for ``task_id``."""
+        with self._cond:
+            self._history.pop(task_id, None)
+
+    def on_delivery(self, delivery: Delivery) -> None:
+        """Consumer callback (I/O thread): decode one result and wake its waiters."""
+        try:
+            body = codec.decode(
+                delivery.body, delivery.content_type, accept=self._accept, max_bytes=self._max_bytes
+            )
+            outcome = Outcome.from_wire(body, correlation_id=delivery.correlation_id)
+        except MessageError as exc:
+            log.warning("result_refused", error=str(exc), correlation_id=delivery.correlation_id)
+            return
+        with self._cond:
+            if outcome.task_id not in self._wanted:
+                return
+            history = self._history.setdefault(outcome.task_id, deque(maxlen=_HISTORY_LIMIT))
+            history.append(outcome)
+            self._cond.notify_all()
+
+    def latest(self, task_id: str) -> Outcome | None:
+        """The newest state received for ``task_id``, if any."""
+        with self._cond:
+            history = self._history.get(task_id)
+            return history[-1] if history else None
+
+    def wait(
+        self,
+        task_id: str,
+        *,
+        timeout: float | None,
+        on_message: OnMessage | None = None,
+        publish: PendingPublish | None = None,
+    ) -> Outcome:
+        """Block until a ready state arrives; call ``on_message`` for each state, in order.
+
+        Raises:
+            ResultTimeout: no ready state within ``timeout``.
+            PublishError: the task's own publish failed, so no result can ever come.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        seen = 0
+        with self._cond:
+            while True:
+                history = self._history.get(task_id, ())
+                for outcome in list(history)[seen:]:
+                    seen += 1
+                    if on_message is not None:
+                        self._cond.release()
+                        try:
+                            on_message(outcome.to_wire())
+                        finally:
+                            self._cond.acquire()
+                if history and history[-1].ready:
+                    return history[-1]
+                if publish is not None and publish.error is not None:
+                    raise publish.error
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise ResultTimeout(f"no result for task {task_id} within {timeout} s")
+                # Wake at least every second to notice a failed publish.
+                self._cond.wait(1.0 if remaining is None else min(remaining, 1.0))
+
+
+class AsyncResult:
+    """A handle on one task's result, as in Celery.
+
+    Args:
+        task_id: the task id.
+        store: the client's result store.
+        publish: the pending publish of the task, when this client sent it.
+    """
+
+    def __init__(self, task_id: str, *, store: ResultStore, publish: PendingPublish | None = None) -> None:
+        self.id = task_id
+        self._store = store
+        self._publish = publish
+        store.register(task_id)
+        self._finalizer = _Release(store, task_id)
+
+    def __del__(self) -> None:
+        self._finalizer()
+
+    def __repr__(self) -> str:
+        return f"<AsyncResult: {self.id}>"
+
+    @property
+    def task_id(self) -> str:
+        """Alias of ``id``."""
+        return self.id
+
+    @property
+    def state(self) -> str:
+        """PENDING until the worker reports; then STARTED, PROGRESS, SUCCESS, FAILURE, ..."""
+        outcome = self._store.latest(self.id)
+        return outcome.status if outcome is not None else State.PENDING.value
+
+    status = state
+
+    def ready(self) -> bool:
+        """True once the task succeeded, failed or was revoked."""
+        return self.state in READY_STATES
+
+    def successful(self) -> bool:
+        """True if the task succeeded."""
+        return self.state == State.SUCCESS
+
+    def failed(self) -> bool:
+        """True if the task failed."""
+        return self.state == State.FAILURE
+
+    @property
+    def result(self) -> Any:
+        """The return value, the exception of a failed task, or the meta of a custom state."""
+        outcome = self._store.latest(self.id)
+        if outcome is None:
+            return None
+        if outcome.status in (State.FAILURE, State.REVOKED, State.RETRY):
+            return exception_from_wire(outcome.result, outcome.traceback)
+        return outcome.result
+
+    info = result
+
+    @property
+    def traceback(self) -> str | None:
+        """The remote traceback of a failed task."""
+        outcome = self._store.latest(self.id)
+        return outcome.traceback if outcome is not None else None
+
+    @property
+    def publish_error(self) -> Exception | None:
+        """Why the task could not be published, if it could not."""
+        return self._publish.error if self._publish is not None else None
+
+    def get(
+        self,
+        timeout: float | None = None,
+        propagate: bool = True,
+        on_message: OnMessage | None = None,
+        interval: float = 0.5,
+    ) -> Any:
+        """Wait for the task to finish and return its value.
+
+        Args:
+            timeout: seconds to wait; None waits forever.
+            propagate: raise the task's error if it failed or was revoked.
+            on_message: called with each state's result body, in order, as it arrives.
+            interval: accepted for Celery compatibility; results are pushed, not polled.
+
+        Raises:
+            ResultTimeout: nothing ready within ``timeout``.
+            TaskError: the task failed (also an instance of the remote builtin type).
+            TaskRevokedError: the task was revoked or expired.
+            PublishError: the task never reached the broker.
+        """
+        del interval
+        outcome = self._store.wait(self.id, timeout=timeout, on_message=on_message, publish=self._publish)
+        if outcome.status == State.SUCCESS:
+            return outcome.result
+        error: TaskError = exception_from_wire(outcome.result, outcome.traceback)
+        if propagate:
+            raise error
+        return error
+
+    def forget(self) -> None:
+        """Drop what this client holds of the result (the rpc backend keeps nothing elsewhere)."""
+        self._store.forget(self.id)
+
+
+class _Release:
+    """Releases a result's registration exactly once, at garbage collection."""
+
+    __slots__ = ("_done", "_store", "_task_id")
+
+    def __init__(self, store: ResultStore, task_id: str) -> None:
+        self._store, self._task_id, self._done = store, task_id, False
+
+    def __call__(self) -> None:
+        if not self._done:
+            self._done = True
+            self._store.release(self._task_id)
