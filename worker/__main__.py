@@ -1,0 +1,56 @@
+"""``python -m worker``: run a worker in the foreground."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Sequence
+
+from broker_svc.logging import configure_logging
+from broker_svc.settings import DEFAULT_BROKER_URL, Settings
+from worker.config import DEFAULT_HOSTNAME, WorkerConfig, expand_hostname
+from worker.loader import load_app
+from worker.service import WorkerService
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse the worker's command line (Celery's option names)."""
+    parser = argparse.ArgumentParser(prog="python -m worker", description="Run a Clockwork worker.")
+    parser.add_argument("-A", "--app", required=True, help="the app: package.module:app")
+    parser.add_argument("-c", "--concurrency", type=int, default=os.cpu_count() or 1, help="child processes")
+    parser.add_argument("-n", "--hostname", default=DEFAULT_HOSTNAME, help="node name (%%h = host)")
+    parser.add_argument("-Q", "--queues", default=None, help="comma-separated queues (default: celery)")
+    parser.add_argument("-b", "--broker", default=None, help="AMQP URL (else $CLOCKWORK_BROKER_URL)")
+    parser.add_argument("-l", "--loglevel", default="info", help="debug, info, warning, error")
+    parser.add_argument("--prefetch-multiplier", type=int, default=2, help="deliveries held per child")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish tasks")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status."""
+    args = parse_args(argv)
+    configure_logging(args.loglevel)
+    settings = Settings.from_env()
+    if args.broker:
+        settings = settings.with_options(broker_url=args.broker)
+    elif not os.environ.get("CLOCKWORK_BROKER_URL"):
+        settings = settings.with_options(broker_url=DEFAULT_BROKER_URL)
+    queues = tuple(q.strip() for q in (args.queues or settings.default_queue).split(",") if q.strip())
+    config = WorkerConfig(
+        app_spec=args.app,
+        settings=settings,
+        hostname=expand_hostname(args.hostname),
+        queues=queues,
+        concurrency=args.concurrency,
+        prefetch_multiplier=args.prefetch_multiplier,
+        shutdown_timeout_s=args.shutdown_timeout,
+    )
+    app = load_app(args.app)
+    return asyncio.run(WorkerService(config, app).run())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""The worker's own options (what ``python -m worker`` takes), beside the shared ``Settings``."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+
+from broker_svc.settings import Settings
+
+__all__ = ["DEFAULT_HOSTNAME", "WorkerConfig", "expand_hostname"]
+
+# Celery's default node name, so scripts that address ``celery@host`` keep working.
+DEFAULT_HOSTNAME = "celery@%h"
+
+
+def expand_hostname(template: str, host: str | None = None) -> str:
+    """Expand Celery's ``%h`` (host), ``%n`` (host name part), ``%d`` (domain) and ``%%``."""
+    full = host or socket.gethostname()
+    name, _, domain = full.partition(".")
+    out = template.replace("%%", "\0").replace("%h", full).replace("%n", name).replace("%d", domain)
+    return out.replace("\0", "%")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig:
+    """How one worker runs.
+
+    Attributes:
+        app_spec: ``package.module:app``, imported by the worker and each child.
+        settings: broker URL and codec settings.
+        hostname: node name ``name@host`` (templates expanded).
+        queues: the task queues to consume.
+        concurrency: child processes.
+        prefetch_multiplier: unacked deliveries held per child (per consumer QoS = this × children).
+        shutdown_timeout_s: how long running tasks may finish after SIGTERM.
+        max_child_deaths: how often a message may kill a child before it is dead-lettered.
+    """
+
+    app_spec: str
+    settings: Settings
+    hostname: str = field(default_factory=lambda: expand_hostname(DEFAULT_HOSTNAME))
+    queues: tuple[str, ...] = ("celery",)
+    concurrency: int = field(default_factory=lambda: os.cpu_count() or 1)
+    prefetch_multiplier: int = 2
+    shutdown_timeout_s: float = 30.0
+    max_child_deaths: int = 3
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency must be at least 1, got {self.concurrency}")
+        if self.prefetch_multiplier < 1:
+            raise ValueError(f"prefetch_multiplier must be at least 1, got {self.prefetch_multiplier}")
+        if not self.queues or not all(self.queues):
+            raise ValueError("give at least one non-empty queue name (-Q a,b)")
+        if "@" not in self.hostname:
+            raise ValueError(f"hostname must look like name@host, got {self.hostname!r}")
+
+    @property
+    def prefetch_count(self) -> int:
+        """basic.qos prefetch per consumer (global=False)."""
+        return self.concurrency * self.prefetch_multiplier

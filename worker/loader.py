@@ -1,0 +1,81 @@
+"""Find the user's ``App`` from an ``-A package.module:attr`` spec."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Final
+
+from broker_svc.app import App
+
+__all__ = ["load_app", "split_spec"]
+
+DEFAULT_ATTRIBUTE: Final = "app"
+
+
+def split_spec(spec: str) -> tuple[str, str]:
+    """Split ``"package.module:attr"`` (or ``"package.module"``, meaning attribute ``app``).
+
+    Raises:
+        ValueError: the spec is empty or malformed.
+    """
+    module, colon, attribute = spec.strip().partition(":")
+    if not colon:
+        attribute = DEFAULT_ATTRIBUTE
+    # An empty part ("pkg.mod:") is a typo, not a request for the default attribute.
+    if not _is_dotted_name(module) or not _is_dotted_name(attribute):
+        raise ValueError(
+            f"bad app spec {spec!r}: use 'package.module:attribute' (e.g. 'proj.tasks:app'), "
+            f"or 'package.module' for an attribute named {DEFAULT_ATTRIBUTE!r}"
+        )
+    return module, attribute
+
+
+def load_app(spec: str) -> App:
+    """Import the module of ``spec`` and return its ``App``.
+
+    Raises:
+        ValueError: the spec is malformed, or the attribute is not a ``broker_svc.App``.
+        ImportError: the module cannot be imported, or has no such attribute.
+        Exception: whatever the module itself raises while it is imported (left as it is, so
+            the traceback points at the user's line).
+    """
+    module_name, attribute = split_spec(spec)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise ImportError(
+                f"cannot load app {spec!r}: no module named {exc.name!r}; check the spelling, and that "
+                f"the directory holding it is the current directory or on PYTHONPATH",
+                name=module_name,
+            ) from exc
+        # The module exists but one of its own imports is missing: say so instead of blaming the spec.
+        raise ImportError(
+            f"cannot load app {spec!r}: importing {module_name!r} failed: {exc}; is a dependency missing?",
+            name=module_name,
+        ) from exc
+    value: object = module
+    for part in attribute.split("."):
+        try:
+            value = getattr(value, part)
+        except AttributeError:
+            candidates = sorted(name for name, obj in vars(module).items() if isinstance(obj, App))
+            hint = (
+                f"; App objects in it: {', '.join(f'{module_name}:{n}' for n in candidates)}"
+                if candidates
+                else f"; define one there, e.g. {DEFAULT_ATTRIBUTE} = App({module_name!r})"
+            )
+            raise ImportError(
+                f"cannot load app {spec!r}: module {module_name!r} has no attribute {attribute!r}{hint}",
+                name=module_name,
+            ) from None
+    if not isinstance(value, App):
+        raise ValueError(
+            f"app spec {spec!r} names a {type(value).__name__}, not a broker_svc.App; "
+            f"point it at the App instance your tasks are registered on (e.g. 'proj.tasks:app')"
+        )
+    return value
+
+
+def _is_dotted_name(text: str) -> bool:
+    return all(part.isidentifier() for part in text.split("."))

@@ -1,0 +1,126 @@
+"""What the worker publishes: results to ``reply_to``, dead letters, and republished copies."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import aio_pika
+import aio_pika.abc
+import structlog
+
+from broker_svc import codec
+from broker_svc.clock import LamportClock
+from broker_svc.message import CLOCK_HEADER
+from broker_svc.outcome import Outcome, exception_to_wire, wire_exception
+from broker_svc.states import State
+from broker_svc.topology import (
+    DEAD_LETTER_ERROR_HEADER,
+    DEAD_LETTER_QUEUE_HEADER,
+    DEAD_LETTER_REASON_HEADER,
+    dead_letter_queue,
+)
+
+__all__ = ["ReplyPublisher"]
+
+log = structlog.get_logger(__name__)
+
+
+class ReplyPublisher:
+    """Publishes on its own confirm-mode channel, so a refused publish never closes the consumers'.
+
+    Every publish waits for the broker's confirm; callers ack a delivery only after that.
+    """
+
+    def __init__(
+        self, channel: aio_pika.abc.AbstractChannel, *, clock: LamportClock, persistent: bool
+    ) -> None:
+        self._channel = channel
+        self._clock = clock
+        self._delivery_mode = (
+            aio_pika.DeliveryMode.PERSISTENT if persistent else aio_pika.DeliveryMode.NOT_PERSISTENT
+        )
+
+    async def publish_result(
+        self, outcome: Outcome, *, reply_to: str, correlation_id: str | None, content_type: str
+    ) -> None:
+        """Send a result in the request's content type (Celery's rpc format).
+
+        A result nobody can receive (its client and queue are gone) is logged and dropped.
+        """
+        body = outcome.to_wire()
+        try:
+            payload, ctype, encoding = codec.encode(body, content_type)
+        except (TypeError, ValueError, OverflowError) as exc:
+            # The value survived msgpack in the child but not this codec (json): report that.
+            error = wire_exception("EncodeError", f"result cannot be encoded as {content_type}: {exc}")
+            fallback = Outcome(task_id=outcome.task_id, status=State.FAILURE, result=error)
+            payload, ctype, encoding = codec.encode(fallback.to_wire(), content_type)
+        message = aio_pika.Message(
+            payload,
+            content_type=ctype,
+            content_encoding=encoding,
+            correlation_id=correlation_id or outcome.task_id,
+            delivery_mode=self._delivery_mode,
+            headers={CLOCK_HEADER: self._clock.forward()},
+        )
+        try:
+            await self._channel.default_exchange.publish(message, routing_key=reply_to, mandatory=True)
+        except aio_pika.exceptions.DeliveryError:
+            log.warning("result_unroutable", reply_to=reply_to, task_id=outcome.task_id)
+
+    async def dead_letter(
+        self, message: aio_pika.abc.AbstractIncomingMessage, *, queue: str, reason: str, error: str
+    ) -> None:
+        """Keep a message that must not run in ``<queue>.dead``, with why; confirmed before return.
+
+        Raises:
+            aio_pika.exceptions.AMQPError: the broker did not take it (the caller must not ack).
+        """
+        headers: dict[str, Any] = dict(message.headers or {})
+        headers[DEAD_LETTER_REASON_HEADER] = reason
+        headers[DEAD_LETTER_ERROR_HEADER] = error[:1024]
+        headers[DEAD_LETTER_QUEUE_HEADER] = queue
+        headers["x-clockwork-dead-at"] = dt.datetime.now(dt.UTC).isoformat()
+        copy = _copy(message, headers)
+        await self._channel.default_exchange.publish(
+            copy, routing_key=dead_letter_queue(queue).name, mandatory=True
+        )
+        log.warning("task_dead_lettered", reason=reason, error=error[:200], queue=queue)
+
+    async def republish(
+        self, message: aio_pika.abc.AbstractIncomingMessage, *, queue: str, headers: dict[str, Any]
+    ) -> None:
+        """Put a copy back on ``queue`` with changed headers; confirmed before return.
+
+        Raises:
+            aio_pika.exceptions.AMQPError: the broker did not take it (the caller must not ack).
+        """
+        merged = dict(message.headers or {})
+        merged.update(headers)
+        await self._channel.default_exchange.publish(
+            _copy(message, merged), routing_key=queue, mandatory=True
+        )
+
+
+def _copy(message: aio_pika.abc.AbstractIncomingMessage, headers: dict[str, Any]) -> aio_pika.Message:
+    return aio_pika.Message(
+        message.body,
+        headers=headers,
+        content_type=message.content_type,
+        content_encoding=message.content_encoding,
+        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        priority=message.priority,
+        correlation_id=message.correlation_id,
+        reply_to=message.reply_to,
+        expiration=None,  # a copy must not expire in the dead-letter queue
+        message_id=message.message_id,
+        timestamp=message.timestamp,
+        type=message.type,
+        app_id=message.app_id,
+    )
+
+
+def failure_result(task_id: str, exc: BaseException) -> Outcome:
+    """A FAILURE outcome for an exception raised in the worker itself."""
+    return Outcome(task_id=task_id, status=State.FAILURE, result=exception_to_wire(exc))

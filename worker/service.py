@@ -1,0 +1,154 @@
+"""The worker service: one asyncio loop owning the connection, consumers and the process pool."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from typing import Any
+
+import aio_pika
+import aio_pika.abc
+import structlog
+
+from broker_svc.app import App
+from broker_svc.clock import LamportClock
+from broker_svc.topology import QueueSpec, dead_letter_queue, task_queue
+from worker.amqp_compat import install_header_int_guard
+from worker.config import WorkerConfig
+from worker.consumer import TaskConsumer
+from worker.pool import ProcessPool
+from worker.replies import ReplyPublisher
+
+__all__ = ["WorkerService", "amqp_url"]
+
+log = structlog.get_logger(__name__)
+
+
+def amqp_url(config: WorkerConfig) -> str:
+    """The broker URL with the vhost spelled so aio-pika reads it as kombu does (``//`` is ``/``)."""
+    from urllib.parse import quote, urlsplit, urlunsplit
+
+    parts = urlsplit(config.settings.broker_url)
+    return urlunsplit(parts._replace(path="/" + quote(config.settings.virtual_host, safe="")))
+
+
+class WorkerService:
+    """Runs one worker until SIGTERM/SIGINT (graceful) or a second signal (immediate).
+
+    Args:
+        config: worker options.
+        app: the application whose tasks the children run.
+    """
+
+    def __init__(self, config: WorkerConfig, app: App) -> None:
+        self._config = config
+        self._app = app
+        self._clock = LamportClock()
+        self._stop = asyncio.Event()
+        self._signals = 0
+
+    @property
+    def clock(self) -> LamportClock:
+        """The worker process's Lamport clock."""
+        return self._clock
+
+    def request_stop(self) -> None:
+        """Begin a graceful shutdown (what SIGTERM does)."""
+        self._stop.set()
+
+    async def run(self) -> int:
+        """Serve until stopped; returns the process exit status."""
+        config = self._config
+        install_header_int_guard()
+        self._install_signal_handlers()
+        pool = ProcessPool(app_spec=config.app_spec, concurrency=config.concurrency)
+        await pool.start()
+        connection = await aio_pika.connect_robust(
+            amqp_url(config),
+            client_properties={"connection_name": f"clockwork-worker {config.hostname}"},
+            timeout=config.settings.connect_timeout_s,
+        )
+        try:
+            async with connection:
+                await self._serve(connection, pool)
+        finally:
+            await pool.close(timeout_s=0)
+        log.info("worker_stopped", hostname=config.hostname)
+        return 0
+
+    async def _serve(self, connection: aio_pika.abc.AbstractRobustConnection, pool: ProcessPool) -> None:
+        config = self._config
+        consume_channel = await connection.channel(publisher_confirms=False)
+        await consume_channel.set_qos(prefetch_count=config.prefetch_count)  # per consumer
+        publish_channel = await connection.channel(publisher_confirms=True)
+        replies = ReplyPublisher(
+            publish_channel, clock=self._clock, persistent=config.settings.result_persistent
+        )
+        consumer = TaskConsumer(
+            app=self._app,
+            pool=pool,
+            replies=replies,
+            clock=self._clock,
+            settings=config.settings,
+            hostname=config.hostname,
+            concurrency=config.concurrency,
+            max_child_deaths=config.max_child_deaths,
+        )
+        queues: list[tuple[aio_pika.abc.AbstractQueue, str]] = []
+        for name in config.queues:
+            await _declare(publish_channel, dead_letter_queue(name))
+            queue = await _declare(consume_channel, task_queue(name))
+            tag = await queue.consume(consumer.for_queue(name))
+            queues.append((queue, tag))
+        log.info(
+            "worker_ready",
+            hostname=config.hostname,
+            queues=list(config.queues),
+            concurrency=config.concurrency,
+            prefetch=config.prefetch_count,
+            pid=os.getpid(),
+        )
+        await self._stop.wait()
+        log.info("worker_stopping", in_flight=consumer.in_flight, timeout_s=config.shutdown_timeout_s)
+        for queue, tag in queues:
+            try:
+                await queue.cancel(tag)
+            except aio_pika.exceptions.AMQPError as exc:
+                log.warning("consumer_cancel_failed", queue=queue.name, error=str(exc))
+        await consumer.stop(timeout_s=config.shutdown_timeout_s)
+        await pool.close(timeout_s=0)
+
+    def _install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        self._signals += 1
+        if self._signals > 1:
+            # Second signal: leave now. Unacked deliveries go back to the broker with the socket.
+            log.warning("worker_exit_now", signal=sig.name)
+            os._exit(1)
+        log.info("worker_signal", signal=sig.name)
+        self._stop.set()
+
+
+async def _declare(channel: aio_pika.abc.AbstractChannel, spec: QueueSpec) -> aio_pika.abc.AbstractQueue:
+    arguments: dict[str, Any] | None = spec.arguments or None
+    queue = await channel.declare_queue(
+        spec.name,
+        durable=spec.durable,
+        exclusive=spec.exclusive,
+        auto_delete=spec.auto_delete,
+        arguments=arguments,
+    )
+    if spec.exchange is not None:
+        exchange = await channel.declare_exchange(
+            spec.exchange.name,
+            type=aio_pika.ExchangeType(spec.exchange.type),
+            durable=spec.exchange.durable,
+            auto_delete=spec.exchange.auto_delete,
+        )
+        await queue.bind(exchange, routing_key=spec.routing_key)
+    return queue
