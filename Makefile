@@ -1,0 +1,54 @@
+# Developer commands. `make run` and `make test` work on a fresh Debian machine with Python 3.11:
+# the broker is $CLOCKWORK_BROKER_URL, else the local one on 127.0.0.1:5672, else a private
+# rabbitmq-server node (tests/infra/rabbit_node.py) that is stopped again when the target ends.
+
+PY ?= $(shell command -v python3.11 2>/dev/null || command -v python3 2>/dev/null)
+VENV := .venv
+BIN := $(VENV)/bin
+STATE := .broker
+BROKER := $(BIN)/python -m tests.infra.rabbit_node
+# e.g. `make test BROKER_FLAGS=--force-private`: a private node even when 5672 answers.
+BROKER_FLAGS ?=
+
+# Shell prologue for targets that need a broker: sets $$url and, on any exit of the recipe's shell
+# (failure and Ctrl-C included), releases a private node, which stops once no other `make` uses
+# it ($$$$, the shell's PID, is the owner). A no-op for a broker we did not start.
+WITH_BROKER := trap '$(BROKER) stop --state-dir $(STATE) --owner $$$$' EXIT; trap 'exit 130' INT TERM; \
+	url=$$($(BROKER) ensure --state-dir $(STATE) --owner $$$$ $(BROKER_FLAGS)) || exit $$?
+
+.PHONY: run test worker bench lint typecheck clean
+
+# File targets, so the environment is built once and reinstalled only when pyproject.toml changes.
+# pip (not python) marks a usable venv: without python3-venv, `venv` leaves a python but no pip.
+$(BIN)/pip:
+	@test -n "$(PY)" || { echo "Python 3.11 is needed (python3.11 or python3 on PATH)." >&2; exit 1; }
+	$(PY) -m venv $(VENV) || { echo "Creating the venv failed; on Debian: apt-get install python3-venv" >&2; exit 1; }
+
+$(VENV)/.installed: $(BIN)/pip pyproject.toml
+	$(BIN)/pip install -e '.[test]'
+	touch $@
+
+run: $(VENV)/.installed
+	@$(WITH_BROKER); CLOCKWORK_BROKER_URL="$$url" $(BIN)/python -m examples.demo
+
+test: lint typecheck
+	@$(WITH_BROKER); AMQP_URL="$$url" $(BIN)/pytest
+
+worker: $(VENV)/.installed
+	@$(WITH_BROKER); CLOCKWORK_BROKER_URL="$$url" $(BIN)/python -m worker -A examples.tasks:app -l info
+
+bench: $(VENV)/.installed
+	@if [ ! -d bench ]; then echo "bench/ does not exist yet: nothing to run."; exit 0; fi; \
+	$(WITH_BROKER); CLOCKWORK_BROKER_URL="$$url" $(BIN)/python -m bench
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(VENV)/.installed
+	$(BIN)/mypy
+
+clean:
+	@if [ -x $(BIN)/python ] && [ -d $(STATE) ]; then $(BROKER) stop --state-dir $(STATE); fi
+	rm -rf $(VENV) $(STATE) .mypy_cache .ruff_cache .pytest_cache .hypothesis *.egg-info
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,1 @@
+"""Test infrastructure: brokers and nodes for the suite and the Makefile."""
