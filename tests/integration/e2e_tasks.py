@@ -1,0 +1,41 @@
+"""Tasks the end-to-end tests run in real workers."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from broker_svc import App
+
+app = App("e2e")
+
+
+@app.task
+def add(x: int, y: int) -> int:
+    return x + y
+
+
+@app.task
+def boom(message: str) -> None:
+    raise ValueError(message)
+
+
+@app.task
+def sleep_s(seconds: float, tag: str = "") -> str:
+    time.sleep(seconds)
+    return tag
+
+
+@app.task(name="e2e.echo")
+def echo(value: object) -> object:
+    return value
+
+
+@app.task
+def noop() -> None:
+    return None
+
+
+@app.task
+def kill_child() -> None:
+    os._exit(9)

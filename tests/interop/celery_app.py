@@ -1,0 +1,27 @@
+"""A real Celery app for interop tests; the broker URL comes from ``INTEROP_BROKER_URL``."""
+
+from __future__ import annotations
+
+import os
+
+from celery import Celery
+
+app = Celery("interop", broker=os.environ.get("INTEROP_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//"))
+app.conf.update(
+    result_backend="rpc://",
+    accept_content=["json", "msgpack"],
+    result_accept_content=["json", "msgpack"],
+    task_serializer="json",
+    worker_hijack_root_logger=False,
+    broker_connection_retry_on_startup=True,
+)
+
+
+@app.task(name="interop.mul")
+def mul(x: int, y: int) -> int:
+    return x * y
+
+
+@app.task(name="interop.fail")
+def fail(message: str) -> None:
+    raise KeyError(message)

@@ -1,0 +1,92 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO
+
+import pytest
+
+from tests.waiting import wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.interop
+
+
+@pytest.fixture
+def celery_client(test_vhost_url: str):
+    from celery import Celery
+
+    app = Celery("interop-client", broker=test_vhost_url, backend="rpc://")
+    app.conf.update(accept_content=["json", "msgpack"], result_accept_content=["json", "msgpack"])
+    yield app
+    # Celery's rpc backend keeps its own consumer connection; close it so no socket leaks.
+    backend = app.backend
+    consumer = getattr(backend, "result_consumer", None)
+    if consumer is not None and getattr(consumer, "_connection", None) is not None:
+        consumer._connection.close()
+    app.close()
+
+
+@pytest.fixture
+def start_celery_worker(test_vhost_url: str) -> Iterator[Callable[[str], subprocess.Popen[bytes]]]:
+    """Start ``celery worker`` (solo pool) on a queue and wait until it says it is ready."""
+    started: list[tuple[subprocess.Popen[bytes], Path]] = []
+
+    def start(queue: str) -> subprocess.Popen[bytes]:
+        log = Path(tempfile.mkstemp(prefix="celery-worker-", suffix=".log")[1])
+        with log.open("w") as out:
+            proc = _popen_celery_worker(queue, out, test_vhost_url)
+        started.append((proc, log))
+
+        def ready() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(f"celery worker exited:\n{log.read_text()[-3000:]}")
+            return "ready." in log.read_text()
+
+        wait_for(ready, timeout_s=60, message=f"celery worker not ready:\n{log.read_text()[-3000:]}")
+        return proc
+
+    yield start
+    for proc, log in started:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        text = log.read_text()
+        log.unlink(missing_ok=True)
+        assert "PRECONDITION_FAILED" not in text, text[-3000:]
+
+
+def _popen_celery_worker(queue: str, out: IO[str], url: str) -> subprocess.Popen[bytes]:
+    # The child keeps its own copy of the log file descriptor; ours is closed by the caller.
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "tests.interop.celery_app",
+            "worker",
+            "-P",
+            "solo",
+            "-Q",
+            queue,
+            "-n",
+            f"celery-{queue}@%h",
+            "--without-mingle",
+            "--without-gossip",
+            "--without-heartbeat",
+            "-l",
+            "info",
+        ],  # fmt: skip
+        cwd=ROOT,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "INTEROP_BROKER_URL": url},
+    )

@@ -1,0 +1,87 @@
+"""Pins the public API and the import rules (STYLE rules 5, 6 and 9)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import broker_svc
+import worker
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_broker_svc_exports_exactly_its_public_names():
+    assert sorted(broker_svc.__all__) == sorted(
+        [
+            "App", "AsyncResult", "Signature", "State", "Task", "LamportClock", "Publisher", "Settings",
+            "TaskMessage", "BrokerSvcError", "BrokerUnavailable", "ConfigurationError", "ContentDisallowed",
+            "DecodeError", "InvalidTaskMessage", "MessageError", "MessageTooLarge", "NotRegistered",
+            "PublishError", "PublishNacked", "ResultTimeout", "SoftTimeLimitExceeded", "TaskError",
+            "TaskRevokedError", "Unroutable",
+        ]
+    )  # fmt: skip
+    for name in broker_svc.__all__:
+        assert getattr(broker_svc, name) is not None
+
+
+def test_worker_exports():
+    assert sorted(worker.__all__) == ["WorkerConfig", "WorkerService"]
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+    return found
+
+
+def _package_imports(package: str) -> dict[str, set[str]]:
+    return {str(p.relative_to(ROOT)): _imports(p) for p in (ROOT / package).rglob("*.py")}
+
+
+def _top(names: set[str]) -> set[str]:
+    return {n.split(".")[0] for n in names}
+
+
+def test_imports_flow_worker_to_control_to_broker_svc_only():
+    for path, names in _package_imports("broker_svc").items():
+        assert not _top(names) & {"control", "worker"}, path
+    for path, names in _package_imports("control").items():
+        assert "worker" not in _top(names), path
+
+
+def test_pika_only_in_the_connection_module_and_aio_pika_only_in_worker_and_the_node():
+    for package in ("broker_svc", "control", "worker"):
+        for path, names in _package_imports(package).items():
+            tops = _top(names)
+            if "pika" in tops:
+                assert path == "broker_svc/connection.py", path
+            if "aio_pika" in tops or "aiormq" in tops:
+                assert path.startswith("worker/") or path == "control/node.py", path
+
+
+def test_pure_modules_do_no_io():
+    pure = ["settings", "errors", "clock", "codec", "message", "topology", "states", "outcome", "task"]
+    for module in pure:
+        tops = _top(_imports(ROOT / "broker_svc" / f"{module}.py"))
+        assert not tops & {"pika", "aio_pika", "aiormq", "socket", "asyncio"}, module
+
+
+def test_no_unsafe_deserializer_on_any_receive_path():
+    banned_calls = {("pickle", "loads"), ("pickle", "load"), ("marshal", "loads"), ("yaml", "load")}
+    for package in ("broker_svc", "control", "worker"):
+        for path in (ROOT / package).rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Call):
+                    func = node.func
+                    if isinstance(func, ast.Name):
+                        assert func.id not in {"eval", "exec"}, f"{path}: {func.id}"
+                    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+                        assert (func.value.id, func.attr) not in banned_calls, (
+                            f"{path}: {func.value.id}.{func.attr}"
+                        )
