@@ -1,0 +1,1 @@
+"""Example tasks and the demo that ``make run`` plays."""
