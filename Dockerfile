@@ -8,7 +8,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 COPY . .
-RUN pip install . \
+RUN pip install ".[speed]" \
     && useradd --create-home --uid 1000 clockwork
 
 # Not root: a task runs arbitrary code.

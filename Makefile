@@ -25,7 +25,7 @@ $(BIN)/pip:
 	$(PY) -m venv $(VENV) || { echo "Creating the venv failed; on Debian: apt-get install python3-venv" >&2; exit 1; }
 
 $(VENV)/.installed: $(BIN)/pip pyproject.toml
-	$(BIN)/pip install -e '.[test]'
+	$(BIN)/pip install -e '.[test,speed]'
 	touch $@
 
 run: $(VENV)/.installed

@@ -65,6 +65,7 @@ class PendingPublish:
     """
 
     __slots__ = (
+        "_done",
         "_event",
         "attempts",
         "declare",
@@ -93,22 +94,41 @@ class PendingPublish:
         self.attempts = 0
         self.sent_at = 0.0
         self.error: BrokerSvcError | None = None
-        self._event = threading.Event()
+        self._done = False
+        self._event: threading.Event | None = None  # made only if someone waits: most never do
 
     @property
     def done(self) -> bool:
         """True once confirmed or failed for good."""
-        return self._event.is_set()
+        return self._done
 
     def wait(self, timeout: float | None) -> bool:
         """Wait until settled; True if settled within ``timeout``."""
-        return self._event.wait(timeout)
+        if self._done:
+            return True
+        with _WAIT_LOCK:
+            if self._done:
+                return True
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        return event.wait(timeout)
 
     def settle(self, error: BrokerSvcError | None = None) -> None:
         """Mark it confirmed (``error`` None) or failed. Called by the I/O thread."""
-        if not self._event.is_set():
+        with _WAIT_LOCK:
+            if self._done:
+                return
             self.error = error
-            self._event.set()
+            self._done = True
+            event = self._event
+        if event is not None:
+            event.set()
+
+
+# Guards the lazy creation of a PendingPublish's Event against a concurrent settle; held for a
+# few instructions only.
+_WAIT_LOCK = threading.Lock()
 
 
 Consumer = Callable[[Delivery], None]
@@ -142,6 +162,8 @@ class BrokerConnection:
         self._declaring: str | None = None
         self._next_tag = 1
         self._lock = threading.Lock()
+        self._space = threading.Condition(self._lock)
+        self._space_waiters = 0
         self._wake_pending = False
         self._stopping = False
         self._ready = threading.Event()
@@ -169,7 +191,10 @@ class BrokerConnection:
     def pending_count(self) -> int:
         """Messages handed over and not yet settled."""
         with self._lock:
-            return len(self._outbox) + len(self._retry) + len(self._unconfirmed)
+            return self._pending_locked()
+
+    def _pending_locked(self) -> int:
+        return len(self._outbox) + len(self._retry) + len(self._unconfirmed)
 
     def publish(self, pending: PendingPublish) -> None:
         """Hand a message to the I/O thread; returns without waiting for the broker.
@@ -186,6 +211,15 @@ class BrokerConnection:
             BrokerUnavailable: the connection was closed.
         """
         with self._lock:
+            # Backpressure: a producer faster than the broker waits here instead of growing the
+            # outbox without bound. Confirms and failures make room.
+            limit = max(self._settings.max_unconfirmed, len(items))
+            while not self._stopping and self._pending_locked() + len(items) > limit:
+                self._space_waiters += 1
+                try:
+                    self._space.wait(1.0)
+                finally:
+                    self._space_waiters -= 1
             if self._stopping:
                 raise BrokerUnavailable("the connection is closed")
             self._outbox.extend(items)
@@ -482,10 +516,17 @@ class BrokerConnection:
         nacked = isinstance(method, pika.spec.Basic.Nack)
         with self._lock:
             if method.multiple:
-                tags = [t for t in self._unconfirmed if t <= tag]
+                # Tags grow with insertion order, so the settled ones are a prefix: O(settled).
+                tags = []
+                for t in self._unconfirmed:
+                    if t > tag:
+                        break
+                    tags.append(t)
             else:
                 tags = [tag] if tag in self._unconfirmed else []
             settled = [self._unconfirmed.pop(t) for t in tags]
+            if self._space_waiters:
+                self._space.notify_all()
         for pending in settled:
             key = (pending.message.correlation_id, pending.routing_key)
             if key in self._returned:
@@ -518,7 +559,8 @@ class BrokerConnection:
         if conn is None or not conn.is_open:
             return
         with self._lock:
-            oldest = min((p.sent_at for p in self._unconfirmed.values()), default=None)
+            first = next(iter(self._unconfirmed.values()), None)  # lowest tag: sent first
+            oldest = first.sent_at if first is not None else None
         if oldest is not None and time.monotonic() - oldest > self._settings.confirm_timeout_s:
             log.warning("confirm_timeout", timeout_s=self._settings.confirm_timeout_s)
             conn.close(reply_code=320, reply_text="confirm timeout")
@@ -573,6 +615,7 @@ class BrokerConnection:
             kept = [p for p in self._outbox if not matches(p)]
             self._outbox.clear()
             self._outbox.extend(kept)
+            self._space.notify_all()
         for pending in failing:
             pending.settle(error)
 
@@ -582,5 +625,6 @@ class BrokerConnection:
             self._outbox.clear()
             self._retry.clear()
             self._unconfirmed.clear()
+            self._space.notify_all()
         for pending in items:
             pending.settle(error)

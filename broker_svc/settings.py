@@ -44,6 +44,8 @@ class Settings:
         confirm: ``pipelined`` (a call returns once the message is handed to the connection; confirms
             are tracked in the background) or ``each`` (each call waits for its own confirm).
         publish_attempts: how often one message is sent before its publish is reported failed.
+        max_unconfirmed: messages a client may have handed over and not yet confirmed; a producer
+            that gets this far ahead of the broker waits (backpressure, bounded memory).
         confirm_timeout_s: how long a publish may stay unconfirmed before it counts as failed.
         connect_timeout_s: timeout of one connection attempt.
         reconnect_window_s: how long a client keeps reconnecting before pending publishes fail.
@@ -59,6 +61,7 @@ class Settings:
     max_body_bytes: int = 10 * 1024 * 1024
     confirm: ConfirmMode = "pipelined"
     publish_attempts: int = 3
+    max_unconfirmed: int = 50_000
     confirm_timeout_s: float = 30.0
     connect_timeout_s: float = 10.0
     reconnect_window_s: float = 30.0
@@ -81,8 +84,8 @@ class Settings:
             )
         if self.confirm not in ("pipelined", "each"):
             raise ConfigurationError(f"confirm must be 'pipelined' or 'each', got {self.confirm!r}")
-        if self.publish_attempts < 1 or self.max_body_bytes < 1:
-            raise ConfigurationError("publish_attempts and max_body_bytes must be positive")
+        if self.publish_attempts < 1 or self.max_body_bytes < 1 or self.max_unconfirmed < 1:
+            raise ConfigurationError("publish_attempts, max_body_bytes and max_unconfirmed must be positive")
 
     def __repr__(self) -> str:
         shown = ", ".join(

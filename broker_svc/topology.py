@@ -6,6 +6,7 @@ RabbitMQ on the other side's redeclare), so Celery clients and workers can share
 
 from __future__ import annotations
 
+import functools
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
@@ -59,11 +60,13 @@ class QueueSpec:
     routing_key: str = ""
 
 
+@functools.lru_cache(maxsize=1024)
 def task_exchange(queue: str) -> ExchangeSpec:
     """The direct exchange Celery pairs with a task queue (same name as the queue)."""
     return ExchangeSpec(name=queue, type="direct", durable=True)
 
 
+@functools.lru_cache(maxsize=1024)  # built for every publish; specs are never mutated
 def task_queue(queue: str, *, queue_type: QueueType = "classic") -> QueueSpec:
     """A task queue: durable, no arguments (as Celery), bound to its exchange by its own name.
 

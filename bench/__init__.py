@@ -1,0 +1,1 @@
+"""Benchmarks: run with ``make bench`` (they are never part of the test suite)."""
