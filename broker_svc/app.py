@@ -20,7 +20,14 @@ from broker_svc.message import TaskMessage
 from broker_svc.publisher import Publisher
 from broker_svc.result import AsyncResult, ResultStore
 from broker_svc.settings import Settings
-from broker_svc.task import SEND_OPTIONS, Signature, Task, build_task_class, countdown_to_eta
+from broker_svc.task import (
+    SEND_OPTIONS,
+    Signature,
+    Task,
+    build_task_class,
+    countdown_to_eta,
+    current_request,
+)
 from broker_svc.topology import new_reply_queue_name, result_queue
 
 __all__ = ["App"]
@@ -177,6 +184,10 @@ class App:
         expires = _aware(expires)
         task_id = options.get("task_id") or TaskMessage.new_id()
         ignore_result = bool(options.get("ignore_result", False))
+        # A task sent from inside a running task is its child: parent_id/root_id link the tree.
+        parent = current_request()
+        if parent is not None and not parent.called_directly:
+            options = {"parent_id": parent.id, "root_id": parent.root_id or parent.id, **options}
         message = TaskMessage(
             id=task_id,
             task=sig.task,

@@ -16,11 +16,15 @@
     ├── NotRegistered (KeyError)             no task of that name in the app
     ├── ResultTimeout (TimeoutError)         ``AsyncResult.get`` ran out of time
     ├── SoftTimeLimitExceeded                raised inside a task when its soft time limit passes
+    ├── Retry                                raised by ``Task.retry()``: run this task again later
+    ├── MaxRetriesExceededError              ``Task.retry()`` with no retries left and no ``exc``
     └── TaskError                            a task failed remotely (carries the remote type)
         └── TaskRevokedError                 the task was revoked or expired
 """
 
 from __future__ import annotations
+
+import datetime as dt
 
 __all__ = [
     "BrokerSvcError",
@@ -34,7 +38,9 @@ __all__ = [
     "NotRegistered",
     "PublishError",
     "PublishNacked",
+    "MaxRetriesExceededError",
     "ResultTimeout",
+    "Retry",
     "SoftTimeLimitExceeded",
     "TaskError",
     "TaskRevokedError",
@@ -124,3 +130,21 @@ class TaskError(BrokerSvcError):
 
 class TaskRevokedError(TaskError):
     """The task was revoked, expired or terminated before it finished."""
+
+
+class Retry(BrokerSvcError):
+    """Raised by ``Task.retry()``; the worker sends the task again and records RETRY.
+
+    Attributes:
+        exc: the error that caused the retry, if any.
+        eta: when the next attempt may start (timezone-aware).
+    """
+
+    def __init__(self, message: str, *, exc: BaseException | None, eta: dt.datetime) -> None:
+        super().__init__(message)
+        self.exc = exc
+        self.eta = eta
+
+
+class MaxRetriesExceededError(BrokerSvcError):
+    """``Task.retry()`` was called with no retries left (and no ``exc`` to raise instead)."""

@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import datetime as dt
-from collections.abc import Callable, Mapping, Sequence
+import random
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Final
+
+import structlog
+
+from broker_svc.errors import MaxRetriesExceededError, Retry
 
 if TYPE_CHECKING:
     from broker_svc.app import App
     from broker_svc.result import AsyncResult
 
-__all__ = ["SEND_OPTIONS", "Signature", "Task"]
+__all__ = ["SEND_OPTIONS", "ExceptionInfo", "Request", "Signature", "Task", "current_request", "executing"]
+
+log = structlog.get_logger(__name__)
 
 # Options ``apply_async``/``send_task`` accept; anything else is a TypeError with this list, so a
 # typo (``countdwon=``) is caught at the call instead of silently ignored.
@@ -34,6 +43,99 @@ class Signature:
     options: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(slots=True, kw_only=True)
+class Request:
+    """What a running task knows about its own call (``self.request`` in a bound task).
+
+    ``called_directly`` is True when the task body runs in-process (``task(...)``), not in a worker.
+    """
+
+    id: str | None = None
+    task: str = ""
+    args: list[Any] = field(default_factory=list)
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    retries: int = 0
+    hostname: str | None = None
+    delivery_info: dict[str, Any] = field(default_factory=dict)
+    root_id: str | None = None
+    parent_id: str | None = None
+    group: str | None = None
+    eta: str | None = None
+    expires: str | None = None
+    reply_to: str | None = None
+    correlation_id: str | None = None
+    origin: str | None = None
+    ignore_result: bool = False
+    timelimit: tuple[float | None, float | None] = (None, None)
+    called_directly: bool = True
+    # Set by the worker: sends a state update ({"state", "meta"}) to the task's client.
+    send_update: Callable[[dict[str, Any]], None] | None = field(default=None, repr=False)
+    # Set by ``Task.retry`` when no retries are left, so the worker dead-letters the message.
+    retries_exhausted: bool = False
+
+    @classmethod
+    def from_worker(
+        cls,
+        context: Mapping[str, Any],
+        *,
+        task: str,
+        args: list[Any],
+        kwargs: dict[str, Any],
+        send_update: Callable[[dict[str, Any]], None] | None,
+    ) -> Request:
+        """Build the request of a task the worker is running, from the context it sent along."""
+        limits = context.get("timelimit") or (None, None)
+        return cls(
+            id=context.get("id"),
+            task=task,
+            args=args,
+            kwargs=kwargs,
+            retries=int(context.get("retries") or 0),
+            hostname=context.get("hostname"),
+            delivery_info=dict(context.get("delivery_info") or {}),
+            root_id=context.get("root_id"),
+            parent_id=context.get("parent_id"),
+            group=context.get("group"),
+            eta=context.get("eta"),
+            expires=context.get("expires"),
+            reply_to=context.get("reply_to"),
+            correlation_id=context.get("correlation_id"),
+            origin=context.get("origin"),
+            ignore_result=bool(context.get("ignore_result")),
+            timelimit=(limits[0], limits[1]),
+            called_directly=False,
+            send_update=send_update,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ExceptionInfo:
+    """The ``einfo`` passed to ``on_failure``/``on_retry``/``after_return`` (as Celery's)."""
+
+    exception: BaseException
+    traceback: str
+
+
+# The request of the task running in this context; set only around a task call by the worker,
+# so tasks sent from inside a task inherit parent_id and root_id.
+_current: contextvars.ContextVar[Request | None] = contextvars.ContextVar("clockwork_request", default=None)
+
+
+def current_request() -> Request | None:
+    """The request of the task running in this context, or None outside a task."""
+    return _current.get()
+
+
+@contextlib.contextmanager
+def executing(request: Request) -> Iterator[Request]:
+    """Make ``request`` the current one while a task body runs (used by the worker)."""
+    token = _current.set(request)
+    try:
+        yield request
+    finally:
+        _current.reset(token)
+
+
 class Task:
     """Base class of tasks. ``@app.task`` makes a subclass whose ``run`` is the function.
 
@@ -48,10 +150,129 @@ class Task:
     serializer: ClassVar[str | None] = None
     time_limit: ClassVar[float | None] = None
     soft_time_limit: ClassVar[float | None] = None
+    track_started: ClassVar[bool] = False
+    max_retries: ClassVar[int | None] = 3
+    default_retry_delay: ClassVar[float] = 180.0
+    autoretry_for: ClassVar[tuple[type[BaseException], ...]] = ()
+    retry_backoff: ClassVar[bool | float] = False
+    retry_backoff_max: ClassVar[float] = 600.0
+    retry_jitter: ClassVar[bool] = True
 
     OPTIONS: ClassVar[frozenset[str]] = frozenset(
-        {"name", "bind", "ignore_result", "queue", "serializer", "time_limit", "soft_time_limit"}
-    )
+        {
+            "name", "bind", "ignore_result", "queue", "serializer", "time_limit", "soft_time_limit",
+            "track_started", "max_retries", "default_retry_delay", "autoretry_for", "retry_backoff",
+            "retry_backoff_max", "retry_jitter",
+        }
+    )  # fmt: skip
+
+    @property
+    def request(self) -> Request:
+        """The current call's request; a ``called_directly`` one outside a worker."""
+        return _current.get() or Request()
+
+    def retry(
+        self,
+        exc: BaseException | None = None,
+        countdown: float | None = None,
+        eta: dt.datetime | None = None,
+        max_retries: int | None = None,
+        **_ignored: Any,
+    ) -> Retry:
+        """Ask the worker to run this task again later (same id, ``retries + 1``).
+
+        Use as ``raise self.retry(exc=exc)``; it always raises.
+
+        Raises:
+            Retry: always, when retries are left; the worker republishes the task.
+            BaseException: ``exc`` itself when no retries are left (the task fails with it).
+            MaxRetriesExceededError: no retries are left and no ``exc`` was given.
+        """
+        request = self.request
+        limit = self.max_retries if max_retries is None else max_retries
+        if limit is not None and request.retries >= limit:
+            request.retries_exhausted = True
+            if exc is not None:
+                raise exc
+            raise MaxRetriesExceededError(
+                f"can't retry {self.name}[{request.id}]: {request.retries} retries of {limit} used"
+            )
+        if eta is None:
+            delay = self.default_retry_delay if countdown is None else countdown
+            eta = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=delay)
+        elif eta.tzinfo is None:
+            eta = eta.replace(tzinfo=dt.UTC)
+        reason = f"retry in {(eta - dt.datetime.now(dt.UTC)).total_seconds():.1f} s"
+        raise Retry(f"{reason}: {exc!r}" if exc is not None else reason, exc=exc, eta=eta)
+
+    def update_state(
+        self, task_id: str | None = None, state: str | None = None, meta: Mapping[str, Any] | None = None
+    ) -> None:
+        """Report a state (``"PROGRESS"``, or any string) with ``meta`` to the task's client.
+
+        Raises:
+            RuntimeError: not running in a worker.
+        """
+        request = self.request
+        if request.send_update is None:
+            raise RuntimeError("update_state() works only while the task runs in a Clockwork worker")
+        if task_id is not None and task_id != request.id:
+            raise ValueError("update_state() can only update the running task")
+        request.send_update({"state": state or "PROGRESS", "meta": dict(meta or {})})
+
+    def backoff_delay(self, retries: int) -> float:
+        """Seconds before retry number ``retries + 1`` under ``retry_backoff`` (Celery's formula)."""
+        factor = 1.0 if self.retry_backoff is True else float(self.retry_backoff)
+        delay: float = min(self.retry_backoff_max, factor * (2**retries))
+        if self.retry_jitter:
+            delay = random.uniform(0, delay)  # full jitter: spreads a thundering herd
+        return delay
+
+    def execute(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        """Run the body as the worker does: ``autoretry_for`` errors become retries."""
+        try:
+            return self.run(*args, **kwargs)
+        except Retry:
+            raise
+        except self.autoretry_for as exc:
+            countdown = self.backoff_delay(self.request.retries) if self.retry_backoff else None
+            raise self.retry(exc=exc, countdown=countdown) from exc
+
+    # Hooks: override in a base class. Exceptions they raise are logged, never change the outcome.
+
+    def on_success(self, retval: Any, task_id: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+        """Called after the task succeeded."""
+
+    def on_failure(
+        self,
+        exc: BaseException,
+        task_id: str,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        einfo: ExceptionInfo,
+    ) -> None:
+        """Called after the task failed (for good)."""
+
+    def on_retry(
+        self,
+        exc: BaseException,
+        task_id: str,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        einfo: ExceptionInfo,
+    ) -> None:
+        """Called when the task is about to be retried."""
+
+    def after_return(
+        self,
+        status: str,
+        retval: Any,
+        task_id: str,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        einfo: ExceptionInfo | None,
+    ) -> None:
+        """Called after every run, whatever its outcome."""
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         """The task body; replaced by the decorated function."""

@@ -46,7 +46,8 @@ class WorkerProcess:
             cwd=ROOT,
             stdout=self._logfile,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
+            # The app's own client (tasks sending tasks) talks to the same broker and vhost.
+            env={**os.environ, "CLOCKWORK_BROKER_URL": url, **(env or {}), "PYTHONUNBUFFERED": "1"},
         )
 
     @property

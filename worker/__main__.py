@@ -27,6 +27,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("-l", "--loglevel", default="info", help="debug, info, warning, error")
     parser.add_argument("--prefetch-multiplier", type=int, default=2, help="deliveries held per child")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish tasks")
+    parser.add_argument("--time-limit", type=float, default=None, help="default hard time limit (s)")
+    parser.add_argument("--soft-time-limit", type=float, default=None, help="default soft time limit (s)")
     return parser.parse_args(argv)
 
 
@@ -34,6 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status."""
     args = parse_args(argv)
     configure_logging(args.loglevel)
+    os.environ["CLOCKWORK_LOGLEVEL"] = args.loglevel  # pool children log at the same level
     settings = Settings.from_env()
     if args.broker:
         settings = settings.with_options(broker_url=args.broker)
@@ -48,6 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         concurrency=args.concurrency,
         prefetch_multiplier=args.prefetch_multiplier,
         shutdown_timeout_s=args.shutdown_timeout,
+        time_limit_s=args.time_limit,
+        soft_time_limit_s=args.soft_time_limit,
     )
     app = load_app(args.app)
     return _run(WorkerService(config, app).run())

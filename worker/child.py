@@ -17,18 +17,25 @@ import socket
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.context import ForkServerContext
 from multiprocessing.process import BaseProcess
 from types import FrameType
 from typing import Any, Final
 
+import structlog
+
 from broker_svc.app import App
-from broker_svc.errors import BrokerSvcError, DecodeError, MessageTooLarge, SoftTimeLimitExceeded
+from broker_svc.errors import BrokerSvcError, DecodeError, MessageTooLarge, Retry, SoftTimeLimitExceeded
+from broker_svc.logging import configure_logging
 from broker_svc.outcome import exception_to_wire, wire_exception
+from broker_svc.task import ExceptionInfo, Request, Task, executing
 from worker import ipc
 from worker.ipc import Job, JobStatus
 from worker.loader import load_app
+
+log = structlog.get_logger(__name__)
 
 __all__ = ["PoolStartError", "current_request", "main", "reap", "send_update", "spawn"]
 
@@ -150,6 +157,8 @@ def main(app_spec: str, sock: socket.socket) -> None:
     """
     # Ctrl-C reaches the whole process group; the worker alone decides when children stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A child is an entry point of its own: hook failures and task logs use the worker's level.
+    configure_logging(os.environ.get("CLOCKWORK_LOGLEVEL", "info"))
     soft_limit = _SoftLimit()
     signal.signal(signal.SIGUSR1, soft_limit.on_signal)
     sock.setblocking(True)
@@ -235,18 +244,57 @@ def _run(app: App, job: Job, channel: _Channel, soft_limit: _SoftLimit) -> dict[
         return _frame(JobStatus.FAILURE, error=wire_exception("NotRegistered", job.task_name))
     context = _JobContext(job, channel)
     token = _current_job.set(context)
+    request = Request.from_worker(
+        job.request, task=job.task_name, args=job.args, kwargs=job.kwargs, send_update=send_update
+    )
     try:
-        soft_limit.arm(job.soft_time_limit_s)
-        value = task.run(*job.args, **job.kwargs)
-        soft_limit.disarm()
-    except Exception as exc:
-        soft_limit.disarm()
-        return _failure(exc, traceback.format_exc())
+        with executing(request):
+            return _call(task, request, job, soft_limit)
     finally:
         with channel.lock:  # no update may follow the outcome
             context.open = False
         _current_job.reset(token)
+
+
+def _call(task: Task, request: Request, job: Job, soft_limit: _SoftLimit) -> dict[str, Any]:
+    task_id = job.task_id
+    if task.track_started:
+        send_update({"state": "STARTED", "meta": {"pid": os.getpid(), "hostname": request.hostname}})
+    try:
+        soft_limit.arm(job.soft_time_limit_s)
+        try:
+            value = task.execute(job.args, job.kwargs)
+        finally:
+            soft_limit.disarm()
+    except Retry as retry:
+        cause = retry.exc or retry
+        einfo = ExceptionInfo(cause, traceback.format_exc())
+        _hook(task.on_retry, cause, task_id, job.args, job.kwargs, einfo)
+        _hook(task.after_return, "RETRY", cause, task_id, job.args, job.kwargs, einfo)
+        return _frame(
+            JobStatus.RETRY,
+            value={"eta": retry.eta.isoformat()},
+            error=exception_to_wire(cause),
+            tb=einfo.traceback,
+        )
+    except Exception as exc:
+        einfo = ExceptionInfo(exc, traceback.format_exc())
+        _hook(task.on_failure, exc, task_id, job.args, job.kwargs, einfo)
+        _hook(task.after_return, "FAILURE", exc, task_id, job.args, job.kwargs, einfo)
+        done = _failure(exc, einfo.traceback)
+        done["retries_exhausted"] = request.retries_exhausted
+        return done
+    _hook(task.on_success, value, task_id, job.args, job.kwargs)
+    _hook(task.after_return, "SUCCESS", value, task_id, job.args, job.kwargs, None)
     return _frame(JobStatus.SUCCESS, value=value)
+
+
+def _hook(hook: Callable[..., None], *args: Any) -> None:
+    # A hook that raises is logged; it never changes the task's outcome.
+    try:
+        hook(*args)
+    except Exception:
+        log.exception("task_hook_failed", hook=getattr(hook, "__name__", repr(hook)))
 
 
 def _frame(

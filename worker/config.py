@@ -35,6 +35,8 @@ class WorkerConfig:
         prefetch_multiplier: unacked deliveries held per child (per consumer QoS = this × children).
         shutdown_timeout_s: how long running tasks may finish after SIGTERM.
         max_child_deaths: how often a message may kill a child before it is dead-lettered.
+        time_limit_s: hard time limit for tasks that set none (the task's and the call's win).
+        soft_time_limit_s: soft time limit for tasks that set none.
     """
 
     app_spec: str
@@ -45,6 +47,8 @@ class WorkerConfig:
     prefetch_multiplier: int = 2
     shutdown_timeout_s: float = 30.0
     max_child_deaths: int = 3
+    time_limit_s: float | None = None
+    soft_time_limit_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:

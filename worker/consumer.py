@@ -17,7 +17,7 @@ from broker_svc.app import App
 from broker_svc.clock import LamportClock
 from broker_svc.errors import MessageError
 from broker_svc.message import TaskMessage, decode_task
-from broker_svc.outcome import Outcome, wire_exception
+from broker_svc.outcome import CELERY_EXCEPTIONS_MODULE, Outcome, wire_exception
 from broker_svc.settings import Settings
 from broker_svc.states import State
 from worker.pool import Job, JobOutcome, JobStatus, ProcessPool
@@ -37,6 +37,7 @@ _STATUS_TO_STATE: Final = {
     JobStatus.TIME_LIMIT: State.FAILURE,
     JobStatus.TERMINATED: State.REVOKED,
     JobStatus.LOST: State.FAILURE,
+    JobStatus.RETRY: State.RETRY,
 }
 
 
@@ -58,6 +59,7 @@ class TaskConsumer:
         hostname: str,
         concurrency: int,
         max_child_deaths: int,
+        default_time_limits: tuple[float | None, float | None] = (None, None),
     ) -> None:
         self._app = app
         self._pool = pool
@@ -68,6 +70,11 @@ class TaskConsumer:
         self._accept = codec.accept_set(settings.accept_content)
         self._slots = asyncio.Semaphore(concurrency)
         self._max_child_deaths = max_child_deaths
+        self._default_limits = default_time_limits
+        # Requests now running, for state updates; and each one's chain of update publishes, so
+        # updates and the final result reach the client in the order they were made.
+        self._running: dict[str, TaskMessage] = {}
+        self._updates: dict[str, asyncio.Future[None]] = {}
         self._reserved: set[asyncio.Task[Any]] = set()
         self._handlers: set[asyncio.Task[Any]] = set()
         self._stopping = False
@@ -204,7 +211,7 @@ class TaskConsumer:
         finally:
             self._reserved.discard(task)
         try:
-            hard, soft = request.timelimit
+            hard, soft = self._time_limits(request)
             job = Job(
                 task_id=request.id,
                 task_name=request.task,
@@ -214,9 +221,42 @@ class TaskConsumer:
                 hard_time_limit_s=hard,
                 soft_time_limit_s=soft,
             )
-            return await self._pool.run(job)
+            self._running[request.id] = request
+            try:
+                return await self._pool.run(job)
+            finally:
+                self._running.pop(request.id, None)
         finally:
             self._slots.release()
+
+    def _time_limits(self, request: TaskMessage) -> tuple[float | None, float | None]:
+        # The call's limits win, then the task's own, then the worker's defaults (as Celery).
+        task = self._app.tasks[request.task]
+        hard, soft = request.timelimit
+        hard = hard if hard is not None else task.time_limit or self._default_limits[0]
+        soft = soft if soft is not None else task.soft_time_limit or self._default_limits[1]
+        return hard, soft
+
+    def on_update(self, task_id: str, payload: dict[str, Any]) -> None:
+        """Pool callback: a running task reported a state (``update_state``, STARTED)."""
+        request = self._running.get(task_id)
+        state = payload.get("state")
+        if request is None or not isinstance(state, str) or not state:
+            log.warning("task_update_ignored", task_id=task_id)
+            return
+        outcome = Outcome(task_id=task_id, status=state, result=payload.get("meta"))
+        previous = self._updates.get(task_id)
+        self._updates[task_id] = asyncio.ensure_future(self._publish_update(previous, request, outcome))
+
+    async def _publish_update(
+        self, previous: asyncio.Future[None] | None, request: TaskMessage, outcome: Outcome
+    ) -> None:
+        if previous is not None:
+            await asyncio.wait([previous])
+        try:
+            await self._reply(request, outcome)
+        except Exception as exc:  # a lost progress update must not fail the task
+            log.warning("task_update_not_sent", state=outcome.status, error=str(exc))
 
     def _context(self, request: TaskMessage, message: aio_pika.abc.AbstractIncomingMessage) -> dict[str, Any]:
         return {
@@ -255,6 +295,12 @@ class TaskConsumer:
                 return  # killed at the shutdown deadline: unacked, so the broker redelivers it
             await self._child_lost(message, queue, request, outcome)
             return
+        pending_updates = self._updates.pop(request.id, None)
+        if pending_updates is not None:
+            await asyncio.wait([pending_updates])  # progress first, then the outcome
+        if outcome.status == JobStatus.RETRY:
+            await self._retry(message, queue, request, outcome)
+            return
         state = _STATUS_TO_STATE[outcome.status]
         if outcome.status == JobStatus.SUCCESS:
             log.info("task_succeeded", runtime_ms=runtime_ms, pid=outcome.pid)
@@ -266,7 +312,41 @@ class TaskConsumer:
             error = outcome.error or wire_exception("Exception", "unknown failure", module="builtins")
             result = Outcome(task_id=request.id, status=state, result=error, traceback=outcome.traceback)
         await self._reply(request, result)
+        if outcome.retries_exhausted:
+            await self._replies.dead_letter(
+                message,
+                queue=queue,
+                reason="max_retries_exceeded",
+                error=f"failed after {request.retries} retries: {_describe(outcome.error)}",
+            )
         await _settle(message.ack())
+
+    async def _retry(
+        self,
+        message: aio_pika.abc.AbstractIncomingMessage,
+        queue: str,
+        request: TaskMessage,
+        outcome: JobOutcome,
+    ) -> None:
+        # The copy (same id, retries + 1, new eta) is confirmed by the broker before the original
+        # is acked: a failed republish raises here and the original goes back to the queue.
+        value = outcome.value if isinstance(outcome.value, dict) else {}
+        eta = value.get("eta")
+        if not isinstance(eta, str):
+            eta = dt.datetime.now(dt.UTC).isoformat()
+        headers = {"retries": request.retries + 1, "eta": eta}
+        await self._republish_later(message, queue, eta, headers)
+        log.info("task_retried", retries=request.retries + 1, eta=eta, error=_describe(outcome.error))
+        error = outcome.error or wire_exception("Retry", "retry", module=CELERY_EXCEPTIONS_MODULE)
+        await self._reply(request, Outcome(
+            task_id=request.id, status=State.RETRY, result=error, traceback=outcome.traceback
+        ))  # fmt: skip
+        await _settle(message.ack())
+
+    async def _republish_later(
+        self, message: aio_pika.abc.AbstractIncomingMessage, queue: str, eta: str, headers: dict[str, Any]
+    ) -> None:
+        await self._replies.republish(message, queue=queue, headers=headers)
 
     async def _child_lost(
         self,
@@ -293,12 +373,23 @@ class TaskConsumer:
     async def _reply(self, request: TaskMessage, outcome: Outcome) -> None:
         if request.reply_to is None or request.ignore_result:
             return
+        task = self._app.tasks.get(request.task)
+        if task is not None and task.ignore_result:
+            return
         await self._replies.publish_result(
             outcome,
             reply_to=request.reply_to,
             correlation_id=request.correlation_id,
             content_type=_reply_type(request.content_type),
         )
+
+
+def _describe(error: dict[str, Any] | None) -> str:
+    if not error:
+        return "unknown error"
+    message = error.get("exc_message")
+    text = ", ".join(map(str, message)) if isinstance(message, list) else str(message)
+    return f"{error.get('exc_type')}: {text}"
 
 
 def _reply_type(content_type: str | None) -> str:

@@ -53,10 +53,11 @@ class JobStatus(StrEnum):
     LOST = "LOST"  # the child died while running it
     TIME_LIMIT = "TIME_LIMIT"  # the hard time limit passed; the child was killed
     TERMINATED = "TERMINATED"  # ``ProcessPool.terminate`` killed it (revoke with terminate=True)
+    RETRY = "RETRY"  # the task called ``self.retry()``; ``value`` is ``{"eta": ISO-8601}``
 
 
 # A child reports only these; the others are decided by the parent when the child is gone.
-_CHILD_STATUSES: Final = frozenset({JobStatus.SUCCESS, JobStatus.FAILURE})
+_CHILD_STATUSES: Final = frozenset({JobStatus.SUCCESS, JobStatus.FAILURE, JobStatus.RETRY})
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +119,7 @@ class JobOutcome:
     traceback: str | None = None
     runtime_s: float = 0.0
     pid: int = 0
+    retries_exhausted: bool = False  # a FAILURE after the last retry: the message is dead-lettered
 
     @classmethod
     def from_frame(cls, frame: dict[str, Any], *, pid: int) -> JobOutcome:
@@ -128,7 +130,7 @@ class JobOutcome:
         """
         status, error, traceback = frame.get("status"), frame.get("error"), frame.get("traceback")
         if status not in _CHILD_STATUSES:
-            raise DecodeError(f"done frame has status {status!r}; a child reports SUCCESS or FAILURE")
+            raise DecodeError(f"done frame has status {status!r}; a child reports SUCCESS, FAILURE or RETRY")
         if not (error is None or isinstance(error, dict)) or not (
             traceback is None or isinstance(traceback, str)
         ):
@@ -140,6 +142,7 @@ class JobOutcome:
             traceback=traceback,
             runtime_s=_seconds(frame.get("runtime_s")) or 0.0,
             pid=pid,
+            retries_exhausted=frame.get("retries_exhausted") is True,
         )
 
     @classmethod

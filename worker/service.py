@@ -47,6 +47,7 @@ class WorkerService:
         self._clock = LamportClock()
         self._stop = asyncio.Event()
         self._signals = 0
+        self._consumer: TaskConsumer | None = None
 
     @property
     def clock(self) -> LamportClock:
@@ -62,7 +63,9 @@ class WorkerService:
         config = self._config
         install_header_int_guard()
         self._install_signal_handlers()
-        pool = ProcessPool(app_spec=config.app_spec, concurrency=config.concurrency)
+        pool = ProcessPool(
+            app_spec=config.app_spec, concurrency=config.concurrency, on_update=self._relay_update
+        )
         await pool.start()
         connection = await aio_pika.connect_robust(
             amqp_url(config),
@@ -94,7 +97,9 @@ class WorkerService:
             hostname=config.hostname,
             concurrency=config.concurrency,
             max_child_deaths=config.max_child_deaths,
+            default_time_limits=(config.time_limit_s, config.soft_time_limit_s),
         )
+        self._consumer = consumer
         queues: list[tuple[aio_pika.abc.AbstractQueue, str]] = []
         for name in config.queues:
             await _declare(publish_channel, dead_letter_queue(name))
@@ -118,6 +123,11 @@ class WorkerService:
                 log.warning("consumer_cancel_failed", queue=queue.name, error=str(exc))
         await consumer.stop(timeout_s=config.shutdown_timeout_s)
         await pool.close(timeout_s=0)
+
+    def _relay_update(self, task_id: str, payload: dict[str, Any]) -> None:
+        # The pool exists before the consumer (children start first); route updates once it does.
+        if self._consumer is not None:
+            self._consumer.on_update(task_id, payload)
 
     def _install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
