@@ -7,6 +7,7 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -137,7 +138,7 @@ def test_an_expired_task_is_not_run_and_is_revoked(
 
 
 def test_progress_states_reach_the_client_in_order(client: App, queue: str, sem_worker: WorkerProcess):
-    seen: list[tuple[str, object]] = []
+    seen: list[tuple[str, Any]] = []
     result = client.send_task(T + "progress", (3,), queue=queue)
     assert result.get(timeout=30, on_message=lambda b: seen.append((b["status"], b["result"]))) == "done"
     assert [s for s, _ in seen] == ["STARTED", "PROGRESS", "PROGRESS", "PROGRESS", "SUCCESS"]

@@ -25,3 +25,18 @@ def mul(x: int, y: int) -> int:
 @app.task(name="interop.fail")
 def fail(message: str) -> None:
     raise KeyError(message)
+
+
+@app.task(name="interop.now", bind=True)
+def now(self) -> dict:  # noqa: ANN001 - celery passes its Task
+    import time
+
+    return {"at": time.time(), "retries": self.request.retries}
+
+
+@app.task(name="interop.sleep")
+def sleep(seconds: float) -> str:
+    import time
+
+    time.sleep(seconds)
+    return "slept"

@@ -37,10 +37,10 @@ def start_celery_worker(test_vhost_url: str) -> Iterator[Callable[[str], subproc
     """Start ``celery worker`` (solo pool) on a queue and wait until it says it is ready."""
     started: list[tuple[subprocess.Popen[bytes], Path]] = []
 
-    def start(queue: str) -> subprocess.Popen[bytes]:
+    def start(queue: str, pool: str = "solo") -> subprocess.Popen[bytes]:
         log = Path(tempfile.mkstemp(prefix="celery-worker-", suffix=".log")[1])
         with log.open("w") as out:
-            proc = _popen_celery_worker(queue, out, test_vhost_url)
+            proc = _popen_celery_worker(queue, out, test_vhost_url, pool)
         started.append((proc, log))
 
         def ready() -> bool:
@@ -63,7 +63,7 @@ def start_celery_worker(test_vhost_url: str) -> Iterator[Callable[[str], subproc
         assert "PRECONDITION_FAILED" not in text, text[-3000:]
 
 
-def _popen_celery_worker(queue: str, out: IO[str], url: str) -> subprocess.Popen[bytes]:
+def _popen_celery_worker(queue: str, out: IO[str], url: str, pool: str) -> subprocess.Popen[bytes]:
     # The child keeps its own copy of the log file descriptor; ours is closed by the caller.
     return subprocess.Popen(
         [
@@ -74,7 +74,9 @@ def _popen_celery_worker(queue: str, out: IO[str], url: str) -> subprocess.Popen
             "tests.interop.celery_app",
             "worker",
             "-P",
-            "solo",
+            pool,
+            "-c",
+            "1",
             "-Q",
             queue,
             "-n",

@@ -1,0 +1,64 @@
+"""Countdown, expires, retries and timelimit headers mean the same on both sides of a mixed fleet."""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+
+import pytest
+
+from broker_svc import App, Settings, TaskError, TaskRevokedError
+from tests.amqp import delete_queues
+from tests.workers import WorkerProcess, unique_queue
+
+pytestmark = pytest.mark.interop
+T = "tests.integration.semantics_tasks."
+
+
+def test_our_worker_honours_a_celery_clients_headers(test_vhost_url: str, celery_client):
+    from celery.exceptions import TaskRevokedError as CeleryRevoked
+    from celery.exceptions import TimeLimitExceeded
+
+    queue = unique_queue("interop")
+    try:
+        with WorkerProcess(test_vhost_url, app=T.rstrip(".") + ":app", queues=[queue]) as worker:
+            worker.wait_ready()
+            sent = time.time()
+            assert (
+                celery_client.send_task(T + "now", queue=queue, countdown=2).get(timeout=30)["at"]
+                >= sent + 1.9
+            )
+            past = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=5)
+            revoked = celery_client.send_task(T + "now", queue=queue, expires=past)
+            with pytest.raises(CeleryRevoked):
+                revoked.get(timeout=30)
+            assert (
+                celery_client.send_task(T + "report_request", queue=queue, retries=2).get(timeout=30)[
+                    "retries"
+                ]
+                == 2
+            )
+            limited = celery_client.send_task(T + "sleeper", args=(5,), queue=queue, time_limit=1)
+            with pytest.raises(TimeLimitExceeded):
+                limited.get(timeout=30)
+    finally:
+        delete_queues(test_vhost_url, queue, f"{queue}.dead")
+
+
+def test_a_celery_worker_honours_our_clients_headers(test_vhost_url: str, start_celery_worker):
+    queue = unique_queue("interop")
+    app = App("ours", settings=Settings(broker_url=test_vhost_url))
+    try:
+        start_celery_worker(queue, pool="prefork")  # prefork: solo has no time limits
+        sent = time.time()
+        assert app.send_task("interop.now", queue=queue, countdown=2).get(timeout=30)["at"] >= sent + 1.9
+        past = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=5)
+        with pytest.raises(TaskRevokedError):
+            app.send_task("interop.now", queue=queue, expires=past).get(timeout=30)
+        assert app.send_task("interop.now", queue=queue, retries=2).get(timeout=30)["retries"] == 2
+        with pytest.raises(TaskError) as info:
+            app.send_task("interop.sleep", (5,), queue=queue, time_limit=1).get(timeout=30)
+        assert info.value.exc_type == "TimeLimitExceeded"
+    finally:
+        app.close()
+        delete_queues(test_vhost_url, queue)
