@@ -28,7 +28,7 @@ def fail(message: str) -> None:
 
 
 @app.task(name="interop.now", bind=True)
-def now(self) -> dict:  # noqa: ANN001 - celery passes its Task
+def now(self) -> dict:
     import time
 
     return {"at": time.time(), "retries": self.request.retries}
