@@ -14,9 +14,9 @@ import structlog
 
 from broker_svc import codec
 from broker_svc.clock import LamportClock
-from broker_svc.connection import PendingPublish
 from broker_svc.errors import BrokerSvcError, NotRegistered
 from broker_svc.message import TaskMessage
+from broker_svc.pending import PendingPublish
 from broker_svc.publisher import Publisher
 from broker_svc.result import AsyncResult, ResultStore
 from broker_svc.settings import Settings

@@ -12,8 +12,6 @@ import collections
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import pika
 import pika.channel
@@ -23,29 +21,17 @@ import pika.spec
 import structlog
 
 from broker_svc.errors import BrokerSvcError, BrokerUnavailable, PublishError, PublishNacked, Unroutable
-from broker_svc.message import WireMessage
+from broker_svc.pending import Delivery, PendingPublish, _ConfirmRate
 from broker_svc.settings import Settings
 from broker_svc.topology import QueueSpec
 
-__all__ = ["BrokerConnection", "Delivery", "PendingPublish"]
+__all__ = ["BrokerConnection", "Consumer", "Delivery", "PendingPublish"]
 
 log = structlog.get_logger(__name__)
 
 _BACKOFF_START_S = 0.2
 _BACKOFF_MAX_S = 5.0
 _TICK_S = 0.5
-
-
-@dataclass(frozen=True, slots=True)
-class Delivery:
-    """A consumed message, as handed to a consumer callback (on the I/O thread)."""
-
-    body: bytes
-    content_type: str | None
-    correlation_id: str | None
-    headers: dict[str, Any]
-    routing_key: str
-    redelivered: bool
 
 
 def _is_permanent(error: BaseException | str) -> bool:
@@ -56,79 +42,6 @@ def _is_permanent(error: BaseException | str) -> bool:
     if isinstance(error, pika.exceptions.ConnectionClosedByBroker):
         return error.reply_code in (403, 530)
     return False
-
-
-class PendingPublish:
-    """One message on its way to the broker, and whether the broker confirmed it.
-
-    Thread-safe: the I/O thread settles it, any thread may wait on it.
-    """
-
-    __slots__ = (
-        "_done",
-        "_event",
-        "attempts",
-        "declare",
-        "error",
-        "exchange",
-        "mandatory",
-        "message",
-        "routing_key",
-        "sent_at",
-    )
-
-    def __init__(
-        self,
-        message: WireMessage,
-        *,
-        exchange: str,
-        routing_key: str,
-        declare: QueueSpec | None = None,
-        mandatory: bool = True,
-    ) -> None:
-        self.message = message
-        self.exchange = exchange
-        self.routing_key = routing_key
-        self.declare = declare
-        self.mandatory = mandatory
-        self.attempts = 0
-        self.sent_at = 0.0
-        self.error: BrokerSvcError | None = None
-        self._done = False
-        self._event: threading.Event | None = None  # made only if someone waits: most never do
-
-    @property
-    def done(self) -> bool:
-        """True once confirmed or failed for good."""
-        return self._done
-
-    def wait(self, timeout: float | None) -> bool:
-        """Wait until settled; True if settled within ``timeout``."""
-        if self._done:
-            return True
-        with _WAIT_LOCK:
-            if self._done:
-                return True
-            if self._event is None:
-                self._event = threading.Event()
-            event = self._event
-        return event.wait(timeout)
-
-    def settle(self, error: BrokerSvcError | None = None) -> None:
-        """Mark it confirmed (``error`` None) or failed. Called by the I/O thread."""
-        with _WAIT_LOCK:
-            if self._done:
-                return
-            self.error = error
-            self._done = True
-            event = self._event
-        if event is not None:
-            event.set()
-
-
-# Guards the lazy creation of a PendingPublish's Event against a concurrent settle; held for a
-# few instructions only.
-_WAIT_LOCK = threading.Lock()
 
 
 Consumer = Callable[[Delivery], None]
@@ -170,6 +83,7 @@ class BrokerConnection:
         self._conn: pika.SelectConnection | None = None
         self._channel: pika.channel.Channel | None = None
         self._down_since: float | None = None
+        self._confirm_rate = _ConfirmRate()
         self._thread = threading.Thread(target=self._run, name=f"clockwork-io-{name}", daemon=True)
         self._started = False
 
@@ -456,13 +370,27 @@ class BrokerConnection:
                 return
             batch = list(self._outbox)
             self._outbox.clear()
+            oldest = next(iter(self._unconfirmed.values()), None)  # lowest tag: sent first
+            ahead = len(self._unconfirmed)
         now = time.monotonic()
+        wall = time.time()
+        # A message sent now reaches its queue only after everything sent before it (a bulk send
+        # can have tens of thousands ahead), and a delay queue's TTL starts then. Guess how long
+        # that takes, erring long: the messages ahead at the measured rate with half again as
+        # margin, or the wait of the oldest unconfirmed message (a stalled broker).
+        waited_s = now - oldest.sent_at if oldest is not None else 0.0
+        seconds_per_message = 1.5 / self._confirm_rate.per_s
         for index, pending in enumerate(batch):
             if pending.done:
                 continue
-            spec = pending.declare
-            if spec is not None and spec.name not in self._declared:
-                # Hold this and every later message (order matters) until the queue exists.
+            if pending.eta_s is not None:
+                ahead_here = ahead + index
+                lag_s = max(waited_s, ahead_here * seconds_per_message) if ahead_here else 0.0
+                pending.route(wall, lag_s=lag_s)
+            spec = next((s for s in pending.declare if s.name not in self._declared), None)
+            if spec is not None:
+                # Hold this and every later message (order matters) until the queue exists; the
+                # next drain declares this message's next queue, if it has one.
                 with self._lock:
                     self._outbox.extendleft(reversed(batch[index:]))
                 self._declare(spec, on_done=self._drain)
@@ -525,8 +453,10 @@ class BrokerConnection:
             else:
                 tags = [tag] if tag in self._unconfirmed else []
             settled = [self._unconfirmed.pop(t) for t in tags]
+            backlog = bool(self._unconfirmed)
             if self._space_waiters:
                 self._space.notify_all()
+        self._confirm_rate.confirmed(len(settled), now=time.monotonic(), backlog=backlog)
         for pending in settled:
             key = (pending.message.correlation_id, pending.routing_key)
             if key in self._returned:
@@ -576,7 +506,7 @@ class BrokerConnection:
             # The broker refused the declaration itself (406 different arguments, 403 access):
             # retrying cannot help, so the messages for that queue fail now, with the reason.
             self._fail_where(
-                lambda p: p.declare is not None and p.declare.name == declaring,
+                lambda p: any(spec.name == declaring for spec in p.declare),
                 PublishError(f"the broker refused to declare queue {declaring!r}: {reason}"),
             )
         if not self._stopping:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import threading
 import time
 from collections import deque
@@ -71,6 +72,10 @@ class Publisher:
     ) -> PendingPublish:
         """Stamp the clock, encode and size-check a task; nothing is sent yet.
 
+        A task whose ETA is more than ``DELAY_HOLD_WINDOW_S`` away when it is sent goes to one of
+        ``queue``'s delay queues instead, which hands it back to ``queue`` no later than its ETA
+        (docs/design.md, "ETA and countdown"). The message itself is the same either way.
+
         Raises:
             MessageTooLarge: the body is over ``max_body_bytes`` (checked before publishing).
             TypeError: an argument cannot be encoded.
@@ -79,11 +84,15 @@ class Publisher:
             message = dataclasses.replace(message, clock=self._clock.forward())
         wire = encode_task(message, serializer=serializer or self._settings.serializer)
         self._check_size(wire)
+        eta = message.eta
+        if eta is not None and eta.tzinfo is None:
+            eta = eta.replace(tzinfo=dt.UTC)
         return PendingPublish(
             wire,
             exchange=DEFAULT_EXCHANGE,
             routing_key=queue,
-            declare=task_queue(queue, queue_type=queue_type),
+            declare=(task_queue(queue, queue_type=queue_type),),
+            eta_s=eta.timestamp() if eta is not None else None,
         )
 
     def submit(self, items: Sequence[PendingPublish]) -> None:

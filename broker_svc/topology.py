@@ -16,10 +16,15 @@ __all__ = [
     "DEAD_LETTER_QUEUE_HEADER",
     "DEAD_LETTER_REASON_HEADER",
     "DEFAULT_EXCHANGE",
+    "DELAY_HOLD_WINDOW_S",
+    "MAX_DELAY_BUCKET_MS",
+    "MIN_DELAY_BUCKET_MS",
     "ExchangeSpec",
     "QueueSpec",
     "QueueType",
     "dead_letter_queue",
+    "delay_bucket_ms",
+    "delay_queue",
     "new_reply_queue_name",
     "result_queue",
     "task_exchange",
@@ -35,6 +40,13 @@ DEAD_LETTER_ERROR_HEADER: Final = "x-clockwork-error"
 DEAD_LETTER_QUEUE_HEADER: Final = "x-clockwork-queue"
 
 QueueType = Literal["classic", "quorum"]
+
+# Delay queues hold ETA tasks for a power of two of milliseconds, from 128 ms to about 24.9 days
+# (a task due later goes round the longest again). Tasks due within the hold window (by default
+# the shortest bucket) wait in the worker's memory. See docs/design.md, "ETA and countdown".
+MIN_DELAY_BUCKET_MS: Final = 2**7
+MAX_DELAY_BUCKET_MS: Final = 2**31
+DELAY_HOLD_WINDOW_S: Final = MIN_DELAY_BUCKET_MS / 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,3 +116,60 @@ def result_queue(name: str, *, expires_s: int) -> QueueSpec:
     has been gone for ``expires_s``.
     """
     return QueueSpec(name=name, durable=True, arguments={"x-expires": expires_s * 1000})
+
+
+def delay_bucket_ms(remaining_s: float, *, hold_window_s: float) -> int | None:
+    """Which delay queue a task due in ``remaining_s`` seconds waits in, by its TTL in ms.
+
+    The largest power of two of milliseconds not above what is left (capped at
+    ``MAX_DELAY_BUCKET_MS``), so a parked task never comes back after its ETA, and each round trip
+    at least halves what is left: a task due in an hour goes round at most 15 times.
+
+    Args:
+        remaining_s: seconds until the task is due.
+        hold_window_s: tasks due within this many seconds are not parked.
+
+    Returns:
+        The bucket in milliseconds, or None when the task is due within the hold window or sooner
+        than the shortest bucket.
+
+    Raises:
+        ValueError: ``hold_window_s`` is negative.
+    """
+    if hold_window_s < 0:
+        raise ValueError(f"hold_window_s must not be negative, got {hold_window_s}")
+    remaining_ms = remaining_s * 1000
+    if not (remaining_s > hold_window_s and remaining_ms >= MIN_DELAY_BUCKET_MS):  # NaN is neither
+        return None
+    if remaining_ms >= MAX_DELAY_BUCKET_MS:
+        return MAX_DELAY_BUCKET_MS
+    return 1 << (int(remaining_ms).bit_length() - 1)
+
+
+@functools.lru_cache(maxsize=1024)  # built for every parked publish; specs are never mutated
+def delay_queue(queue: str, bucket_ms: int) -> QueueSpec:
+    """The queue where tasks for ``queue`` wait ``bucket_ms`` milliseconds before going back to it.
+
+    Every message in it has the same TTL (the queue's), so its order is expiry order and nothing
+    waits behind a message that expires later. An expired message is dead-lettered through the
+    default exchange to ``queue``, which must exist by then: RabbitMQ drops a dead letter that
+    routes nowhere. There is deliberately no ``x-expires``: publishing does not count as use, so
+    a queue that only ever receives messages would be deleted with its messages in it.
+
+    Raises:
+        ValueError: ``bucket_ms`` is not a power of two between the shortest and longest bucket.
+    """
+    if not (MIN_DELAY_BUCKET_MS <= bucket_ms <= MAX_DELAY_BUCKET_MS and bucket_ms & (bucket_ms - 1) == 0):
+        raise ValueError(
+            f"bucket_ms must be a power of two in [{MIN_DELAY_BUCKET_MS}, {MAX_DELAY_BUCKET_MS}], "
+            f"got {bucket_ms}"
+        )
+    return QueueSpec(
+        name=f"{queue}.delay.{bucket_ms}ms",
+        durable=True,
+        arguments={
+            "x-message-ttl": bucket_ms,
+            "x-dead-letter-exchange": DEFAULT_EXCHANGE,
+            "x-dead-letter-routing-key": queue,
+        },
+    )

@@ -16,10 +16,11 @@ from broker_svc import codec
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
 from broker_svc.errors import MessageError
-from broker_svc.message import TaskMessage, decode_task
+from broker_svc.message import TaskMessage, decode_task, parse_iso_datetime
 from broker_svc.outcome import CELERY_EXCEPTIONS_MODULE, Outcome, wire_exception
 from broker_svc.settings import Settings
 from broker_svc.states import State
+from worker.eta import EtaScheduler
 from worker.pool import Job, JobOutcome, JobStatus, ProcessPool
 from worker.replies import ReplyPublisher
 
@@ -59,6 +60,7 @@ class TaskConsumer:
         hostname: str,
         concurrency: int,
         max_child_deaths: int,
+        eta: EtaScheduler,
         default_time_limits: tuple[float | None, float | None] = (None, None),
     ) -> None:
         self._app = app
@@ -71,6 +73,7 @@ class TaskConsumer:
         self._slots = asyncio.Semaphore(concurrency)
         self._max_child_deaths = max_child_deaths
         self._default_limits = default_time_limits
+        self._eta = eta
         # Requests now running, for state updates; and each one's chain of update publishes, so
         # updates and the final result reach the client in the order they were made.
         self._running: dict[str, TaskMessage] = {}
@@ -186,10 +189,8 @@ class TaskConsumer:
             ))  # fmt: skip
             await _settle(message.ack())
             return
-        if request.eta is not None:
-            delay = (request.eta - dt.datetime.now(dt.UTC)).total_seconds()
-            if delay > 0:
-                await asyncio.sleep(delay)  # held unacked until due; bounded by the prefetch count
+        if request.eta is not None and await self._eta.defer(message, queue=queue, eta=request.eta):
+            return  # parked in a delay queue until nearly due (and acked here)
         outcome = await self._run(request, message)
         if outcome is None:
             return  # handed back to the broker (shutdown)
@@ -346,7 +347,11 @@ class TaskConsumer:
     async def _republish_later(
         self, message: aio_pika.abc.AbstractIncomingMessage, queue: str, eta: str, headers: dict[str, Any]
     ) -> None:
-        await self._replies.republish(message, queue=queue, headers=headers)
+        try:
+            when = parse_iso_datetime(eta)
+        except ValueError:
+            when = dt.datetime.now(dt.UTC)
+        await self._eta.publish_delayed(message, queue=queue, eta=when, headers=headers)
 
     async def _child_lost(
         self,

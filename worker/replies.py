@@ -7,10 +7,12 @@ from typing import Any
 
 import aio_pika
 import aio_pika.abc
+import aiormq.abc
 import structlog
 
 from broker_svc import codec
 from broker_svc.clock import LamportClock
+from broker_svc.errors import Unroutable
 from broker_svc.message import CLOCK_HEADER
 from broker_svc.outcome import Outcome, exception_to_wire, wire_exception
 from broker_svc.states import State
@@ -21,7 +23,7 @@ from broker_svc.topology import (
     dead_letter_queue,
 )
 
-__all__ = ["ReplyPublisher"]
+__all__ = ["ReplyPublisher", "copy_message"]
 
 log = structlog.get_logger(__name__)
 
@@ -65,8 +67,9 @@ class ReplyPublisher:
             headers={CLOCK_HEADER: self._clock.forward()},
         )
         try:
-            await self._channel.default_exchange.publish(message, routing_key=reply_to, mandatory=True)
-        except aio_pika.exceptions.DeliveryError:
+            await self._publish(message, reply_to)
+        except (aio_pika.exceptions.DeliveryError, Unroutable):
+            # Its client and result queue are gone: nobody can receive it any more.
             log.warning("result_unroutable", reply_to=reply_to, task_id=outcome.task_id)
 
     async def dead_letter(
@@ -76,16 +79,21 @@ class ReplyPublisher:
 
         Raises:
             aio_pika.exceptions.AMQPError: the broker did not take it (the caller must not ack).
+            Unroutable: the dead-letter queue is gone (the caller must not ack).
         """
         headers: dict[str, Any] = dict(message.headers or {})
         headers[DEAD_LETTER_REASON_HEADER] = reason
         headers[DEAD_LETTER_ERROR_HEADER] = error[:1024]
         headers[DEAD_LETTER_QUEUE_HEADER] = queue
         headers["x-clockwork-dead-at"] = dt.datetime.now(dt.UTC).isoformat()
-        copy = _copy(message, headers)
-        await self._channel.default_exchange.publish(
-            copy, routing_key=dead_letter_queue(queue).name, mandatory=True
-        )
+        spec = dead_letter_queue(queue)
+        copy = copy_message(message, headers)
+        try:
+            await self._publish(copy, spec.name)
+        except Unroutable:
+            # Someone deleted the dead-letter queue: make it again rather than loop on redelivery.
+            await self._channel.declare_queue(spec.name, durable=spec.durable)
+            await self._publish(copy, spec.name)
         log.warning("task_dead_lettered", reason=reason, error=error[:200], queue=queue)
 
     async def republish(
@@ -98,12 +106,24 @@ class ReplyPublisher:
         """
         merged = dict(message.headers or {})
         merged.update(headers)
-        await self._channel.default_exchange.publish(
-            _copy(message, merged), routing_key=queue, mandatory=True
+        await self._publish(copy_message(message, merged), queue)
+
+    async def _publish(self, message: aio_pika.Message, routing_key: str) -> None:
+        # aio-pika hands a basic.return back as the publish's result instead of raising; a copy
+        # no queue took must not count as kept, or the caller would ack the original away.
+        result = await self._channel.default_exchange.publish(
+            message, routing_key=routing_key, mandatory=True
         )
+        if isinstance(result, aiormq.abc.DeliveredMessage):
+            raise Unroutable(f"no queue {routing_key!r} took the message")
 
 
-def _copy(message: aio_pika.abc.AbstractIncomingMessage, headers: dict[str, Any]) -> aio_pika.Message:
+def copy_message(message: aio_pika.abc.AbstractIncomingMessage, headers: dict[str, Any]) -> aio_pika.Message:
+    """A persistent copy of a delivery to publish elsewhere: same body and properties, these headers.
+
+    The copy has no ``expiration``: the ``expires`` header, which the worker checks, is what ends
+    a task's life; a per-message TTL restarted on the copy would only be wrong.
+    """
     return aio_pika.Message(
         message.body,
         headers=headers,
@@ -113,7 +133,7 @@ def _copy(message: aio_pika.abc.AbstractIncomingMessage, headers: dict[str, Any]
         priority=message.priority,
         correlation_id=message.correlation_id,
         reply_to=message.reply_to,
-        expiration=None,  # a copy must not expire in the dead-letter queue
+        expiration=None,  # nor must it expire in the dead-letter queue
         message_id=message.message_id,
         timestamp=message.timestamp,
         type=message.type,

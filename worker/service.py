@@ -17,6 +17,7 @@ from broker_svc.topology import QueueSpec, dead_letter_queue, task_queue
 from worker.amqp_compat import install_header_int_guard
 from worker.config import WorkerConfig
 from worker.consumer import TaskConsumer
+from worker.eta import EtaScheduler
 from worker.pool import ProcessPool
 from worker.replies import ReplyPublisher
 
@@ -88,6 +89,8 @@ class WorkerService:
         replies = ReplyPublisher(
             publish_channel, clock=self._clock, persistent=config.settings.result_persistent
         )
+        # Held ETA deliveries count against the prefetch: leave one per child for due tasks.
+        eta = EtaScheduler(publish_channel, max_held=config.prefetch_count - config.concurrency)
         consumer = TaskConsumer(
             app=self._app,
             pool=pool,
@@ -97,6 +100,7 @@ class WorkerService:
             hostname=config.hostname,
             concurrency=config.concurrency,
             max_child_deaths=config.max_child_deaths,
+            eta=eta,
             default_time_limits=(config.time_limit_s, config.soft_time_limit_s),
         )
         self._consumer = consumer

@@ -39,3 +39,9 @@ def noop() -> None:
 @app.task
 def kill_child() -> None:
     os._exit(9)
+
+
+@app.task
+def started_at() -> float:
+    """When the task body ran (wall clock), for ETA tests."""
+    return time.time()

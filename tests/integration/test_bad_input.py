@@ -127,3 +127,13 @@ def test_a_task_that_kills_its_child_is_retried_then_dead_lettered(
     assert worker.count("task_child_lost_retrying") == 3
     # The pool replaced its children: the worker still runs tasks.
     assert client.send_task("tests.integration.e2e_tasks.add", (1, 1), queue=queue).get(timeout=30) == 2
+
+
+def test_a_deleted_dead_letter_queue_is_recreated_not_looped_on(
+    test_vhost_url: str, queue: str, client: App, worker: WorkerProcess
+):
+    delete_queues(test_vhost_url, f"{queue}.dead")
+    publish_raw(test_vhost_url, queue, VALID_BODY, headers={"task": "nope.nope", "id": "dlq-gone"})
+    dead = wait_for(lambda: drain(test_vhost_url, f"{queue}.dead"), timeout_s=20, message="not dead-lettered")
+    assert dead[0].headers["x-clockwork-reason"] == "NotRegistered"
+    assert client.send_task(ADD, (1, 2), queue=queue).get(timeout=30) == 3
