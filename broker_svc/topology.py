@@ -173,3 +173,31 @@ def delay_queue(queue: str, bucket_ms: int) -> QueueSpec:
             "x-dead-letter-routing-key": queue,
         },
     )
+
+
+# -- the mailbox (Celery's pidbox, WIRE.md §5) ---------------------------------------------------
+
+DEFAULT_NAMESPACE: Final = "celery"
+
+
+def pidbox_exchange(namespace: str = DEFAULT_NAMESPACE) -> ExchangeSpec:
+    """The fanout exchange control requests are broadcast on (non-durable, as Celery's)."""
+    return ExchangeSpec(name=f"{namespace}.pidbox", type="fanout", durable=False)
+
+
+def reply_exchange(namespace: str = DEFAULT_NAMESPACE) -> ExchangeSpec:
+    """The direct exchange control replies go to, routed by the caller's key."""
+    return ExchangeSpec(name=f"reply.{namespace}.pidbox", type="direct", durable=False)
+
+
+def node_queue(nodename: str, namespace: str = DEFAULT_NAMESPACE) -> QueueSpec:
+    """A worker's own mailbox queue: exclusive, gone 10 s after its node, requests live 300 s."""
+    return QueueSpec(
+        name=f"{nodename}.{namespace}.pidbox",
+        durable=False,
+        exclusive=True,
+        auto_delete=True,
+        arguments={"x-expires": 10_000, "x-message-ttl": 300_000},
+        exchange=pidbox_exchange(namespace),
+        routing_key="",
+    )

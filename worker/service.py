@@ -14,12 +14,15 @@ import structlog
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
 from broker_svc.topology import QueueSpec, dead_letter_queue, task_queue
+from control.node import MailboxNode
 from worker.amqp_compat import install_header_int_guard
 from worker.config import WorkerConfig
 from worker.consumer import TaskConsumer
 from worker.eta import EtaScheduler
+from worker.handlers import build_registry
 from worker.pool import ProcessPool
 from worker.replies import ReplyPublisher
+from worker.revoked import RevokedSet
 
 __all__ = ["WorkerService", "amqp_url"]
 
@@ -49,6 +52,7 @@ class WorkerService:
         self._stop = asyncio.Event()
         self._signals = 0
         self._consumer: TaskConsumer | None = None
+        self._revoked = RevokedSet()
 
     @property
     def clock(self) -> LamportClock:
@@ -110,6 +114,7 @@ class WorkerService:
             queue = await _declare(consume_channel, task_queue(name))
             tag = await queue.consume(consumer.for_queue(name))
             queues.append((queue, tag))
+        await self._start_mailbox(connection)
         log.info(
             "worker_ready",
             hostname=config.hostname,
@@ -127,6 +132,25 @@ class WorkerService:
                 log.warning("consumer_cancel_failed", queue=queue.name, error=str(exc))
         await consumer.stop(timeout_s=config.shutdown_timeout_s)
         await pool.close(timeout_s=0)
+
+    async def _start_mailbox(self, connection: aio_pika.abc.AbstractRobustConnection) -> None:
+        # The control plane is a side door: a worker whose mailbox cannot start (another node of
+        # the same name holds its exclusive queue) still serves tasks, and says so.
+        config = self._config
+        registry = build_registry(
+            app=self._app, clock=self._clock, nodename=config.hostname, revoked=self._revoked
+        )
+        node = MailboxNode(
+            await connection.channel(),
+            nodename=config.hostname,
+            registry=registry,
+            clock=self._clock,
+            accept=config.settings.accept_content,
+        )
+        try:
+            await node.start()
+        except aio_pika.exceptions.AMQPError as exc:
+            log.error("mailbox_unavailable", hostname=config.hostname, error=str(exc))
 
     def _relay_update(self, task_id: str, payload: dict[str, Any]) -> None:
         # The pool exists before the consumer (children start first); route updates once it does.

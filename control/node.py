@@ -1,0 +1,123 @@
+"""The mailbox node a worker runs: takes pidbox requests meant for it and answers them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aio_pika
+import aio_pika.abc
+import structlog
+
+from broker_svc import codec
+from broker_svc.clock import LamportClock
+from broker_svc.errors import MessageError
+from broker_svc.topology import DEFAULT_NAMESPACE, node_queue, reply_exchange
+from control.commands import CommandRegistry
+from control.protocol import CLOCK_HEADER, TICKET_HEADER, ControlRequest
+
+__all__ = ["MailboxNode"]
+
+log = structlog.get_logger(__name__)
+
+# Control requests are small; anything larger is refused unread.
+MAX_REQUEST_BYTES = 1024 * 1024
+
+
+class MailboxNode:
+    """Consumes ``<nodename>.<ns>.pidbox`` and dispatches each request to the registry.
+
+    Garbage (undecodable, wrong content type, oversized, malformed) is logged and counted, never
+    fatal. Replies go to the request's reply exchange and routing key, in the request's content
+    type, with its ticket and this process's clock.
+
+    Args:
+        channel: an aio-pika channel for the mailbox.
+        nodename: ``name@host``.
+        registry: the command handlers.
+        clock: the process's Lamport clock.
+        accept: serializer names accepted for requests.
+        namespace: the control namespace (Celery's ``control_exchange``).
+    """
+
+    def __init__(
+        self,
+        channel: aio_pika.abc.AbstractChannel,
+        *,
+        nodename: str,
+        registry: CommandRegistry,
+        clock: LamportClock,
+        accept: tuple[str, ...] = ("json", "msgpack"),
+        namespace: str = DEFAULT_NAMESPACE,
+    ) -> None:
+        self._channel = channel
+        self._nodename = nodename
+        self._registry = registry
+        self._clock = clock
+        self._accept = codec.accept_set(accept)
+        self._namespace = namespace
+        self._reply_exchanges: dict[str, aio_pika.abc.AbstractExchange] = {}
+        self.refused = 0
+        self.handled = 0
+
+    async def start(self) -> None:
+        """Declare the node queue (bound to the fanout exchange) and start consuming."""
+        spec = node_queue(self._nodename, self._namespace)
+        assert spec.exchange is not None
+        exchange = await self._channel.declare_exchange(
+            spec.exchange.name, type=aio_pika.ExchangeType.FANOUT, durable=False
+        )
+        queue = await self._channel.declare_queue(
+            spec.name,
+            durable=spec.durable,
+            exclusive=spec.exclusive,
+            auto_delete=spec.auto_delete,
+            arguments=spec.arguments,
+        )
+        await queue.bind(exchange, routing_key=spec.routing_key)
+        await queue.consume(self._on_message, no_ack=True)
+
+    async def _on_message(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        try:
+            await self._handle(message)
+        except Exception:  # the mailbox must outlive any request
+            self.refused += 1
+            log.exception("control_request_failed")
+
+    async def _handle(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        try:
+            body = codec.decode(
+                message.body, message.content_type, accept=self._accept, max_bytes=MAX_REQUEST_BYTES
+            )
+            request = ControlRequest.from_wire(body)
+        except MessageError as exc:
+            self.refused += 1
+            log.warning("control_request_refused", error=str(exc), size=len(message.body))
+            return
+        self._clock.adjust((message.headers or {}).get(CLOCK_HEADER))
+        if not request.is_for(self._nodename):
+            return
+        value = await self._registry.dispatch(request.method, request.arguments)
+        self.handled += 1
+        if request.wants_reply and request.method != "shutdown":
+            await self._reply(request, value, message.content_type)
+
+    async def _reply(self, request: ControlRequest, value: Any, content_type: str | None) -> None:
+        assert request.reply_to is not None and request.ticket is not None
+        # Replies go out in the request's content type: a json-only Celery CLI aborts on msgpack.
+        payload, ctype, encoding = codec.encode({self._nodename: value}, content_type or "json")
+        exchange = await self._reply_exchange(request.reply_to.exchange)
+        headers: dict[str, Any] = {TICKET_HEADER: request.ticket, CLOCK_HEADER: self._clock.forward()}
+        await exchange.publish(
+            aio_pika.Message(payload, content_type=ctype, content_encoding=encoding, headers=headers),
+            routing_key=request.reply_to.routing_key,
+        )
+
+    async def _reply_exchange(self, name: str) -> aio_pika.abc.AbstractExchange:
+        exchange = self._reply_exchanges.get(name)
+        if exchange is None:
+            default = reply_exchange(self._namespace)
+            exchange = await self._channel.declare_exchange(
+                name, type=aio_pika.ExchangeType.DIRECT, durable=default.durable
+            )
+            self._reply_exchanges[name] = exchange
+        return exchange

@@ -1,0 +1,114 @@
+"""The worker's mailbox answers pidbox requests: from raw AMQP, and from the real `celery inspect`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+
+import pika
+import pytest
+
+from broker_svc import Settings
+from tests.amqp import channel
+from tests.waiting import wait_for
+from tests.workers import ROOT, WorkerProcess
+
+
+@pytest.fixture
+def node(test_vhost_url: str, queue: str) -> Iterator[WorkerProcess]:
+    with WorkerProcess(test_vhost_url, queues=[queue], concurrency=1) as proc:
+        yield proc.wait_ready()
+
+
+def _call(
+    url: str,
+    method: str,
+    *,
+    arguments: dict | None = None,
+    destination: list[str] | None = None,
+    clock: int = 1,
+    body: bytes | None = None,
+    content_type: str = "application/json",
+) -> list:
+    """Broadcast one request the way kombu's Mailbox does and collect replies for 3 s."""
+    replies: list = []
+    oid = uuid.uuid4().hex
+    ticket = str(uuid.uuid4())
+    with channel(url) as ch:
+        ch.exchange_declare("reply.celery.pidbox", exchange_type="direct", durable=False)
+        ch.exchange_declare("celery.pidbox", exchange_type="fanout", durable=False)
+        reply_queue = ch.queue_declare("", exclusive=True).method.queue
+        ch.queue_bind(reply_queue, "reply.celery.pidbox", routing_key=oid)
+        reply_to = {"exchange": "reply.celery.pidbox", "routing_key": oid}
+        request = {
+            "method": method, "arguments": arguments or {}, "destination": destination, "pattern": None,
+            "matcher": None, "ticket": ticket, "reply_to": reply_to,
+        }  # fmt: skip
+        ch.basic_publish(
+            "celery.pidbox", "", body if body is not None else json.dumps(request).encode(),
+            pika.BasicProperties(content_type=content_type, headers={"clock": clock}),
+        )  # fmt: skip
+
+        def collect() -> bool:
+            method_frame, props, payload = ch.basic_get(reply_queue, auto_ack=True)
+            if method_frame is not None:
+                replies.append((props.headers, json.loads(payload)))
+            return False
+
+        from tests.waiting import poll
+
+        poll(collect, timeout_s=3.0, interval_s=0.05)
+    return replies
+
+
+def test_ping_gets_a_pong_with_the_ticket_and_a_clock_past_ours(test_vhost_url: str, node: WorkerProcess):
+    replies = _call(test_vhost_url, "ping", clock=5000)
+    assert len(replies) == 1
+    headers, body = replies[0]
+    assert body == {node.name: {"ok": "pong"}}
+    assert headers["ticket"] and headers["clock"] > 5000
+
+
+def test_destination_selects_the_node(test_vhost_url: str, node: WorkerProcess):
+    assert _call(test_vhost_url, "ping", destination=["someone-else@host"]) == []
+    assert len(_call(test_vhost_url, "clock", destination=[node.name])) == 1
+
+
+def test_unknown_commands_and_bad_arguments_get_error_replies(test_vhost_url: str, node: WorkerProcess):
+    [(_, body)] = _call(test_vhost_url, "no_such_command")
+    assert "error" in body[node.name]
+    [(_, body)] = _call(test_vhost_url, "ping", arguments={"bogus": 1})
+    assert "error" in body[node.name]
+
+
+def test_garbage_on_the_control_exchange_never_stops_the_node(test_vhost_url: str, node: WorkerProcess):
+    garbage_inputs = [
+        (b"\xff\xfe", "application/json"),
+        (b"[1,2]", "application/json"),
+        (b"\x80\x04", "application/x-python-serialize"),
+        (b"x" * 2_000_000, "application/json"),
+    ]
+    for garbage, ctype in garbage_inputs:
+        assert _call(test_vhost_url, "ping", body=garbage, content_type=ctype) == []
+    assert _call(test_vhost_url, "ping")[0][1] == {node.name: {"ok": "pong"}}
+    assert node.proc.poll() is None
+    wait_for(lambda: node.count("control_request_refused") >= 4, timeout_s=5, message="garbage not logged")
+
+
+@pytest.mark.interop
+def test_celery_inspect_ping_and_registered_see_our_worker(test_vhost_url: str, node: WorkerProcess):
+    env = {**os.environ, "INTEROP_BROKER_URL": test_vhost_url}
+    base = [sys.executable, "-m", "celery", "-A", "tests.interop.celery_app"]
+    ping = subprocess.run([*base, "inspect", "ping", "--timeout", "3"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert ping.returncode == 0, ping.stdout + ping.stderr
+    assert node.name in ping.stdout and "pong" in ping.stdout
+    registered = subprocess.run([*base, "inspect", "registered", "-d", node.name, "--timeout", "3"], cwd=ROOT,
+                                env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert registered.returncode == 0, registered.stdout + registered.stderr
+    assert "tests.integration.e2e_tasks.add" in registered.stdout
+    assert Settings(broker_url=test_vhost_url).virtual_host  # the run used the session's vhost
