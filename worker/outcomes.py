@@ -1,0 +1,219 @@
+"""What happens after a job ends: the result to the client, then ack, retry or dead-letter."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from typing import Any, Final
+
+import aio_pika
+import aio_pika.abc
+import structlog
+
+from broker_svc import codec
+from broker_svc.app import App
+from broker_svc.message import TaskMessage, parse_iso_datetime
+from broker_svc.outcome import CELERY_EXCEPTIONS_MODULE, Outcome, wire_exception
+from broker_svc.states import State
+from worker.eta import EtaScheduler
+from worker.pool import JobOutcome, JobStatus
+from worker.replies import ReplyPublisher
+
+__all__ = ["CHILD_DEATHS_HEADER", "OutcomeHandler", "reply_type", "settle"]
+
+log = structlog.get_logger(__name__)
+
+# How often this message has killed the child running it; travels with the message, so the
+# count survives worker restarts (DESIGN §4).
+CHILD_DEATHS_HEADER: Final = "x-clockwork-child-deaths"
+
+_STATUS_TO_STATE: Final = {
+    JobStatus.SUCCESS: State.SUCCESS,
+    JobStatus.FAILURE: State.FAILURE,
+    JobStatus.TIME_LIMIT: State.FAILURE,
+    JobStatus.TERMINATED: State.REVOKED,
+    JobStatus.LOST: State.FAILURE,
+    JobStatus.RETRY: State.RETRY,
+}
+
+
+class OutcomeHandler:
+    """Publishes states and outcomes in order, and settles each delivery once its copy is safe.
+
+    Args:
+        app: the app (for per-task ``ignore_result``).
+        replies: the confirm-mode publisher for results, dead letters and copies.
+        eta: where retries are parked until due.
+        max_child_deaths: how often a message may kill a child before it is dead-lettered.
+    """
+
+    def __init__(
+        self, *, app: App, replies: ReplyPublisher, eta: EtaScheduler, max_child_deaths: int
+    ) -> None:
+        self._app = app
+        self._replies = replies
+        self._eta = eta
+        self._max_child_deaths = max_child_deaths
+        # Each running task's chain of update publishes: updates, then the outcome, in order.
+        self._updates: dict[str, asyncio.Future[None]] = {}
+        self.processed = 0
+
+    def update(self, request: TaskMessage, payload: dict[str, Any]) -> None:
+        """A running task reported a state (``update_state``, STARTED): send it, in order."""
+        state = payload.get("state")
+        if not isinstance(state, str) or not state:
+            log.warning("task_update_ignored", task_id=request.id)
+            return
+        task_id = request.id
+        outcome = Outcome(task_id=task_id, status=state, result=payload.get("meta"))
+        previous = self._updates.get(task_id)
+        self._updates[task_id] = asyncio.ensure_future(self._publish_update(previous, request, outcome))
+
+    async def _publish_update(
+        self, previous: asyncio.Future[None] | None, request: TaskMessage, outcome: Outcome
+    ) -> None:
+        if previous is not None:
+            await asyncio.wait([previous])
+        try:
+            await self.reply(request, outcome)
+        except Exception as exc:  # a lost progress update must not fail the task
+            log.warning("task_update_not_sent", state=outcome.status, error=str(exc))
+
+    async def finish(
+        self,
+        message: aio_pika.abc.AbstractIncomingMessage,
+        queue: str,
+        request: TaskMessage,
+        outcome: JobOutcome,
+        *,
+        stopping: bool,
+    ) -> None:
+        """Report a job's outcome to its client, then ack (or retry, or dead-letter) its message."""
+        self.processed += 1
+        runtime_ms = round(outcome.runtime_s * 1000, 3)
+        if outcome.status == JobStatus.LOST:
+            if stopping:
+                return  # killed at the shutdown deadline: unacked, so the broker redelivers it
+            await self._child_lost(message, queue, request, outcome)
+            return
+        pending_updates = self._updates.pop(request.id, None)
+        if pending_updates is not None:
+            await asyncio.wait([pending_updates])  # progress first, then the outcome
+        if outcome.status == JobStatus.RETRY:
+            await self._retry(message, queue, request, outcome)
+            return
+        state = _STATUS_TO_STATE[outcome.status]
+        if outcome.status == JobStatus.SUCCESS:
+            log.info("task_succeeded", runtime_ms=runtime_ms, pid=outcome.pid)
+            result = Outcome(task_id=request.id, status=state, result=outcome.value)
+        else:
+            log.warning(
+                "task_failed", runtime_ms=runtime_ms, status=outcome.status.value, error=outcome.error
+            )
+            error = outcome.error or wire_exception("Exception", "unknown failure", module="builtins")
+            result = Outcome(task_id=request.id, status=state, result=error, traceback=outcome.traceback)
+        await self.reply(request, result)
+        if outcome.retries_exhausted:
+            await self._replies.dead_letter(
+                message,
+                queue=queue,
+                reason="max_retries_exceeded",
+                error=f"failed after {request.retries} retries: {_describe(outcome.error)}",
+            )
+        await settle(message.ack())
+
+    async def _retry(
+        self,
+        message: aio_pika.abc.AbstractIncomingMessage,
+        queue: str,
+        request: TaskMessage,
+        outcome: JobOutcome,
+    ) -> None:
+        # The copy (same id, retries + 1, new eta) is confirmed by the broker before the original
+        # is acked: a failed republish raises here and the original goes back to the queue.
+        value = outcome.value if isinstance(outcome.value, dict) else {}
+        eta = value.get("eta")
+        if not isinstance(eta, str):
+            eta = dt.datetime.now(dt.UTC).isoformat()
+        headers = {"retries": request.retries + 1, "eta": eta}
+        await self._republish_later(message, queue, eta, headers)
+        log.info("task_retried", retries=request.retries + 1, eta=eta, error=_describe(outcome.error))
+        error = outcome.error or wire_exception("Retry", "retry", module=CELERY_EXCEPTIONS_MODULE)
+        await self.reply(request, Outcome(
+            task_id=request.id, status=State.RETRY, result=error, traceback=outcome.traceback
+        ))  # fmt: skip
+        await settle(message.ack())
+
+    async def _republish_later(
+        self, message: aio_pika.abc.AbstractIncomingMessage, queue: str, eta: str, headers: dict[str, Any]
+    ) -> None:
+        try:
+            when = parse_iso_datetime(eta)
+        except ValueError:
+            when = dt.datetime.now(dt.UTC)
+        await self._eta.publish_delayed(message, queue=queue, eta=when, headers=headers)
+
+    async def _child_lost(
+        self,
+        message: aio_pika.abc.AbstractIncomingMessage,
+        queue: str,
+        request: TaskMessage,
+        outcome: JobOutcome,
+    ) -> None:
+        deaths = _int_header(message.headers, CHILD_DEATHS_HEADER) + 1
+        if deaths > self._max_child_deaths:
+            log.error("task_killed_its_child_too_often", deaths=deaths)
+            error = outcome.error or wire_exception(
+                "WorkerLostError", "child died", module="billiard.exceptions"
+            )
+            await self.reply(request, Outcome(task_id=request.id, status=State.FAILURE, result=error))
+            await self._replies.dead_letter(
+                message, queue=queue, reason="child_lost", error=f"the task killed its child {deaths} times"
+            )
+        else:
+            log.warning("task_child_lost_retrying", deaths=deaths, error=outcome.error)
+            await self._replies.republish(message, queue=queue, headers={CHILD_DEATHS_HEADER: deaths})
+        await settle(message.ack())
+
+    async def reply(self, request: TaskMessage, outcome: Outcome) -> None:
+        """Publish a state to the task's ``reply_to``, unless results are ignored."""
+        if request.reply_to is None or request.ignore_result:
+            return
+        task = self._app.tasks.get(request.task)
+        if task is not None and task.ignore_result:
+            return
+        await self._replies.publish_result(
+            outcome,
+            reply_to=request.reply_to,
+            correlation_id=request.correlation_id,
+            content_type=reply_type(request.content_type),
+        )
+
+
+def _describe(error: dict[str, Any] | None) -> str:
+    if not error:
+        return "unknown error"
+    message = error.get("exc_message")
+    text = ", ".join(map(str, message)) if isinstance(message, list) else str(message)
+    return f"{error.get('exc_type')}: {text}"
+
+
+def reply_type(content_type: str | None) -> str:
+    # Results go out in the request's content type; a refused type gets json, which every
+    # Celery client accepts.
+    return content_type if content_type in (codec.MSGPACK, codec.JSON) else codec.JSON
+
+
+def _int_header(headers: dict[str, Any] | None, name: str) -> int:
+    value = (headers or {}).get(name)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+async def settle(action: Any) -> None:
+    """Await an ack or nack, tolerating a channel that is gone."""
+    # After a reconnect the delivery's channel is gone: acking it would be a stale tag (406).
+    # The broker has already requeued it, so there is nothing left to do but note it.
+    try:
+        await action
+    except (aio_pika.exceptions.ChannelInvalidStateError, aio_pika.exceptions.AMQPError) as exc:
+        log.warning("settle_skipped_channel_gone", error=str(exc))
