@@ -16,7 +16,7 @@ from broker_svc import codec
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
 from broker_svc.errors import MessageError
-from broker_svc.message import TaskMessage, decode_task
+from broker_svc.message import TaskMessage, decode_task, safe_repr
 from broker_svc.outcome import Outcome, wire_exception
 from broker_svc.settings import Settings
 from broker_svc.states import State
@@ -65,6 +65,7 @@ class TaskConsumer:
         # Requests now running, for state updates; and each one's chain of update publishes, so
         # updates and the final result reach the client in the order they were made.
         self._running: dict[str, TaskMessage] = {}
+        self._started_at: dict[str, float] = {}
         self._outcomes = OutcomeHandler(app=app, replies=replies, eta=eta, max_child_deaths=max_child_deaths)
         self._reserved: set[asyncio.Task[Any]] = set()
         self._handlers: set[asyncio.Task[Any]] = set()
@@ -74,6 +75,32 @@ class TaskConsumer:
     def processed(self) -> int:
         """Jobs that ended (any outcome)."""
         return self._outcomes.processed
+
+    @property
+    def totals(self) -> dict[str, int]:
+        """Finished jobs per task name (inspect ``stats``: ``total``)."""
+        return dict(self._outcomes.totals)
+
+    def active(self, *, safe: bool = False) -> list[dict[str, Any]]:
+        """Celery's TASK_INFO of every running task (inspect ``active``)."""
+        pids = self._pool.running()
+        out = []
+        for task_id, request in list(self._running.items()):
+            out.append(
+                {
+                    "id": task_id,
+                    "name": request.display_name,
+                    "args": safe_repr(request.args) if safe else request.args,
+                    "kwargs": safe_repr(request.kwargs) if safe else request.kwargs,
+                    "type": request.task,
+                    "hostname": self._hostname,
+                    "time_start": self._started_at.get(task_id),
+                    "acknowledged": False,  # we ack after the task ran
+                    "delivery_info": {"routing_key": None, "priority": request.priority, "redelivered": None},
+                    "worker_pid": pids.get(task_id),
+                }
+            )
+        return out
 
     def on_update(self, task_id: str, payload: dict[str, Any]) -> None:
         """Pool callback: a running task reported a state."""
@@ -223,10 +250,12 @@ class TaskConsumer:
                 soft_time_limit_s=soft,
             )
             self._running[request.id] = request
+            self._started_at[request.id] = time.time()
             try:
                 return await self._pool.run(job)
             finally:
                 self._running.pop(request.id, None)
+                self._started_at.pop(request.id, None)
         finally:
             self._slots.release()
 

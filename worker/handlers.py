@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import resource
+import time
 from typing import Any
+from urllib.parse import urlsplit
 
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
 from control.commands import CommandRegistry
 from control.protocol import ok
+from worker.config import WorkerConfig
+from worker.consumer import TaskConsumer
+from worker.pool import ProcessPool
 from worker.revoked import RevokedSet
 
 __all__ = ["build_registry"]
@@ -16,9 +23,59 @@ __all__ = ["build_registry"]
 HELLO_REVOKED_LIMIT = 10_000
 
 
-def build_registry(*, app: App, clock: LamportClock, nodename: str, revoked: RevokedSet) -> CommandRegistry:
+def build_registry(
+    *,
+    app: App,
+    clock: LamportClock,
+    nodename: str,
+    revoked: RevokedSet,
+    consumer: TaskConsumer,
+    pool: ProcessPool,
+    config: WorkerConfig,
+) -> CommandRegistry:
     """The registry of the commands this worker answers today."""
     registry = CommandRegistry()
+    started = time.monotonic()
+
+    async def active(safe: bool) -> list[dict[str, Any]]:
+        return consumer.active(safe=safe)
+
+    async def stats() -> dict[str, Any]:
+        url = urlsplit(config.settings.broker_url)
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return {
+            "total": consumer.totals,
+            "pid": os.getpid(),
+            "clock": str(clock.value),  # a string, as Celery sends it
+            "uptime": int(time.monotonic() - started),
+            "pool": {
+                "implementation": "clockwork.worker.pool:ProcessPool",
+                "max-concurrency": config.concurrency,
+                "processes": pool.pids(),
+                "max-tasks-per-child": None,
+                "put-guarded-by-semaphore": False,
+                "timeouts": [config.soft_time_limit_s, config.time_limit_s],
+                "writes": {},
+            },
+            "broker": {
+                "hostname": url.hostname,
+                "userid": url.username,
+                "virtual_host": config.settings.virtual_host,
+                "port": url.port or (5671 if url.scheme == "amqps" else 5672),
+                "insist": False,
+                "ssl": url.scheme == "amqps",
+                "transport": "amqp",
+                "connect_timeout": config.settings.connect_timeout_s,
+                "transport_options": {},
+                "login_method": "PLAIN",
+                "uri_prefix": None,
+                "heartbeat": config.settings.heartbeat_s,
+                "failover_strategy": "round-robin",
+                "alternates": [],
+            },  # fmt: skip
+            "prefetch_count": config.prefetch_count,
+            "rusage": {"utime": usage.ru_utime, "stime": usage.ru_stime, "maxrss": usage.ru_maxrss},
+        }
 
     async def ping() -> dict[str, Any]:
         return ok("pong")
@@ -39,6 +96,8 @@ def build_registry(*, app: App, clock: LamportClock, nodename: str, revoked: Rev
         return {"revoked": known.to_wire(limit=HELLO_REVOKED_LIMIT), "clock": clock.forward()}
 
     known = revoked
+    registry.register("active", active)
+    registry.register("stats", stats)
     registry.register("ping", ping)
     registry.register("clock", clock_value)
     registry.register("registered", registered)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import datetime as dt
 from typing import Any, Final
 
@@ -57,6 +58,7 @@ class OutcomeHandler:
         # Each running task's chain of update publishes: updates, then the outcome, in order.
         self._updates: dict[str, asyncio.Future[None]] = {}
         self.processed = 0
+        self.totals: collections.Counter[str] = collections.Counter()
 
     def update(self, request: TaskMessage, payload: dict[str, Any]) -> None:
         """A running task reported a state (``update_state``, STARTED): send it, in order."""
@@ -90,6 +92,7 @@ class OutcomeHandler:
     ) -> None:
         """Report a job's outcome to its client, then ack (or retry, or dead-letter) its message."""
         self.processed += 1
+        self.totals[request.task] += 1
         runtime_ms = round(outcome.runtime_s * 1000, 3)
         if outcome.status == JobStatus.LOST:
             if stopping:

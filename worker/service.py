@@ -114,7 +114,7 @@ class WorkerService:
             queue = await _declare(consume_channel, task_queue(name))
             tag = await queue.consume(consumer.for_queue(name))
             queues.append((queue, tag))
-        await self._start_mailbox(connection)
+        await self._start_mailbox(connection, consumer, pool)
         log.info(
             "worker_ready",
             hostname=config.hostname,
@@ -133,12 +133,20 @@ class WorkerService:
         await consumer.stop(timeout_s=config.shutdown_timeout_s)
         await pool.close(timeout_s=0)
 
-    async def _start_mailbox(self, connection: aio_pika.abc.AbstractRobustConnection) -> None:
+    async def _start_mailbox(
+        self, connection: aio_pika.abc.AbstractRobustConnection, consumer: TaskConsumer, pool: ProcessPool
+    ) -> None:
         # The control plane is a side door: a worker whose mailbox cannot start (another node of
         # the same name holds its exclusive queue) still serves tasks, and says so.
         config = self._config
         registry = build_registry(
-            app=self._app, clock=self._clock, nodename=config.hostname, revoked=self._revoked
+            app=self._app,
+            clock=self._clock,
+            nodename=config.hostname,
+            revoked=self._revoked,
+            consumer=consumer,
+            pool=pool,
+            config=config,
         )
         node = MailboxNode(
             await connection.channel(),

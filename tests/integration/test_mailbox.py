@@ -112,3 +112,37 @@ def test_celery_inspect_ping_and_registered_see_our_worker(test_vhost_url: str, 
     assert registered.returncode == 0, registered.stdout + registered.stderr
     assert "tests.integration.e2e_tasks.add" in registered.stdout
     assert Settings(broker_url=test_vhost_url).virtual_host  # the run used the session's vhost
+
+
+@pytest.mark.interop
+def test_celery_inspect_active_and_stats_read_our_worker(
+    test_vhost_url: str, queue: str, node: WorkerProcess
+):
+    from broker_svc import App
+
+    app = App("inspect-client", settings=Settings(broker_url=test_vhost_url))
+    try:
+        running = app.send_task(
+            "tests.integration.e2e_tasks.sleep_s", (15, "slow"), queue=queue, task_id="act-1"
+        )
+        [(_, body)] = wait_for(
+            lambda: [r for r in _call(test_vhost_url, "active") if r[1][node.name]],
+            timeout_s=20,
+            message="the task never showed up as active",
+        )
+        [info] = body[node.name]
+        assert info["id"] == "act-1" and info["name"] == "tests.integration.e2e_tasks.sleep_s"
+        assert info["args"] == [15, "slow"] and info["worker_pid"] > 0 and info["time_start"] > 0
+        env = {**os.environ, "INTEROP_BROKER_URL": test_vhost_url}
+        base = [sys.executable, "-m", "celery", "-A", "tests.interop.celery_app"]
+        for command, expected in (("active", "act-1"), ("stats", '"max-concurrency": 1')):
+            out = subprocess.run([*base, "inspect", command, "--timeout", "3"], cwd=ROOT, env=env,
+                                 capture_output=True, text=True, timeout=60)  # fmt: skip
+            assert out.returncode == 0, out.stdout + out.stderr
+            assert expected in out.stdout, out.stdout
+        assert running.get(timeout=60) == "slow"
+        [(_, stats)] = _call(test_vhost_url, "stats")
+        assert stats[node.name]["total"] == {"tests.integration.e2e_tasks.sleep_s": 1}
+        assert isinstance(stats[node.name]["clock"], str)
+    finally:
+        app.close()
