@@ -135,26 +135,16 @@ class OutcomeHandler:
         # The copy (same id, retries + 1, new eta) is confirmed by the broker before the original
         # is acked: a failed republish raises here and the original goes back to the queue.
         value = outcome.value if isinstance(outcome.value, dict) else {}
-        eta = value.get("eta")
-        if not isinstance(eta, str):
-            eta = dt.datetime.now(dt.UTC).isoformat()
+        when = _eta_of(value.get("eta"))
+        eta = when.isoformat()
         headers = {"retries": request.retries + 1, "eta": eta}
-        await self._republish_later(message, queue, eta, headers)
+        await self._eta.publish_delayed(message, queue=queue, eta=when, headers=headers)
         log.info("task_retried", retries=request.retries + 1, eta=eta, error=_describe(outcome.error))
         error = outcome.error or wire_exception("Retry", "retry", module=CELERY_EXCEPTIONS_MODULE)
         await self.reply(request, Outcome(
             task_id=request.id, status=State.RETRY, result=error, traceback=outcome.traceback
         ))  # fmt: skip
         await settle(message.ack())
-
-    async def _republish_later(
-        self, message: aio_pika.abc.AbstractIncomingMessage, queue: str, eta: str, headers: dict[str, Any]
-    ) -> None:
-        try:
-            when = parse_iso_datetime(eta)
-        except ValueError:
-            when = dt.datetime.now(dt.UTC)
-        await self._eta.publish_delayed(message, queue=queue, eta=when, headers=headers)
 
     async def _child_lost(
         self,
@@ -191,6 +181,16 @@ class OutcomeHandler:
             correlation_id=request.correlation_id,
             content_type=reply_type(request.content_type),
         )
+
+
+def _eta_of(value: Any) -> dt.datetime:
+    # The child sends the retry's ETA as ISO-8601; anything unreadable means "now".
+    if isinstance(value, str):
+        try:
+            return parse_iso_datetime(value)
+        except ValueError:
+            pass
+    return dt.datetime.now(dt.UTC)
 
 
 def _describe(error: dict[str, Any] | None) -> str:
