@@ -22,11 +22,21 @@ __all__ = [
     "ExchangeSpec",
     "QueueSpec",
     "QueueType",
+    "EVENT_EXCHANGE",
+    "MEMBERS_ROUTING_KEY",
+    "control_reply_queue",
     "dead_letter_queue",
     "delay_bucket_ms",
     "delay_queue",
+    "event_exchange",
+    "event_queue",
+    "members_stream",
     "new_reply_queue_name",
+    "node_queue",
+    "pidbox_exchange",
+    "reply_exchange",
     "result_queue",
+    "revocation_log",
     "task_exchange",
     "task_queue",
 ]
@@ -54,7 +64,7 @@ class ExchangeSpec:
     """How to declare an exchange."""
 
     name: str
-    type: Literal["direct", "fanout", "topic"]
+    type: Literal["direct", "fanout", "topic", "headers"]
     durable: bool
     auto_delete: bool = False
 
@@ -200,4 +210,83 @@ def node_queue(nodename: str, namespace: str = DEFAULT_NAMESPACE) -> QueueSpec:
         arguments={"x-expires": 10_000, "x-message-ttl": 300_000},
         exchange=pidbox_exchange(namespace),
         routing_key="",
+    )
+
+
+def control_reply_queue(namespace: str = DEFAULT_NAMESPACE) -> QueueSpec:
+    """A control client's own reply queue ``<oid>.reply.<ns>.pidbox``, bound by its ``<oid>``."""
+    oid = str(uuid.uuid4())
+    return QueueSpec(
+        name=f"{oid}.reply.{namespace}.pidbox",
+        durable=False,
+        exclusive=True,
+        auto_delete=True,
+        arguments={"x-expires": 10_000, "x-message-ttl": 300_000},
+        exchange=reply_exchange(namespace),
+        routing_key=oid,
+    )
+
+
+# -- events (Celery's celeryev, WIRE.md §7) -------------------------------------------------------
+
+EVENT_EXCHANGE: Final = "celeryev"
+# Worker events (online, heartbeat, offline) are routed ``worker.<what>``.
+MEMBERS_ROUTING_KEY: Final = "worker.#"
+
+
+def event_exchange() -> ExchangeSpec:
+    """The topic exchange events are published on (durable, as Celery declares it)."""
+    return ExchangeSpec(name=EVENT_EXCHANGE, type="topic", durable=True)
+
+
+def event_queue(routing_key: str = "#") -> QueueSpec:
+    """A live event receiver's queue: exclusive, events older than 5 s dropped (as Celery's)."""
+    return QueueSpec(
+        name=f"celeryev.{uuid.uuid4()}",
+        durable=False,
+        exclusive=True,
+        auto_delete=True,
+        arguments={"x-message-ttl": 5_000, "x-expires": 60_000},
+        exchange=event_exchange(),
+        routing_key=routing_key,
+    )
+
+
+# -- Clockwork's own durable streams (RabbitMQ streams; see docs/design.md, "Control plane") ------
+
+
+def members_stream(namespace: str = DEFAULT_NAMESPACE) -> QueueSpec:
+    """A stream holding the last minute of worker events, bound to ``celeryev`` by ``worker.#``.
+
+    A control client that has just started reads it from a minute ago to learn which workers are
+    alive, so it can stop waiting once they have all answered. Small segments, because a stream
+    drops old data a whole segment at a time.
+    """
+    return QueueSpec(
+        name=f"clockwork.members.{namespace}",
+        durable=True,
+        arguments={
+            "x-queue-type": "stream",
+            "x-max-age": "60s",
+            "x-stream-max-segment-size-bytes": 1_000_000,
+            "x-max-length-bytes": 20_000_000,
+        },
+        exchange=event_exchange(),
+        routing_key=MEMBERS_ROUTING_KEY,
+    )
+
+
+def revocation_log(namespace: str = DEFAULT_NAMESPACE) -> QueueSpec:
+    """The durable log of revokes: every worker reads it from the start, so a revoke issued while
+    no worker was running still holds. Entries live as long as a revoked id does (10,800 s).
+    """
+    return QueueSpec(
+        name=f"clockwork.revoked.{namespace}",
+        durable=True,
+        arguments={
+            "x-queue-type": "stream",
+            "x-max-age": "10800s",
+            "x-stream-max-segment-size-bytes": 4_000_000,
+            "x-max-length-bytes": 200_000_000,
+        },
     )

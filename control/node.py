@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from contextvars import ContextVar
 from typing import Any
 
 import aio_pika
@@ -15,9 +17,12 @@ from broker_svc.topology import DEFAULT_NAMESPACE, node_queue, reply_exchange
 from control.commands import CommandRegistry
 from control.protocol import CLOCK_HEADER, TICKET_HEADER, ControlRequest
 
-__all__ = ["MailboxNode"]
+__all__ = ["MailboxNode", "request_headers"]
 
 log = structlog.get_logger(__name__)
+
+# The headers of the request a handler is running for (a handler that needs them reads this).
+request_headers: ContextVar[Mapping[str, Any] | None] = ContextVar("request_headers", default=None)
 
 # Control requests are small; anything larger is refused unread.
 MAX_REQUEST_BYTES = 1024 * 1024
@@ -96,6 +101,7 @@ class MailboxNode:
         self._clock.adjust((message.headers or {}).get(CLOCK_HEADER))
         if not request.is_for(self._nodename):
             return
+        request_headers.set(message.headers or {})
         value = await self._registry.dispatch(request.method, request.arguments)
         self.handled += 1
         if request.wants_reply and request.method != "shutdown":

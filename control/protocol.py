@@ -14,6 +14,7 @@ from broker_svc.errors import MessageError
 __all__ = [
     "CLOCK_HEADER",
     "EXPIRES_HEADER",
+    "MARKER_HEADER",
     "TICKET_HEADER",
     "ControlRequest",
     "ReplyAddress",
@@ -25,6 +26,9 @@ __all__ = [
 TICKET_HEADER: Final = "ticket"
 CLOCK_HEADER: Final = "clock"
 EXPIRES_HEADER: Final = "expires"
+# A reader of one of our streams publishes a message with this header (a uuid) and reads until it
+# sees it again: then it has read everything that was in the stream when it started.
+MARKER_HEADER: Final = "x-clockwork-marker"
 
 # A pattern is matched against every node name on every request: keep it short, so a hostile or
 # mistaken regex cannot stall a worker's loop.

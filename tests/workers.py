@@ -17,6 +17,9 @@ from typing import Any
 from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
+# Workers keep their revoked-set state files here (per node name), not in the user's home; a
+# worker restarted under the same name finds its file again.
+STATE_DIR = tempfile.mkdtemp(prefix="clockwork-test-state-")
 
 
 class WorkerProcess:
@@ -47,7 +50,13 @@ class WorkerProcess:
             stdout=self._logfile,
             stderr=subprocess.STDOUT,
             # The app's own client (tasks sending tasks) talks to the same broker and vhost.
-            env={**os.environ, "CLOCKWORK_BROKER_URL": url, **(env or {}), "PYTHONUNBUFFERED": "1"},
+            env={
+                **os.environ,
+                "CLOCKWORK_BROKER_URL": url,
+                "CLOCKWORK_STATE_DIR": STATE_DIR,
+                **(env or {}),
+                "PYTHONUNBUFFERED": "1",
+            },
         )
 
     @property

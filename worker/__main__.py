@@ -7,11 +7,12 @@ import asyncio
 import os
 import sys
 from collections.abc import Coroutine, Sequence
+from pathlib import Path
 from typing import Any
 
 from broker_svc.logging import configure_logging
 from broker_svc.settings import DEFAULT_BROKER_URL, Settings
-from worker.config import DEFAULT_HOSTNAME, WorkerConfig, expand_hostname
+from worker.config import DEFAULT_HOSTNAME, WorkerConfig, default_state_path, expand_hostname
 from worker.loader import load_app
 from worker.service import WorkerService
 
@@ -29,6 +30,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish tasks")
     parser.add_argument("--time-limit", type=float, default=None, help="default hard time limit (s)")
     parser.add_argument("--soft-time-limit", type=float, default=None, help="default soft time limit (s)")
+    parser.add_argument(
+        "--statedb",
+        default=None,
+        help="state file of revoked ids (default $CLOCKWORK_STATE_DIR/<node>.state); 'none' disables it",
+    )
+    parser.add_argument("-E", "--task-events", action="store_true", help="send task events from the start")
+    parser.add_argument("--heartbeat-interval", type=float, default=2.0, help="worker-heartbeat interval (s)")
+    parser.add_argument("--without-mingle", action="store_true", help="skip syncing with peers at start-up")
     return parser.parse_args(argv)
 
 
@@ -43,16 +52,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif not os.environ.get("CLOCKWORK_BROKER_URL"):
         settings = settings.with_options(broker_url=DEFAULT_BROKER_URL)
     queues = tuple(q.strip() for q in (args.queues or settings.default_queue).split(",") if q.strip())
+    hostname = expand_hostname(args.hostname)
+    if args.statedb is None:
+        state_path: Path | None = default_state_path(hostname)
+    else:
+        state_path = None if args.statedb.lower() == "none" else Path(args.statedb)
     config = WorkerConfig(
         app_spec=args.app,
         settings=settings,
-        hostname=expand_hostname(args.hostname),
+        hostname=hostname,
         queues=queues,
         concurrency=args.concurrency,
         prefetch_multiplier=args.prefetch_multiplier,
         shutdown_timeout_s=args.shutdown_timeout,
         time_limit_s=args.time_limit,
         soft_time_limit_s=args.soft_time_limit,
+        state_path=state_path,
+        task_events=args.task_events,
+        heartbeat_s=args.heartbeat_interval,
+        mingle=not args.without_mingle,
     )
     app = load_app(args.app)
     return _run(WorkerService(config, app).run())

@@ -21,9 +21,11 @@ from broker_svc.outcome import Outcome, wire_exception
 from broker_svc.settings import Settings
 from broker_svc.states import State
 from worker.eta import EtaScheduler
+from worker.events import EventDispatcher
 from worker.outcomes import OutcomeHandler, reply_type, settle
 from worker.pool import Job, JobOutcome, ProcessPool
 from worker.replies import ReplyPublisher
+from worker.revoked import RevokedSet
 
 __all__ = ["TaskConsumer"]
 
@@ -49,6 +51,8 @@ class TaskConsumer:
         concurrency: int,
         max_child_deaths: int,
         eta: EtaScheduler,
+        events: EventDispatcher,
+        revoked: RevokedSet,
         default_time_limits: tuple[float | None, float | None] = (None, None),
     ) -> None:
         self._app = app
@@ -62,11 +66,25 @@ class TaskConsumer:
         self._max_child_deaths = max_child_deaths
         self._default_limits = default_time_limits
         self._eta = eta
+        self._events = events
+        self._revoked = revoked
+        # Per-task limits set by the ``time_limit`` command: (hard, soft).
+        self.time_limits: dict[str, tuple[float | None, float | None]] = {}
+        # Deliveries waiting for a free child (inspect ``reserved``) or for their ETA in memory
+        # (inspect ``scheduled``), with their delivery info.
+        self._waiting: dict[str, tuple[TaskMessage, dict[str, Any]]] = {}
+        self._scheduled: dict[str, tuple[TaskMessage, dict[str, Any]]] = {}
+        self._delivery: dict[str, dict[str, Any]] = {}
+        # Signals sent by ``revoke(terminate=True)``, for the task-revoked event.
+        self._signums: dict[str, int] = {}
+        self.received = 0
         # Requests now running, for state updates; and each one's chain of update publishes, so
         # updates and the final result reach the client in the order they were made.
         self._running: dict[str, TaskMessage] = {}
         self._started_at: dict[str, float] = {}
-        self._outcomes = OutcomeHandler(app=app, replies=replies, eta=eta, max_child_deaths=max_child_deaths)
+        self._outcomes = OutcomeHandler(
+            app=app, replies=replies, eta=eta, events=events, max_child_deaths=max_child_deaths
+        )
         self._reserved: set[asyncio.Task[Any]] = set()
         self._handlers: set[asyncio.Task[Any]] = set()
         self._stopping = False
@@ -81,26 +99,77 @@ class TaskConsumer:
         """Finished jobs per task name (inspect ``stats``: ``total``)."""
         return dict(self._outcomes.totals)
 
+    @property
+    def running_count(self) -> int:
+        """Tasks running in children now."""
+        return len(self._running)
+
     def active(self, *, safe: bool = False) -> list[dict[str, Any]]:
         """Celery's TASK_INFO of every running task (inspect ``active``)."""
         pids = self._pool.running()
-        out = []
-        for task_id, request in list(self._running.items()):
-            out.append(
-                {
-                    "id": task_id,
-                    "name": request.display_name,
-                    "args": safe_repr(request.args) if safe else request.args,
-                    "kwargs": safe_repr(request.kwargs) if safe else request.kwargs,
-                    "type": request.task,
-                    "hostname": self._hostname,
-                    "time_start": self._started_at.get(task_id),
-                    "acknowledged": False,  # we ack after the task ran
-                    "delivery_info": {"routing_key": None, "priority": request.priority, "redelivered": None},
-                    "worker_pid": pids.get(task_id),
-                }
-            )
-        return out
+        return [
+            self._info(request, self._delivery.get(task_id, {}), safe=safe,
+                       time_start=self._started_at.get(task_id), pid=pids.get(task_id))
+            for task_id, request in list(self._running.items())
+        ]  # fmt: skip
+
+    def reserved(self, *, safe: bool = False) -> list[dict[str, Any]]:
+        """TASK_INFO of deliveries waiting for a free child (inspect ``reserved``)."""
+        return [self._info(r, d, safe=safe) for r, d in list(self._waiting.values())]
+
+    def scheduled(self, *, safe: bool = False) -> list[dict[str, Any]]:
+        """ETA tasks this worker holds in memory (inspect ``scheduled``).
+
+        Tasks due later wait in the broker's delay queues, not here (docs/design.md, ETA).
+        """
+        return [
+            {"eta": r.eta.isoformat() if r.eta else None, "priority": r.priority or 0,
+             "request": self._info(r, d, safe=safe)}
+            for r, d in list(self._scheduled.values())
+        ]  # fmt: skip
+
+    def query(self, task_ids: list[str]) -> dict[str, list[Any]]:
+        """Where each known id is: ``{id: [state, TASK_INFO]}`` (inspect ``query_task``)."""
+        found: dict[str, list[Any]] = {}
+        wanted = set(task_ids)
+        for state, infos in (
+            ("active", self.active()),
+            ("reserved", self.reserved()),
+            ("reserved", [s["request"] for s in self.scheduled()]),
+        ):
+            for info in infos:
+                if info["id"] in wanted and info["id"] not in found:
+                    found[info["id"]] = [state, info]
+        return found
+
+    def _info(
+        self,
+        request: TaskMessage,
+        delivery: dict[str, Any],
+        *,
+        safe: bool,
+        time_start: float | None = None,
+        pid: int | None = None,
+    ) -> dict[str, Any]:
+        return {
+            "id": request.id,
+            "name": request.display_name,
+            "args": safe_repr(request.args) if safe else request.args,
+            "kwargs": safe_repr(request.kwargs) if safe else request.kwargs,
+            "type": request.task,
+            "hostname": self._hostname,
+            "time_start": time_start,
+            "acknowledged": False,  # we ack after the task ran
+            "delivery_info": delivery,
+            "worker_pid": pid,
+        }
+
+    async def terminate(self, task_id: str, sig: int) -> bool:
+        """Signal the child running ``task_id`` (revoke with terminate)."""
+        if task_id not in self._running:
+            return False
+        self._signums[task_id] = int(sig)
+        return await self._pool.terminate(task_id, sig)
 
     def on_update(self, task_id: str, payload: dict[str, Any]) -> None:
         """Pool callback: a running task reported a state."""
@@ -194,6 +263,22 @@ class TaskConsumer:
                 content_type=reply_type(message.content_type),
             )
         await self._replies.dead_letter(message, queue=queue, reason=reason, error=error)
+        if isinstance(task_id, str):
+            await self._events.send("task-rejected", uuid=task_id, requeue=False)
+        await settle(message.ack())
+
+    async def _revoked_skip(
+        self, message: aio_pika.abc.AbstractIncomingMessage, request: TaskMessage, *, expired: bool
+    ) -> None:
+        # A revoked (or expired) task never runs: REVOKED result, task-revoked event, then the ack.
+        reason = "expired" if expired else "revoked"
+        log.info("task_revoked_skipped", reason=reason)
+        await self._outcomes.reply(request, Outcome(
+            task_id=request.id, status=State.REVOKED, result=wire_exception("TaskRevokedError", reason)
+        ))  # fmt: skip
+        await self._events.send(
+            "task-revoked", uuid=request.id, terminated=False, signum=None, expired=expired
+        )
         await settle(message.ack())
 
     async def _handle_task(
@@ -207,28 +292,54 @@ class TaskConsumer:
             await self._replies.dead_letter(
                 message, queue=queue, reason="NotRegistered", error=f"task {request.task!r} is not registered"
             )
+            await self._events.send("task-rejected", uuid=request.id, requeue=False)
             await settle(message.ack())
+            return
+        if request.id in self._revoked:
+            await self._revoked_skip(message, request, expired=False)
             return
         if request.expires is not None and request.expires <= dt.datetime.now(dt.UTC):
-            log.info("task_expired", expires=request.expires.isoformat())
-            await self._outcomes.reply(request, Outcome(
-                task_id=request.id, status=State.REVOKED, result=wire_exception("TaskRevokedError", "expired")
-            ))  # fmt: skip
-            await settle(message.ack())
+            await self._revoked_skip(message, request, expired=True)
             return
-        if request.eta is not None and await self._eta.defer(message, queue=queue, eta=request.eta):
-            return  # parked in a delay queue until nearly due (and acked here)
-        outcome = await self._run(request, message)
+        delivery = {
+            "exchange": message.exchange,
+            "routing_key": message.routing_key,
+            "priority": message.priority,
+            "redelivered": message.redelivered,
+        }
+        if request.eta is not None:
+            self._scheduled[request.id] = (request, delivery)
+            try:
+                if await self._eta.defer(message, queue=queue, eta=request.eta):
+                    return  # parked in a delay queue until nearly due (and acked here)
+            finally:
+                self._scheduled.pop(request.id, None)
+        self.received += 1
+        await self._events.send(
+            "task-received",
+            uuid=request.id,
+            name=request.task,
+            args=safe_repr(tuple(request.args)),  # Celery shows argsrepr, a tuple's repr
+            kwargs=safe_repr(request.kwargs),
+            root_id=request.root_id,
+            parent_id=request.parent_id,
+            retries=request.retries,
+            eta=request.eta.isoformat() if request.eta else None,
+            expires=request.expires.isoformat() if request.expires else None,
+        )
+        outcome = await self._run(request, message, delivery)
         if outcome is None:
-            return  # handed back to the broker (shutdown)
-        await self._outcomes.finish(message, queue, request, outcome, stopping=self._stopping)
+            return  # handed back to the broker (shutdown), or revoked while it waited
+        signum = self._signums.pop(request.id, None)
+        await self._outcomes.finish(message, queue, request, outcome, stopping=self._stopping, signum=signum)
 
     async def _run(
-        self, request: TaskMessage, message: aio_pika.abc.AbstractIncomingMessage
+        self, request: TaskMessage, message: aio_pika.abc.AbstractIncomingMessage, delivery: dict[str, Any]
     ) -> JobOutcome | None:
         task = asyncio.current_task()
         assert task is not None
         self._reserved.add(task)
+        self._waiting[request.id] = (request, delivery)
         try:
             await self._slots.acquire()
         except asyncio.CancelledError:
@@ -238,7 +349,11 @@ class TaskConsumer:
             return None
         finally:
             self._reserved.discard(task)
+            self._waiting.pop(request.id, None)
         try:
+            if request.id in self._revoked:  # revoked while it waited for a child
+                await self._revoked_skip(message, request, expired=False)
+                return None
             hard, soft = self._time_limits(request)
             job = Job(
                 task_id=request.id,
@@ -251,11 +366,14 @@ class TaskConsumer:
             )
             self._running[request.id] = request
             self._started_at[request.id] = time.time()
+            self._delivery[request.id] = delivery
+            await self._events.send("task-started", uuid=request.id)
             try:
                 return await self._pool.run(job)
             finally:
                 self._running.pop(request.id, None)
                 self._started_at.pop(request.id, None)
+                self._delivery.pop(request.id, None)
         finally:
             self._slots.release()
 
@@ -263,6 +381,9 @@ class TaskConsumer:
         # The call's limits win, then the task's own, then the worker's defaults (as Celery).
         task = self._app.tasks[request.task]
         hard, soft = request.timelimit
+        override_hard, override_soft = self.time_limits.get(request.task, (None, None))
+        hard = hard if hard is not None else override_hard
+        soft = soft if soft is not None else override_soft
         hard = hard if hard is not None else task.time_limit or self._default_limits[0]
         soft = soft if soft is not None else task.soft_time_limit or self._default_limits[1]
         return hard, soft

@@ -5,19 +5,47 @@ from __future__ import annotations
 import os
 import resource
 import time
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
+
+import structlog
 
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
+from broker_svc.topology import task_queue
 from control.commands import CommandRegistry
-from control.protocol import ok
+from control.node import request_headers
+from control.protocol import nok, ok
+from control.revocations import LOGGED_HEADER
 from worker.config import WorkerConfig
 from worker.consumer import TaskConsumer
+from worker.events import EventDispatcher
 from worker.pool import ProcessPool
-from worker.revoked import RevokedSet
+from worker.revocation import Revoker
 
-__all__ = ["build_registry"]
+__all__ = ["ServiceControls", "build_registry", "queue_info"]
+
+log = structlog.get_logger(__name__)
+
+
+class ServiceControls(Protocol):
+    """What the commands that change the worker itself need from the service."""
+
+    async def add_consumer(self, queue: str) -> str:
+        """Start consuming ``queue``; a message for the reply."""
+
+    async def cancel_consumer(self, queue: str) -> str:
+        """Stop consuming ``queue``; a message for the reply."""
+
+    def consuming(self) -> list[str]:
+        """The queues consumed now."""
+
+    async def heartbeat(self) -> None:
+        """Send a worker-heartbeat event now."""
+
+    def request_stop(self) -> None:
+        """Begin a graceful shutdown."""
+
 
 # Mingle replies carry at most this many revoked ids, so 100,000 revokes never make a 7 MB reply.
 HELLO_REVOKED_LIMIT = 10_000
@@ -28,12 +56,14 @@ def build_registry(
     app: App,
     clock: LamportClock,
     nodename: str,
-    revoked: RevokedSet,
+    revoker: Revoker,
     consumer: TaskConsumer,
     pool: ProcessPool,
     config: WorkerConfig,
+    events: EventDispatcher,
+    controls: ServiceControls,
 ) -> CommandRegistry:
-    """The registry of the commands this worker answers today."""
+    """The registry of every command this worker answers, bound to its state."""
     registry = CommandRegistry()
     started = time.monotonic()
 
@@ -87,15 +117,85 @@ def build_registry(
         return sorted(name for name in app.tasks if builtins or not name.startswith("celery."))
 
     async def revoked_ids() -> list[str]:
-        return list(revoked)
+        return list(revoker.revoked)
 
     async def hello(from_node: str, revoked: dict[str, Any]) -> dict[str, Any] | None:
         if from_node == nodename:
             return None
-        known.merge_wire(revoked)
-        return {"revoked": known.to_wire(limit=HELLO_REVOKED_LIMIT), "clock": clock.forward()}
+        revoker.merge_peer(revoked)
+        return {"revoked": revoker.revoked.to_wire(limit=HELLO_REVOKED_LIMIT), "clock": clock.forward()}
 
-    known = revoked
+    async def reserved() -> list[dict[str, Any]]:
+        return consumer.reserved()
+
+    async def scheduled() -> list[dict[str, Any]]:
+        return consumer.scheduled()
+
+    async def query_task(ids: str | list[str]) -> dict[str, Any]:
+        return consumer.query([ids] if isinstance(ids, str) else [str(i) for i in ids])
+
+    async def active_queues() -> list[dict[str, Any]]:
+        return [queue_info(name) for name in controls.consuming()]
+
+    async def conf(with_defaults: bool) -> dict[str, Any]:
+        settings = config.settings
+        return {
+            "broker_url": settings.safe_broker_url,
+            "task_serializer": settings.serializer,
+            "accept_content": list(settings.accept_content),
+            "task_default_queue": settings.default_queue,
+            "worker_concurrency": config.concurrency,
+            "worker_prefetch_multiplier": config.prefetch_multiplier,
+            "task_time_limit": config.time_limit_s,
+            "task_soft_time_limit": config.soft_time_limit_s,
+            "worker_send_task_events": events.task_events,
+            "result_persistent": settings.result_persistent,
+        }
+
+    async def revoke(task_id: str | list[str], terminate: bool, signal: str | int | None) -> dict[str, Any]:
+        ids = [task_id] if isinstance(task_id, str) else [str(t) for t in task_id]
+        if not (request_headers.get() or {}).get(LOGGED_HEADER):
+            # A revoke that did not come through our client (celery control revoke, Flower) is
+            # journaled too, so workers that are down now still learn it.
+            await revoker.journal(ids, terminate=terminate, signal_name=str(signal) if signal else None)
+        return await revoker.revoke(ids, terminate=terminate, signal_name=signal)
+
+    async def terminate(task_id: str | list[str], signal: str | int | None) -> dict[str, Any]:
+        return await revoke(task_id, True, signal)
+
+    async def time_limit(task_name: str, soft: float | None, hard: float | None) -> dict[str, Any]:
+        if task_name not in app.tasks:
+            return nok("unknown task")
+        consumer.time_limits[task_name] = (hard, soft)
+        return ok("time limits set successfully")
+
+    async def add_consumer(
+        queue: str, exchange: str | None, exchange_type: str, routing_key: str | None, options: Any
+    ) -> dict[str, Any]:
+        return ok(await controls.add_consumer(queue))
+
+    async def cancel_consumer(queue: str) -> dict[str, Any]:
+        return ok(await controls.cancel_consumer(queue))
+
+    async def enable_events() -> dict[str, Any]:
+        if events.task_events:
+            return ok("task events already enabled")
+        events.task_events = True
+        return ok("task events enabled")
+
+    async def disable_events() -> dict[str, Any]:
+        if not events.task_events:
+            return ok("task events already disabled")
+        events.task_events = False
+        return ok("task events disabled")
+
+    async def heartbeat() -> None:
+        await controls.heartbeat()
+
+    async def shutdown(msg: str | None) -> None:
+        log.warning("shutdown_requested", message=msg)
+        controls.request_stop()
+
     registry.register("active", active)
     registry.register("stats", stats)
     registry.register("ping", ping)
@@ -103,4 +203,49 @@ def build_registry(
     registry.register("registered", registered)
     registry.register("revoked", revoked_ids)
     registry.register("hello", hello)
+    registry.register("reserved", reserved)
+    registry.register("scheduled", scheduled)
+    registry.register("query_task", query_task)
+    registry.register("active_queues", active_queues)
+    registry.register("conf", conf)
+    registry.register("revoke", revoke)
+    registry.register("terminate", terminate)
+    registry.register("time_limit", time_limit)
+    registry.register("add_consumer", add_consumer)
+    registry.register("cancel_consumer", cancel_consumer)
+    registry.register("enable_events", enable_events)
+    registry.register("disable_events", disable_events)
+    registry.register("heartbeat", heartbeat)
+    registry.register("shutdown", shutdown)
     return registry
+
+
+def queue_info(name: str) -> dict[str, Any]:
+    """A task queue as kombu's ``Queue.as_dict`` shows it (inspect ``active_queues``)."""
+    spec = task_queue(name)
+    exchange = spec.exchange
+    assert exchange is not None
+    return {
+        "name": spec.name,
+        "exchange": {
+            "name": exchange.name, "type": exchange.type, "arguments": None, "durable": exchange.durable,
+            "passive": False, "auto_delete": exchange.auto_delete, "delivery_mode": None,
+            "no_declare": False,
+        },
+        "routing_key": spec.routing_key,
+        "queue_arguments": spec.arguments or None,
+        "binding_arguments": None,
+        "consumer_arguments": None,
+        "durable": spec.durable,
+        "exclusive": spec.exclusive,
+        "auto_delete": spec.auto_delete,
+        "no_ack": False,
+        "alias": None,
+        "bindings": [],
+        "no_declare": None,
+        "expires": None,
+        "message_ttl": None,
+        "max_length": None,
+        "max_length_bytes": None,
+        "max_priority": None,
+    }  # fmt: skip

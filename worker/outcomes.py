@@ -13,14 +13,15 @@ import structlog
 
 from broker_svc import codec
 from broker_svc.app import App
-from broker_svc.message import TaskMessage, parse_iso_datetime
+from broker_svc.message import TaskMessage, parse_iso_datetime, safe_repr
 from broker_svc.outcome import CELERY_EXCEPTIONS_MODULE, Outcome, wire_exception
 from broker_svc.states import State
 from worker.eta import EtaScheduler
+from worker.events import EventDispatcher
 from worker.pool import JobOutcome, JobStatus
 from worker.replies import ReplyPublisher
 
-__all__ = ["CHILD_DEATHS_HEADER", "OutcomeHandler", "reply_type", "settle"]
+__all__ = ["CHILD_DEATHS_HEADER", "OutcomeHandler", "describe_repr", "reply_type", "settle"]
 
 log = structlog.get_logger(__name__)
 
@@ -45,15 +46,23 @@ class OutcomeHandler:
         app: the app (for per-task ``ignore_result``).
         replies: the confirm-mode publisher for results, dead letters and copies.
         eta: where retries are parked until due.
+        events: where task-* events go.
         max_child_deaths: how often a message may kill a child before it is dead-lettered.
     """
 
     def __init__(
-        self, *, app: App, replies: ReplyPublisher, eta: EtaScheduler, max_child_deaths: int
+        self,
+        *,
+        app: App,
+        replies: ReplyPublisher,
+        eta: EtaScheduler,
+        events: EventDispatcher,
+        max_child_deaths: int,
     ) -> None:
         self._app = app
         self._replies = replies
         self._eta = eta
+        self._events = events
         self._max_child_deaths = max_child_deaths
         # Each running task's chain of update publishes: updates, then the outcome, in order.
         self._updates: dict[str, asyncio.Future[None]] = {}
@@ -89,8 +98,12 @@ class OutcomeHandler:
         outcome: JobOutcome,
         *,
         stopping: bool,
+        signum: int | None = None,
     ) -> None:
-        """Report a job's outcome to its client, then ack (or retry, or dead-letter) its message."""
+        """Report a job's outcome to its client, then ack (or retry, or dead-letter) its message.
+
+        ``signum`` is the signal a ``revoke(terminate=True)`` sent, if any.
+        """
         self.processed += 1
         self.totals[request.task] += 1
         runtime_ms = round(outcome.runtime_s * 1000, 3)
@@ -109,12 +122,31 @@ class OutcomeHandler:
         if outcome.status == JobStatus.SUCCESS:
             log.info("task_succeeded", runtime_ms=runtime_ms, pid=outcome.pid)
             result = Outcome(task_id=request.id, status=state, result=outcome.value)
+            await self._events.send(
+                "task-succeeded", uuid=request.id, result=safe_repr(outcome.value), runtime=outcome.runtime_s
+            )
+        elif outcome.status == JobStatus.TERMINATED:
+            log.warning("task_terminated", runtime_ms=runtime_ms, signum=signum)
+            result = Outcome(task_id=request.id, status=state, result=outcome.error)
+            await self._events.send(
+                "task-revoked",
+                uuid=request.id,
+                terminated=True,
+                signum=str(signum) if signum is not None else None,
+                expired=False,
+            )
         else:
             log.warning(
                 "task_failed", runtime_ms=runtime_ms, status=outcome.status.value, error=outcome.error
             )
             error = outcome.error or wire_exception("Exception", "unknown failure", module="builtins")
             result = Outcome(task_id=request.id, status=state, result=error, traceback=outcome.traceback)
+            await self._events.send(
+                "task-failed",
+                uuid=request.id,
+                exception=describe_repr(error),
+                traceback=outcome.traceback or "",
+            )
         await self.reply(request, result)
         if outcome.retries_exhausted:
             await self._replies.dead_letter(
@@ -141,6 +173,9 @@ class OutcomeHandler:
         await self._eta.publish_delayed(message, queue=queue, eta=when, headers=headers)
         log.info("task_retried", retries=request.retries + 1, eta=eta, error=_describe(outcome.error))
         error = outcome.error or wire_exception("Retry", "retry", module=CELERY_EXCEPTIONS_MODULE)
+        await self._events.send(
+            "task-retried", uuid=request.id, exception=describe_repr(error), traceback=outcome.traceback or ""
+        )
         await self.reply(request, Outcome(
             task_id=request.id, status=State.RETRY, result=error, traceback=outcome.traceback
         ))  # fmt: skip
@@ -199,6 +234,13 @@ def _describe(error: dict[str, Any] | None) -> str:
     message = error.get("exc_message")
     text = ", ".join(map(str, message)) if isinstance(message, list) else str(message)
     return f"{error.get('exc_type')}: {text}"
+
+
+def describe_repr(error: dict[str, Any]) -> str:
+    """An exception map as Celery's events show it: ``ValueError('bad')``."""
+    message = error.get("exc_message")
+    items = message if isinstance(message, list) else [message]
+    return f"{error.get('exc_type')}({', '.join(repr(m) for m in items)})"
 
 
 def reply_type(content_type: str | None) -> str:

@@ -34,6 +34,11 @@ class RevokedSet:
         self._expires_s = expires_s
         self._entries: OrderedDict[str, float] = OrderedDict()
 
+    @property
+    def expires_s(self) -> float:
+        """How long an id stays revoked."""
+        return self._expires_s
+
     def __contains__(self, task_id: object) -> bool:
         if not isinstance(task_id, str):
             return False

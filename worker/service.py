@@ -19,9 +19,11 @@ from worker.amqp_compat import install_header_int_guard
 from worker.config import WorkerConfig
 from worker.consumer import TaskConsumer
 from worker.eta import EtaScheduler
+from worker.events import EventDispatcher, Heart
 from worker.handlers import build_registry
 from worker.pool import ProcessPool
 from worker.replies import ReplyPublisher
+from worker.revocation import Revoker
 from worker.revoked import RevokedSet
 
 __all__ = ["WorkerService", "amqp_url"]
@@ -53,6 +55,11 @@ class WorkerService:
         self._signals = 0
         self._consumer: TaskConsumer | None = None
         self._revoked = RevokedSet()
+        self._heart: Heart | None = None
+        self._consume_channel: aio_pika.abc.AbstractChannel | None = None
+        # Task queues consumed now: name → (queue, consumer tag).
+        self._consuming: dict[str, tuple[aio_pika.abc.AbstractQueue, str]] = {}
+        self._background: set[asyncio.Task[Any]] = set()
 
     @property
     def clock(self) -> LamportClock:
@@ -89,10 +96,18 @@ class WorkerService:
         config = self._config
         consume_channel = await connection.channel(publisher_confirms=False)
         await consume_channel.set_qos(prefetch_count=config.prefetch_count)  # per consumer
+        self._consume_channel = consume_channel
         publish_channel = await connection.channel(publisher_confirms=True)
         replies = ReplyPublisher(
             publish_channel, clock=self._clock, persistent=config.settings.result_persistent
         )
+        events = EventDispatcher(
+            await connection.channel(publisher_confirms=False),
+            hostname=config.hostname,
+            clock=self._clock,
+            task_events=config.task_events,
+        )
+        await events.start()
         # Held ETA deliveries count against the prefetch: leave one per child for due tasks.
         eta = EtaScheduler(publish_channel, max_held=config.prefetch_count - config.concurrency)
         consumer = TaskConsumer(
@@ -105,36 +120,102 @@ class WorkerService:
             concurrency=config.concurrency,
             max_child_deaths=config.max_child_deaths,
             eta=eta,
+            events=events,
+            revoked=self._revoked,
             default_time_limits=(config.time_limit_s, config.soft_time_limit_s),
         )
         self._consumer = consumer
-        queues: list[tuple[aio_pika.abc.AbstractQueue, str]] = []
+        revoker = Revoker(
+            self._revoked,
+            terminate=consumer.terminate,
+            clock=self._clock,
+            hostname=config.hostname,
+            state_path=config.state_path,
+            namespace=config.namespace,
+        )
+        # Every revoke we can know of is known before the first task is taken: the state file,
+        # then the broker's log read up to now.
+        revoker.load()
+        await revoker.follow_log(await connection.channel(publisher_confirms=False), publish_channel)
+        heart = Heart(events, lambda: (consumer.running_count, consumer.received), freq_s=config.heartbeat_s)
+        self._heart = heart
+        await self._start_mailbox(connection, consumer, pool, revoker, events)
         for name in config.queues:
-            await _declare(publish_channel, dead_letter_queue(name))
-            queue = await _declare(consume_channel, task_queue(name))
-            tag = await queue.consume(consumer.for_queue(name))
-            queues.append((queue, tag))
-        await self._start_mailbox(connection, consumer, pool)
+            await self.add_consumer(name)
+        await heart.start()
+        connection.reconnect_callbacks.add(self._on_reconnect)
         log.info(
             "worker_ready",
             hostname=config.hostname,
             queues=list(config.queues),
             concurrency=config.concurrency,
             prefetch=config.prefetch_count,
+            revoked=len(self._revoked),
             pid=os.getpid(),
         )
-        await self._stop.wait()
-        log.info("worker_stopping", in_flight=consumer.in_flight, timeout_s=config.shutdown_timeout_s)
-        for queue, tag in queues:
-            try:
-                await queue.cancel(tag)
-            except aio_pika.exceptions.AMQPError as exc:
-                log.warning("consumer_cancel_failed", queue=queue.name, error=str(exc))
-        await consumer.stop(timeout_s=config.shutdown_timeout_s)
-        await pool.close(timeout_s=0)
+        try:
+            await self._stop.wait()
+            log.info("worker_stopping", in_flight=consumer.in_flight, timeout_s=config.shutdown_timeout_s)
+            for name in list(self._consuming):
+                await self.cancel_consumer(name)
+            await consumer.stop(timeout_s=config.shutdown_timeout_s)
+            await pool.close(timeout_s=0)
+            await heart.stop()
+        finally:
+            revoker.save()
+
+    # -- what control commands change (worker.handlers.ServiceControls) ----------------------------
+
+    async def add_consumer(self, queue: str) -> str:
+        """Declare ``queue`` (as Celery does) and consume it."""
+        channel, consumer = self._consume_channel, self._consumer
+        assert channel is not None and consumer is not None
+        if queue in self._consuming:
+            return f"already consuming from {queue!r}"
+        await _declare(channel, dead_letter_queue(queue))
+        declared = await _declare(channel, task_queue(queue))
+        tag = await declared.consume(consumer.for_queue(queue))
+        self._consuming[queue] = (declared, tag)
+        log.info("consumer_added", queue=queue)
+        return f"add consumer {queue}"
+
+    async def cancel_consumer(self, queue: str) -> str:
+        """Stop consuming ``queue``; deliveries already taken still run."""
+        entry = self._consuming.pop(queue, None)
+        if entry is None:
+            return f"not consuming from {queue}"
+        declared, tag = entry
+        try:
+            await declared.cancel(tag)
+        except aio_pika.exceptions.AMQPError as exc:
+            log.warning("consumer_cancel_failed", queue=queue, error=str(exc))
+        log.info("consumer_cancelled", queue=queue)
+        return f"no longer consuming from {queue}"
+
+    def consuming(self) -> list[str]:
+        """The task queues consumed now."""
+        return list(self._consuming)
+
+    async def heartbeat(self) -> None:
+        """Send a worker-heartbeat now."""
+        if self._heart is not None:
+            await self._heart.beat()
+
+    async def _on_reconnect(self, _connection: Any) -> None:
+        # The broker may have forgotten us (and we it): announce the node again.
+        log.info("worker_reconnected", hostname=self._config.hostname)
+        if self._heart is not None:
+            task = asyncio.create_task(self._heart.online())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     async def _start_mailbox(
-        self, connection: aio_pika.abc.AbstractRobustConnection, consumer: TaskConsumer, pool: ProcessPool
+        self,
+        connection: aio_pika.abc.AbstractRobustConnection,
+        consumer: TaskConsumer,
+        pool: ProcessPool,
+        revoker: Revoker,
+        events: EventDispatcher,
     ) -> None:
         # The control plane is a side door: a worker whose mailbox cannot start (another node of
         # the same name holds its exclusive queue) still serves tasks, and says so.
@@ -143,10 +224,12 @@ class WorkerService:
             app=self._app,
             clock=self._clock,
             nodename=config.hostname,
-            revoked=self._revoked,
+            revoker=revoker,
             consumer=consumer,
             pool=pool,
             config=config,
+            events=events,
+            controls=self,
         )
         node = MailboxNode(
             await connection.channel(),
@@ -154,6 +237,7 @@ class WorkerService:
             registry=registry,
             clock=self._clock,
             accept=config.settings.accept_content,
+            namespace=config.namespace,
         )
         try:
             await node.start()

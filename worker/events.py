@@ -1,0 +1,196 @@
+"""Events on ``celeryev`` (Celery's format, WIRE.md §7): worker online/heartbeat/offline, task-*.
+
+Events are JSON (a receiver that meets one msgpack event breaks), carry the sender's Lamport clock
+in the body and its node name in the ``hostname`` header, and are best-effort: a lost event is
+logged, never a reason to fail a task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, Final
+
+import aio_pika
+import aio_pika.abc
+import structlog
+
+from broker_svc.clock import LamportClock
+from broker_svc.topology import event_exchange
+
+__all__ = ["HEARTBEAT_FREQ_S", "EventDispatcher", "Heart", "utcoffset"]
+
+log = structlog.get_logger(__name__)
+
+HEARTBEAT_FREQ_S: Final = 2.0
+SW_IDENT: Final = "py-clockwork"
+# Task events are sent only while enabled (``-E`` or ``enable_events``), as in Celery; worker
+# events always are.
+_TASK_GROUP: Final = "task-"
+
+
+def utcoffset() -> int:
+    """Hours *west* of UTC, Celery's sign (a UTC+2 host sends -2), DST included when in effect."""
+    if time.daylight and time.localtime().tm_isdst > 0:
+        return time.altzone // 3600
+    return time.timezone // 3600
+
+
+def _software_version() -> str:
+    try:
+        return version("clockwork")
+    except PackageNotFoundError:
+        return "0"
+
+
+class EventDispatcher:
+    """Publishes events for one node.
+
+    Args:
+        channel: a channel without publisher confirms (events are fire-and-forget).
+        hostname: the sender's node name.
+        clock: the process's Lamport clock, forwarded on every event.
+        task_events: send ``task-*`` events (``-E``); changed by ``enable_events``/``disable_events``.
+    """
+
+    def __init__(
+        self,
+        channel: aio_pika.abc.AbstractChannel,
+        *,
+        hostname: str,
+        clock: LamportClock,
+        task_events: bool = False,
+    ) -> None:
+        self._channel = channel
+        self._hostname = hostname
+        self._clock = clock
+        self._exchange: aio_pika.abc.AbstractExchange | None = None
+        self.task_events = task_events
+        self.sent = 0
+        self.failed = 0
+
+    async def start(self) -> None:
+        """Declare ``celeryev`` (topic, durable; equal to Celery's declaration)."""
+        spec = event_exchange()
+        self._exchange = await self._channel.declare_exchange(
+            spec.name, type=aio_pika.ExchangeType(spec.type), durable=spec.durable
+        )
+
+    def fields(self, event_type: str, **extra: Any) -> dict[str, Any]:
+        """An event map with the standard fields (the clock is forwarded: this is a send)."""
+        return {
+            "type": event_type,
+            "hostname": self._hostname,
+            "pid": os.getpid(),
+            "clock": self._clock.forward(),
+            "timestamp": time.time(),
+            "utcoffset": utcoffset(),
+            **extra,
+        }
+
+    async def send(self, event_type: str, **extra: Any) -> None:
+        """Publish one event; task events only while enabled. Never raises on broker errors."""
+        if event_type.startswith(_TASK_GROUP) and not self.task_events:
+            return
+        exchange = self._exchange
+        if exchange is None:
+            return
+        event = self.fields(event_type, **extra)
+        message = aio_pika.Message(
+            json.dumps(event, default=repr).encode(),
+            content_type="application/json",
+            content_encoding="utf-8",
+            delivery_mode=aio_pika.DeliveryMode.NOT_PERSISTENT,
+            headers={"hostname": self._hostname},
+        )
+        try:
+            await exchange.publish(message, routing_key=event_type.replace("-", "."))
+            self.sent += 1
+        except Exception as exc:  # events are best-effort: a broken channel must not fail a task
+            self.failed += 1
+            log.warning("event_not_sent", event_type=event_type, error=str(exc))
+
+    def send_soon(self, event_type: str, **extra: Any) -> None:
+        """Schedule ``send`` without waiting for it (from synchronous callbacks)."""
+        if event_type.startswith(_TASK_GROUP) and not self.task_events:
+            return
+        task = asyncio.ensure_future(self.send(event_type, **extra))
+        _pending.add(task)
+        task.add_done_callback(_pending.discard)
+
+
+_pending: set[asyncio.Future[None]] = set()
+
+
+class Heart:
+    """Sends ``worker-online`` on start, ``worker-heartbeat`` every ``freq_s``, ``worker-offline`` on stop.
+
+    Args:
+        events: the dispatcher.
+        stats: returns ``(active, processed)``: tasks running now, tasks received since start.
+        freq_s: the heartbeat interval, sent as ``freq`` so receivers know when we are late.
+    """
+
+    def __init__(
+        self,
+        events: EventDispatcher,
+        stats: Callable[[], tuple[int, int]],
+        *,
+        freq_s: float = HEARTBEAT_FREQ_S,
+    ) -> None:
+        self._events = events
+        self._stats = stats
+        self._freq_s = freq_s
+        self._task: asyncio.Task[None] | None = None
+
+    def _fields(self) -> dict[str, Any]:
+        active, processed = self._stats()
+        try:
+            loadavg = [round(x, 2) for x in os.getloadavg()]
+        except OSError:
+            loadavg = [0.0, 0.0, 0.0]
+        return {
+            "freq": self._freq_s,
+            "sw_ident": SW_IDENT,
+            "sw_ver": _software_version(),
+            "sw_sys": platform.system(),
+            "active": active,
+            "processed": processed,
+            "loadavg": loadavg,
+        }
+
+    async def start(self) -> None:
+        """Announce the node and start beating."""
+        await self._events.send("worker-online", **self._fields())
+        if self._task is None:
+            self._task = asyncio.create_task(self._beat(), name="heartbeat")
+
+    async def online(self) -> None:
+        """Announce the node again (after a reconnect)."""
+        await self._events.send("worker-online", **self._fields())
+
+    async def beat(self) -> None:
+        """One heartbeat now (the ``heartbeat`` control command)."""
+        await self._events.send("worker-heartbeat", **self._fields())
+
+    async def stop(self) -> None:
+        """Stop beating and say goodbye."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        await self._events.send("worker-offline", **self._fields())
+
+    async def _beat(self) -> None:
+        # Scheduled on a fixed grid, so a slow send does not stretch the interval receivers expect.
+        loop = asyncio.get_running_loop()
+        next_at = loop.time() + self._freq_s
+        while True:
+            await asyncio.sleep(max(0.0, next_at - loop.time()))
+            next_at += self._freq_s
+            await self.beat()
