@@ -45,3 +45,11 @@ def kill_child() -> None:
 def started_at() -> float:
     """When the task body ran (wall clock), for ETA tests."""
     return time.time()
+
+
+@app.task
+def record(path: str, tag: str) -> str:
+    """Append ``tag`` to the file at ``path``: proof that the body ran."""
+    with open(path, "a") as out:
+        out.write(tag + "\n")
+    return tag

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from broker_svc import App, Settings
+from broker_svc import App
 from tests.events import EventTap
 from tests.pidbox import call, cast
 from tests.workers import WorkerProcess
@@ -18,12 +18,6 @@ from tests.workers import WorkerProcess
 def tap(test_vhost_url: str) -> Iterator[EventTap]:
     with EventTap(test_vhost_url) as t:
         yield t
-
-
-@pytest.fixture
-def client(test_vhost_url: str) -> Iterator[App]:
-    with App("events-test", settings=Settings.from_url(test_vhost_url)) as app:
-        yield app
 
 
 def test_worker_online_heartbeats_at_freq_and_offline(test_vhost_url: str, queue: str, tap: EventTap):

@@ -1,0 +1,168 @@
+"""Revoke holds: queued, running (terminate), across a worker restart, and while no worker runs."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import pika
+import pytest
+
+from broker_svc import App, State, TaskRevokedError
+from control.revocations import RevokeEntry
+from tests.amqp import channel
+from tests.events import EventTap
+from tests.pidbox import call
+from tests.waiting import wait_for
+from tests.workers import WorkerProcess
+
+RECORD = "tests.integration.e2e_tasks.record"
+SLEEP = "tests.integration.e2e_tasks.sleep_s"
+LOG = "clockwork.revoked.celery"
+
+
+def _ran(path: Path) -> set[str]:
+    return set(path.read_text().split()) if path.exists() else set()
+
+
+def _ids(n: int) -> list[str]:
+    return [str(uuid.uuid4()) for _ in range(n)]
+
+
+def test_revoked_queued_tasks_never_run(test_vhost_url: str, queue: str, client: App, tmp_path: Path):
+    ran = tmp_path / "ran.txt"
+    with (
+        WorkerProcess(test_vhost_url, queues=[queue], concurrency=1, extra_args=["-E"]) as worker,
+        EventTap(test_vhost_url) as tap,
+    ):
+        worker.wait_ready()
+        blocker = client.send_task(SLEEP, args=(1.5,), queue=queue)
+        ids = _ids(6)
+        results = [client.send_task(RECORD, args=(str(ran), i), queue=queue, task_id=i) for i in ids]
+        client.flush()
+        revoked = ids[::2]
+        replies = call(test_vhost_url, "revoke", arguments={"task_id": revoked}, expect=1)
+        assert replies[0][1][worker.name]["ok"].endswith("flagged as revoked")
+        blocker.get(timeout=30)
+        for task_id, result in zip(ids, results, strict=True):
+            if task_id in revoked:
+                with pytest.raises(TaskRevokedError):
+                    result.get(timeout=30)
+                assert result.state == State.REVOKED
+            else:
+                assert result.get(timeout=30) == task_id
+        tap.wait(lambda ev: len(tap.of("task-revoked")) >= 3, message="task-revoked events")
+    assert _ran(ran) == set(ids) - set(revoked)  # 0 revoked tasks executed
+    assert {e["uuid"] for e in tap.of("task-revoked")} == set(revoked)
+    assert all(e["terminated"] is False and e["expired"] is False for e in tap.of("task-revoked"))
+    # Prefetched ones were received before the revoke came; none of them started.
+    assert not any(tap.of("task-started", uuid=i) for i in revoked)
+
+
+def test_terminate_kills_the_running_task_and_records_revoked(test_vhost_url: str, queue: str, client: App):
+    with (
+        WorkerProcess(test_vhost_url, queues=[queue], concurrency=1, extra_args=["-E"]) as worker,
+        EventTap(test_vhost_url) as tap,
+    ):
+        worker.wait_ready()
+        long = client.send_task(SLEEP, args=(60,), queue=queue)
+        tap.wait(lambda ev: bool(tap.of("task-started", uuid=long.id)), message="the long task started")
+        replies = call(
+            test_vhost_url, "revoke", arguments={"task_id": long.id, "terminate": True, "signal": "SIGKILL"},
+            expect=1,
+        )  # fmt: skip
+        assert replies[0][1] == {worker.name: {"ok": f"terminate: {long.id}"}}
+        with pytest.raises(TaskRevokedError, match="terminated"):
+            long.get(timeout=30)
+        assert long.state == State.REVOKED
+        tap.wait(lambda ev: bool(tap.of("task-revoked", uuid=long.id)), message="task-revoked")
+        event = tap.of("task-revoked", uuid=long.id)[0]
+        assert event["terminated"] is True and event["signum"] == "9"
+        # The child was replaced; the worker goes on.
+        assert (
+            client.send_task("tests.integration.e2e_tasks.add", args=(1, 2), queue=queue).get(timeout=30) == 3
+        )
+        # Terminating a task that is not running says so.
+        replies = call(test_vhost_url, "terminate", arguments={"task_id": "nope"}, expect=1)
+        assert replies[0][1] == {worker.name: {"ok": "terminate: tasks unknown"}}
+    assert worker.proc.returncode == 0
+
+
+def test_a_restarted_worker_remembers_from_its_state_file(
+    test_vhost_url: str, queue: str, client: App, tmp_path: Path
+):
+    ran = tmp_path / "ran.txt"
+    name = f"restart{uuid.uuid4().hex[:6]}@test"
+    ids = _ids(3)
+    with WorkerProcess(test_vhost_url, queues=[queue], concurrency=1, name=name) as worker:
+        worker.wait_ready()
+        replies = call(test_vhost_url, "revoke", arguments={"task_id": ids[:2]}, expect=1)
+        assert name in replies[0][1]
+    assert worker.proc.returncode == 0
+    # Without the broker's log, only the state file can tell the new process what was revoked.
+    with channel(test_vhost_url) as ch:
+        ch.queue_delete(LOG)
+    results = [client.send_task(RECORD, args=(str(ran), i), queue=queue, task_id=i) for i in ids]
+    with WorkerProcess(test_vhost_url, queues=[queue], concurrency=1, name=name) as worker:
+        worker.wait_ready()
+        assert results[2].get(timeout=30) == ids[2]
+        for result in results[:2]:
+            with pytest.raises(TaskRevokedError):
+                result.get(timeout=30)
+        revoked = call(test_vhost_url, "revoked", destination=[name], expect=1)[0][1][name]
+        assert set(ids[:2]) <= set(revoked)
+    assert _ran(ran) == {ids[2]}
+
+
+def test_a_revoke_logged_while_no_worker_runs_holds_when_one_starts(
+    test_vhost_url: str, queue: str, client: App, tmp_path: Path
+):
+    ran = tmp_path / "ran.txt"
+    ids = _ids(4)
+    # The task messages wait in the queue; no worker of this queue exists yet.
+    results = [client.send_task(RECORD, args=(str(ran), i), queue=queue, task_id=i) for i in ids]
+    client.flush()
+    with channel(test_vhost_url) as ch:
+        ch.confirm_delivery()
+        ch.queue_declare(
+            LOG, durable=True,
+            arguments={"x-queue-type": "stream", "x-max-age": "10800s",
+                       "x-stream-max-segment-size-bytes": 4_000_000, "x-max-length-bytes": 200_000_000},
+        )  # fmt: skip
+        entry = RevokeEntry.new(ids[:3], hostname="test")
+        ch.basic_publish(
+            "", LOG, entry.encode(),
+            pika.BasicProperties(content_type="application/json", delivery_mode=2, headers={"clock": 7}),
+        )  # fmt: skip
+    with WorkerProcess(test_vhost_url, queues=[queue], concurrency=2) as worker:
+        worker.wait_ready()
+        assert results[3].get(timeout=30) == ids[3]
+        for result in results[:3]:
+            with pytest.raises(TaskRevokedError):
+                result.get(timeout=30)
+        logged = [e for e in worker.events() if e.get("event") == "revocation_log_read"]
+        assert logged and logged[0]["revoked"] >= 3
+    assert _ran(ran) == {ids[3]}
+
+
+def test_bad_revocation_entries_are_skipped(test_vhost_url: str, queue: str, client: App):
+    with channel(test_vhost_url) as ch:
+        ch.confirm_delivery()
+        ch.queue_declare(
+            LOG, durable=True,
+            arguments={"x-queue-type": "stream", "x-max-age": "10800s",
+                       "x-stream-max-segment-size-bytes": 4_000_000, "x-max-length-bytes": 200_000_000},
+        )  # fmt: skip
+        for body in (b"\xff\x00garbage", json.dumps({"task_ids": "not-a-list"}).encode(), b"[1,2]"):
+            ch.basic_publish("", LOG, body, pika.BasicProperties(headers={"clock": -5}))
+    with WorkerProcess(test_vhost_url, queues=[queue], concurrency=1) as worker:
+        worker.wait_ready()
+        wait_for(
+            lambda: sum(e.get("event") == "revocation_entry_refused" for e in worker.events()) >= 3,
+            timeout_s=15,
+            message="three refused entries logged",
+        )
+        assert (
+            client.send_task("tests.integration.e2e_tasks.add", args=(2, 2), queue=queue).get(timeout=30) == 4
+        )
