@@ -86,7 +86,7 @@ COMMANDS: Final[dict[str, Command]] = {
         _c("ping", _I, '{"ok": "pong"}'),
         _c("clock", _I, '{"clock": n}'),
         _c("hello", _I, '{"revoked": LimitedSet data, "clock": n} or null to itself',
-           from_node=Param(_STR, required=True), revoked=Param((dict,), default={})),
+           from_node=Param(_STR, required=True), revoked=Param((dict, list), default={})),
         _c("stats", _I, "map: total, pid, clock (str), uptime, pool, broker, prefetch_count, rusage"),
         _c("active", _I, "list of task info", safe=Param(_BOOL, default=False)),
         _c("reserved", _I, "list of task info"),

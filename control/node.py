@@ -24,8 +24,9 @@ log = structlog.get_logger(__name__)
 # The headers of the request a handler is running for (a handler that needs them reads this).
 request_headers: ContextVar[Mapping[str, Any] | None] = ContextVar("request_headers", default=None)
 
-# Control requests are small; anything larger is refused unread.
-MAX_REQUEST_BYTES = 1024 * 1024
+# Control requests are small, but a Celery peer's hello carries its whole revoked set (50,000 ids
+# is about 5 MB of JSON); anything larger is refused unread.
+MAX_REQUEST_BYTES = 16 * 1024 * 1024
 
 
 class MailboxNode:

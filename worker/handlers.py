@@ -20,6 +20,7 @@ from control.revocations import LOGGED_HEADER
 from worker.config import WorkerConfig
 from worker.consumer import TaskConsumer
 from worker.events import EventDispatcher
+from worker.mingle import HELLO_REVOKED_LIMIT
 from worker.pool import ProcessPool
 from worker.revocation import Revoker
 
@@ -45,10 +46,6 @@ class ServiceControls(Protocol):
 
     def request_stop(self) -> None:
         """Begin a graceful shutdown."""
-
-
-# Mingle replies carry at most this many revoked ids, so 100,000 revokes never make a 7 MB reply.
-HELLO_REVOKED_LIMIT = 10_000
 
 
 def build_registry(
@@ -119,7 +116,7 @@ def build_registry(
     async def revoked_ids() -> list[str]:
         return list(revoker.revoked)
 
-    async def hello(from_node: str, revoked: dict[str, Any]) -> dict[str, Any] | None:
+    async def hello(from_node: str, revoked: dict[str, Any] | list[Any]) -> dict[str, Any] | None:
         if from_node == nodename:
             return None
         revoker.merge_peer(revoked)

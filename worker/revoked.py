@@ -94,18 +94,24 @@ class RevokedSet:
         return {task_id: [float(added), task_id] for task_id, added in items}
 
     def merge_wire(self, data: Any) -> int:
-        """Merge a peer's LimitedSet data; malformed entries are skipped.
+        """Merge a peer's revoked ids; malformed entries are skipped.
 
-        A peer's times are its own monotonic clock, not ours, so merged ids count as added now.
+        Celery 5.6 sends its LimitedSet data (``{id: [time, id]}``), Celery 5.7 a list of ids,
+        oldest first; both are taken. A peer's times are its own monotonic clock, not ours, so
+        merged ids count as added now.
 
         Returns:
             How many ids were new here.
         """
-        if not isinstance(data, Mapping):
+        if isinstance(data, list):
+            pairs: list[tuple[Any, Any]] = [(task_id, 0.0) for task_id in data]
+        elif isinstance(data, Mapping):
+            pairs = list(data.items())
+        else:
             return 0
         added = 0
         now = time.monotonic()
-        for task_id, value in list(data.items())[-self._maxlen :]:
+        for task_id, value in pairs[-self._maxlen :]:
             if not isinstance(task_id, str) or not _is_entry(value):
                 continue
             if task_id not in self._entries:

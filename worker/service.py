@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import aio_pika
@@ -14,6 +15,7 @@ import structlog
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
 from broker_svc.topology import QueueSpec, dead_letter_queue, task_queue
+from control.broadcast import AsyncBroadcaster
 from control.node import MailboxNode
 from worker.amqp_compat import install_header_int_guard
 from worker.config import WorkerConfig
@@ -21,6 +23,7 @@ from worker.consumer import TaskConsumer
 from worker.eta import EtaScheduler
 from worker.events import EventDispatcher, Heart
 from worker.handlers import build_registry
+from worker.mingle import mingle
 from worker.pool import ProcessPool
 from worker.replies import ReplyPublisher
 from worker.revocation import Revoker
@@ -60,6 +63,7 @@ class WorkerService:
         # Task queues consumed now: name → (queue, consumer tag).
         self._consuming: dict[str, tuple[aio_pika.abc.AbstractQueue, str]] = {}
         self._background: set[asyncio.Task[Any]] = set()
+        self._mingle: Callable[[], Coroutine[Any, Any, None]] | None = None
 
     @property
     def clock(self) -> LamportClock:
@@ -140,6 +144,27 @@ class WorkerService:
         heart = Heart(events, lambda: (consumer.running_count, consumer.received), freq_s=config.heartbeat_s)
         self._heart = heart
         await self._start_mailbox(connection, consumer, pool, revoker, events)
+        if config.mingle:
+            broadcast_channel = await connection.channel(publisher_confirms=False)
+            broadcaster = AsyncBroadcaster(broadcast_channel, clock=self._clock, namespace=config.namespace)
+            await broadcaster.start()
+
+            async def run_mingle() -> None:
+                members_channel = await connection.channel(publisher_confirms=False)
+                try:
+                    await mingle(
+                        broadcaster,
+                        members_channel,
+                        nodename=config.hostname,
+                        revoker=revoker,
+                        clock=self._clock,
+                        namespace=config.namespace,
+                    )
+                finally:
+                    await members_channel.close()
+
+            self._mingle = run_mingle
+            await run_mingle()  # before the first task: peers' revokes hold for it too
         for name in config.queues:
             await self.add_consumer(name)
         await heart.start()
@@ -204,10 +229,16 @@ class WorkerService:
     async def _on_reconnect(self, _connection: Any) -> None:
         # The broker may have forgotten us (and we it): announce the node again.
         log.info("worker_reconnected", hostname=self._config.hostname)
-        if self._heart is not None:
-            task = asyncio.create_task(self._heart.online())
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+        steps: list[Callable[[], Coroutine[Any, Any, None]] | None] = [
+            self._heart.online if self._heart else None,
+            self._mingle,
+        ]
+        for step in steps:
+            if step is not None:
+                task = asyncio.create_task(step())
+                self._background.add(task)
+                task.add_done_callback(_log_failure)
+                task.add_done_callback(self._background.discard)
 
     async def _start_mailbox(
         self,
@@ -262,6 +293,11 @@ class WorkerService:
             os._exit(1)
         log.info("worker_signal", signal=sig.name)
         self._stop.set()
+
+
+def _log_failure(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("background_step_failed", task=task.get_name(), error=repr(task.exception()))
 
 
 async def _declare(channel: aio_pika.abc.AbstractChannel, spec: QueueSpec) -> aio_pika.abc.AbstractQueue:

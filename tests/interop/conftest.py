@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -37,10 +38,11 @@ def start_celery_worker(test_vhost_url: str) -> Iterator[Callable[[str], subproc
     """Start ``celery worker`` (solo pool) on a queue and wait until it says it is ready."""
     started: list[tuple[subprocess.Popen[bytes], Path]] = []
 
-    def start(queue: str, pool: str = "solo") -> subprocess.Popen[bytes]:
+    def start(queue: str, pool: str = "solo", *, social: bool = False) -> subprocess.Popen[bytes]:
+        """``social``: with Mingle, gossip and heartbeats (off by default: they slow start-up)."""
         log = Path(tempfile.mkstemp(prefix="celery-worker-", suffix=".log")[1])
         with log.open("w") as out:
-            proc = _popen_celery_worker(queue, out, test_vhost_url, pool)
+            proc = _popen_celery_worker(queue, out, test_vhost_url, pool, social=social)
         started.append((proc, log))
 
         def ready() -> bool:
@@ -63,7 +65,14 @@ def start_celery_worker(test_vhost_url: str) -> Iterator[Callable[[str], subproc
         assert "PRECONDITION_FAILED" not in text, text[-3000:]
 
 
-def _popen_celery_worker(queue: str, out: IO[str], url: str, pool: str) -> subprocess.Popen[bytes]:
+def celery_node_name(queue: str) -> str:
+    """The node name ``start_celery_worker`` gives the Celery worker of ``queue``."""
+    return f"celery-{queue}@{socket.gethostname()}"
+
+
+def _popen_celery_worker(
+    queue: str, out: IO[str], url: str, pool: str, *, social: bool = False
+) -> subprocess.Popen[bytes]:
     # The child keeps its own copy of the log file descriptor; ours is closed by the caller.
     return subprocess.Popen(
         [
@@ -81,9 +90,7 @@ def _popen_celery_worker(queue: str, out: IO[str], url: str, pool: str) -> subpr
             queue,
             "-n",
             f"celery-{queue}@%h",
-            "--without-mingle",
-            "--without-gossip",
-            "--without-heartbeat",
+            *([] if social else ["--without-mingle", "--without-gossip", "--without-heartbeat"]),
             "-l",
             "info",
         ],  # fmt: skip

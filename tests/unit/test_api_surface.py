@@ -54,14 +54,27 @@ def test_imports_flow_worker_to_control_to_broker_svc_only():
         assert "worker" not in _top(names), path
 
 
-def test_pika_only_in_the_connection_module_and_aio_pika_only_in_worker_and_the_node():
+# DESIGN §1: a module is pure, blocking (pika) or async (aio-pika), never two of those.
+BLOCKING = {"broker_svc/connection.py", "control/client.py"}
+ASYNC_IN_CONTROL = {"control/node.py", "control/broadcast.py"}
+PURE_CONTROL = {"control/protocol.py", "control/commands.py", "control/collect.py", "control/members.py",
+                "control/revocations.py"}  # fmt: skip
+
+
+def test_pika_only_in_blocking_modules_and_aio_pika_only_in_worker_and_async_control_modules():
     for package in ("broker_svc", "control", "worker"):
         for path, names in _package_imports(package).items():
             tops = _top(names)
             if "pika" in tops:
-                assert path == "broker_svc/connection.py", path
+                assert path in BLOCKING, path
             if "aio_pika" in tops or "aiormq" in tops:
-                assert path.startswith("worker/") or path == "control/node.py", path
+                assert path.startswith("worker/") or path in ASYNC_IN_CONTROL, path
+
+
+def test_pure_control_modules_do_no_io():
+    for path in PURE_CONTROL:
+        tops = _top(_imports(ROOT / path))
+        assert not tops & {"pika", "aio_pika", "aiormq", "socket", "asyncio"}, path
 
 
 def test_pure_modules_do_no_io():
