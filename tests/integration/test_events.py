@@ -120,3 +120,19 @@ def test_worker_clock_follows_a_peer_event_free_request(test_vhost_url: str, que
         started = time.monotonic()
         assert worker.proc.wait(timeout=30) == 0
         assert time.monotonic() - started < 30
+
+
+@pytest.mark.parametrize("abusive", [-5, 2**40, "12abc", "1e9", [7], True, None])
+def test_abusive_request_clocks_are_ignored_and_the_node_keeps_answering(
+    test_vhost_url: str, queue: str, tap: EventTap, abusive: object
+):
+    with WorkerProcess(test_vhost_url, queues=[queue], concurrency=1) as worker:
+        worker.wait_ready()
+        replies = call(test_vhost_url, "clock", destination=[worker.name], clock=abusive, expect=1)  # type: ignore[arg-type]
+        # Ignored, not clamped to the top: one bad peer must not drag every clock to the limit.
+        assert replies[0][1][worker.name]["clock"] < 10_000
+        assert replies[0][0]["clock"] < 10_000
+        cast(test_vhost_url, "heartbeat", destination=[worker.name])
+        tap.wait(lambda ev: bool(tap.of("worker-heartbeat", hostname=worker.name)), message="heartbeat")
+        assert all(e["clock"] < 10_000 for e in tap.events if e.get("hostname") == worker.name)
+        assert worker.proc.poll() is None
