@@ -16,7 +16,7 @@ BROKER_FLAGS ?=
 WITH_BROKER := trap '$(BROKER) stop --state-dir $(STATE) --owner $$$$' EXIT; trap 'exit 130' INT TERM; \
 	url=$$($(BROKER) ensure --state-dir $(STATE) --owner $$$$ $(BROKER_FLAGS)) || exit $$?
 
-.PHONY: run test worker bench lint typecheck clean
+.PHONY: run test worker bench lint typecheck chromium clean
 
 # File targets, so the environment is built once and reinstalled only when pyproject.toml changes.
 # pip (not python) marks a usable venv: without python3-venv, `venv` leaves a python but no pip.
@@ -28,10 +28,21 @@ $(VENV)/.installed: $(BIN)/pip pyproject.toml
 	$(BIN)/pip install -e '.[test,speed]'
 	touch $@
 
+# Debian's chromium, for the Flower screenshot test (tests/interop/browser.py fails without it, never
+# skips). Phony, so a chromium removed since the last run is noticed; a no-op once it is on PATH.
+chromium:
+	@command -v chromium >/dev/null 2>&1 && exit 0; \
+	if [ "$$(id -u)" = 0 ]; then sudo=; \
+	elif command -v sudo >/dev/null 2>&1; then sudo=sudo; \
+	else echo "chromium is missing and this is not root without sudo: run 'apt-get install -y chromium' as root." >&2; exit 1; fi; \
+	$$sudo apt-get update && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium \
+		|| { echo "Installing chromium failed; the Flower screenshot test needs Debian's chromium." >&2; exit 1; }; \
+	command -v chromium >/dev/null 2>&1 || { echo "chromium is still not on PATH after installing it." >&2; exit 1; }
+
 run: $(VENV)/.installed
 	@$(WITH_BROKER); CLOCKWORK_BROKER_URL="$$url" $(BIN)/python -m examples.demo
 
-test: lint typecheck
+test: lint typecheck chromium
 	@$(WITH_BROKER); AMQP_URL="$$url" $(BIN)/pytest
 
 worker: $(VENV)/.installed

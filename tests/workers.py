@@ -78,6 +78,17 @@ class WorkerProcess:
     def count(self, event: str) -> int:
         return sum(1 for e in self.events() if e.get("event") == event)
 
+    def first(self, event: str, timeout_s: float = 30.0) -> dict[str, Any]:
+        """The first log line of ``event``, waiting for it."""
+
+        def found() -> dict[str, Any] | None:
+            return next((e for e in self.events() if e.get("event") == event), None)
+
+        message = f"{event} not logged:\n{self.log_text()[-4000:]}"
+        record = wait_for(found, timeout_s=timeout_s, message=message)
+        assert record is not None
+        return record
+
     def log_text(self) -> str:
         return self._log.read_text()
 

@@ -7,6 +7,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pika
 import pytest
@@ -14,16 +15,11 @@ import pytest
 from control.revocations import LOGGED_HEADER
 from tests.amqp import channel
 from tests.pidbox import call
-from tests.waiting import wait_for
 from tests.workers import WorkerProcess
 
 
-def _mingle(worker: WorkerProcess) -> dict:
-    return wait_for(
-        lambda: next((e for e in worker.events() if e.get("event") == "mingle_done"), None),
-        timeout_s=30,
-        message="mingle_done logged",
-    )
+def _mingle(worker: WorkerProcess) -> dict[str, Any]:
+    return worker.first("mingle_done")
 
 
 def test_a_new_worker_learns_a_peers_revoked_ids_and_clock(test_vhost_url: str, queue: str):

@@ -8,7 +8,6 @@ from collections.abc import Callable
 
 from tests.interop.conftest import celery_node_name
 from tests.pidbox import call
-from tests.waiting import wait_for
 from tests.workers import WorkerProcess, unique_queue
 
 
@@ -24,11 +23,7 @@ def test_our_new_worker_learns_from_a_celery_worker(
     call(test_vhost_url, "ping", destination=[celery_node], clock=600_000, expect=1)
     with WorkerProcess(test_vhost_url, queues=[our_queue], concurrency=1) as worker:
         worker.wait_ready()
-        mingled = wait_for(
-            lambda: next((e for e in worker.events() if e.get("event") == "mingle_done"), None),
-            timeout_s=30,
-            message="mingle_done",
-        )
+        mingled = worker.first("mingle_done")
         assert celery_node in mingled["nodes"], mingled
         revoked = call(test_vhost_url, "revoked", destination=[worker.name], expect=1)[0][1][worker.name]
         assert set(ids) <= set(revoked)
