@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import datetime as dt
+import importlib.metadata
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -14,7 +15,7 @@ import structlog
 
 from broker_svc import codec
 from broker_svc.clock import LamportClock
-from broker_svc.errors import BrokerSvcError, NotRegistered
+from broker_svc.errors import BrokerSvcError, ConfigurationError, NotRegistered
 from broker_svc.message import TaskMessage
 from broker_svc.pending import PendingPublish
 from broker_svc.publisher import Publisher
@@ -33,6 +34,10 @@ from broker_svc.topology import new_reply_queue_name, result_queue
 __all__ = ["App"]
 
 log = structlog.get_logger(__name__)
+
+# ``app.control`` comes from the control package, which sits above this one (imports go
+# worker -> control -> broker_svc); an entry point finds it without an import from here.
+CONTROL_ENTRY_POINT_GROUP = "clockwork.control"
 
 
 class App:
@@ -61,6 +66,8 @@ class App:
             accept=codec.accept_set(self.settings.accept_content), max_bytes=self.settings.max_body_bytes
         )
         self._publisher: Publisher | None = None
+        self._control: Any = None
+        self._close_hooks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         _open_apps.add(self)
 
@@ -213,6 +220,31 @@ class App:
         """A result handle for a task this client sent (results come to this client's queue)."""
         return AsyncResult(task_id, store=self._store)
 
+    # -- remote control --------------------------------------------------------------------------
+
+    @property
+    def control(self) -> Any:
+        """Remote control of the workers, as ``celery.Celery.control``: ``app.control.ping()``,
+        ``app.control.inspect().active()``, ``app.control.revoke(task_id)``.
+
+        Typed ``Any`` because its class (``control.api.Control``) lives in a package above this
+        one; it is found through the ``clockwork.control`` entry point and shares this app's
+        settings and clock.
+
+        Raises:
+            ConfigurationError: the entry point is missing (Clockwork is not installed).
+        """
+        control = self._control
+        if control is not None:
+            return control
+        with self._lock:
+            if self._control is None:
+                self._control = _load_control(self)
+                close = getattr(self._control, "close", None)
+                if callable(close):
+                    self._close_hooks.append(close)
+            return self._control
+
     # -- lifecycle -------------------------------------------------------------------------------
 
     def _ensure_publisher(self) -> Publisher:
@@ -249,16 +281,35 @@ class App:
         _open_apps.discard(self)
         with self._lock:
             publisher, self._publisher = self._publisher, None
-        if publisher is None:
-            return
+            hooks, self._close_hooks = self._close_hooks, []
+            self._control = None
         try:
-            publisher.flush(self.settings.confirm_timeout_s if timeout is None else timeout)
+            if publisher is not None:
+                try:
+                    publisher.flush(self.settings.confirm_timeout_s if timeout is None else timeout)
+                finally:
+                    try:
+                        publisher.connection.delete_queue(self._reply_queue, timeout=2.0)
+                    except BrokerSvcError:
+                        pass  # x-expires removes it later
+                    publisher.connection.close()
         finally:
-            try:
-                publisher.connection.delete_queue(self._reply_queue, timeout=2.0)
-            except BrokerSvcError:
-                pass  # x-expires removes it later
-            publisher.connection.close()
+            for hook in hooks:
+                try:
+                    hook()
+                except Exception as exc:  # one failing hook must not keep the others from running
+                    log.warning("close_hook_failed", hook=repr(hook), error=str(exc))
+
+
+def _load_control(app: App) -> Any:
+    found = importlib.metadata.entry_points(group=CONTROL_ENTRY_POINT_GROUP, name="default")
+    if not found:
+        raise ConfigurationError(
+            f"no {CONTROL_ENTRY_POINT_GROUP!r} entry point named 'default': app.control needs the clockwork "
+            "package installed (pip install -e . in a checkout)"
+        )
+    factory = next(iter(found)).load()
+    return factory(app)
 
 
 def _aware(value: dt.datetime | None) -> dt.datetime | None:

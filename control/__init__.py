@@ -2,4 +2,21 @@
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from control.api import Control, Inspect
+from control.client import BroadcastResult, ControlClient, InspectReply, RevokeResult
+from control.collect import ReplyCollector
+from control.members import Membership
+
+__all__ = [
+    # the Celery-shaped facade (``app.control``)
+    "Control",
+    "Inspect",
+    # the blocking client and what it returns
+    "BroadcastResult",
+    "ControlClient",
+    "InspectReply",
+    "RevokeResult",
+    # pure building blocks
+    "Membership",
+    "ReplyCollector",
+]

@@ -32,7 +32,7 @@ from control.collect import ReplyCollector
 from control.members import Membership
 from control.protocol import CLOCK_HEADER, EXPIRES_HEADER, MARKER_HEADER, ControlRequest, ReplyAddress
 
-__all__ = ["AsyncBroadcaster", "read_members"]
+__all__ = ["AsyncBroadcaster", "declare_members_stream", "read_members"]
 
 log = structlog.get_logger(__name__)
 
@@ -88,6 +88,13 @@ async def read_members(
     if not len(membership):
         return None  # a stream with no worker events yet (just created): we know nothing
     return membership.alive(time.time())
+
+
+async def declare_members_stream(
+    channel: aio_pika.abc.AbstractChannel, namespace: str = DEFAULT_NAMESPACE
+) -> None:
+    """Make sure the members stream exists and is bound, so the events we send next are kept."""
+    await _declare_bound(channel, members_stream(namespace))
 
 
 async def _declare_bound(

@@ -15,7 +15,7 @@ import structlog
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
 from broker_svc.topology import QueueSpec, dead_letter_queue, task_queue
-from control.broadcast import AsyncBroadcaster
+from control.broadcast import AsyncBroadcaster, declare_members_stream
 from control.node import MailboxNode
 from worker.amqp_compat import install_header_int_guard
 from worker.config import WorkerConfig
@@ -105,13 +105,21 @@ class WorkerService:
         replies = ReplyPublisher(
             publish_channel, clock=self._clock, persistent=config.settings.result_persistent
         )
+        events_channel = await connection.channel(publisher_confirms=False)
         events = EventDispatcher(
-            await connection.channel(publisher_confirms=False),
-            hostname=config.hostname,
-            clock=self._clock,
-            task_events=config.task_events,
+            events_channel, hostname=config.hostname, clock=self._clock, task_events=config.task_events
         )
         await events.start()
+        try:
+            # Before worker-online: a client that starts later learns of us from the stream.
+            await declare_members_stream(events_channel, config.namespace)
+        except aio_pika.exceptions.AMQPError as exc:
+            log.error("members_stream_unavailable", error=str(exc))
+            events_channel = await connection.channel(publisher_confirms=False)
+            events = EventDispatcher(
+                events_channel, hostname=config.hostname, clock=self._clock, task_events=config.task_events
+            )
+            await events.start()
         # Held ETA deliveries count against the prefetch: leave one per child for due tasks.
         eta = EtaScheduler(publish_channel, max_held=config.prefetch_count - config.concurrency)
         consumer = TaskConsumer(

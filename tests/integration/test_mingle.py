@@ -86,7 +86,8 @@ def stand_in(test_vhost_url: str) -> Iterator[list[str]]:
                 properties = pika.BasicProperties(
                     content_type="application/json", headers={"ticket": request["ticket"]}
                 )
-                for name, value in zip(names, ["not a map", {"revoked": [1, 2], "clock": "x"}], strict=True):
+                bad_values = ["not a map", {"revoked": "nonsense", "clock": "x"}]
+                for name, value in zip(names, bad_values, strict=True):
                     ch.basic_publish(
                         request["reply_to"]["exchange"], request["reply_to"]["routing_key"],
                         json.dumps({name: value}).encode(),

@@ -1,0 +1,320 @@
+"""``app.control``: Celery's remote-control API (``inspect().active()``, ``revoke()``, ``ping()``)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from broker_svc.clock import LamportClock
+from broker_svc.errors import BrokerSvcError
+from broker_svc.settings import Settings
+from control.client import BroadcastResult, ControlClient
+from control.protocol import Matcher, flatten_replies
+
+if TYPE_CHECKING:
+    from broker_svc.app import App
+
+__all__ = ["Control", "Inspect"]
+
+log = structlog.get_logger(__name__)
+
+Destination = str | Sequence[str] | None
+
+
+class Control:
+    """Remote control of the workers, shaped like ``celery.app.control.Control``.
+
+    Calls that change workers (``revoke``, ``shutdown``, ...) are casts unless ``reply=True``,
+    and then return the list of one-entry reply maps, as in Celery. Each thread gets its own
+    connection (a ``ControlClient``), opened on first use.
+
+    Args:
+        app: the app whose settings and clock to use; or pass ``settings`` (and ``clock``).
+        settings: broker settings when there is no app.
+        clock: the process's Lamport clock (the app's, when an app is given).
+        namespace: the mailbox namespace (Celery's ``control_exchange``).
+
+    Raises:
+        TypeError: neither an app nor settings.
+    """
+
+    def __init__(
+        self,
+        app: App | None = None,
+        *,
+        settings: Settings | None = None,
+        clock: LamportClock | None = None,
+        namespace: str = "celery",
+    ) -> None:
+        if app is not None:
+            settings, clock = app.settings, app.clock
+        if settings is None:
+            raise TypeError("Control needs an app or settings")
+        self.settings = settings
+        self.clock = clock or LamportClock()
+        self.namespace = namespace
+        self._local = threading.local()
+        self._clients: list[ControlClient] = []
+        self._lock = threading.Lock()
+
+    def client(self) -> ControlClient:
+        """This thread's control client (connected lazily on its first call)."""
+        client: ControlClient | None = getattr(self._local, "client", None)
+        if client is None:
+            client = ControlClient(self.settings, namespace=self.namespace, clock=self.clock)
+            self._local.client = client
+            with self._lock:
+                self._clients.append(client)
+        return client
+
+    def close(self) -> None:
+        """Close every thread's connection; call it when no thread is using this object."""
+        with self._lock:
+            clients, self._clients = self._clients, []
+        self._local = threading.local()
+        for client in clients:
+            try:
+                client.close()
+            except BrokerSvcError as exc:  # closing must not fail an app's shutdown
+                log.debug("control_close_failed", error=str(exc))
+
+    def inspect(
+        self,
+        destination: Destination = None,
+        timeout: float = 1.0,
+        pattern: str | None = None,
+        matcher: Matcher | None = None,
+        limit: int | None = None,
+    ) -> Inspect:
+        """Read-only queries to the workers (``inspect().active()`` and friends)."""
+        return Inspect(
+            self, destination=destination, timeout=timeout, pattern=pattern, matcher=matcher, limit=limit
+        )
+
+    def broadcast(
+        self,
+        command: str,
+        arguments: dict[str, Any] | None = None,
+        destination: Destination = None,
+        reply: bool = False,
+        timeout: float = 1.0,
+        limit: int | None = None,
+        pattern: str | None = None,
+        matcher: Matcher | None = None,
+    ) -> list[dict[str, Any]] | None:
+        """Send a command; with ``reply``, the list of ``{nodename: value}`` replies.
+
+        Raises:
+            BrokerUnavailable: the broker cannot be reached.
+        """
+        result = self.client().broadcast(
+            command,
+            arguments,
+            destination=destination,
+            pattern=pattern,
+            matcher=matcher,
+            reply=reply,
+            timeout_s=timeout,
+            limit=limit,
+        )
+        return _replies(result, reply)
+
+    def ping(self, destination: Destination = None, timeout: float = 1.0) -> list[dict[str, Any]]:
+        """Ping the workers: ``[{nodename: {"ok": "pong"}}, ...]``.
+
+        Raises:
+            BrokerUnavailable: the broker cannot be reached.
+        """
+        return self.broadcast("ping", destination=destination, reply=True, timeout=timeout) or []
+
+    def revoke(
+        self,
+        task_id: str | Sequence[str],
+        destination: Destination = None,
+        terminate: bool = False,
+        signal: str = "SIGTERM",
+        reply: bool = False,
+        timeout: float = 1.0,
+    ) -> list[dict[str, Any]] | None:
+        """Revoke tasks, durably: the revoke also holds for workers that start later.
+
+        Raises:
+            ValueError: no ids or a malformed id.
+            BrokerUnavailable: the broker cannot be reached.
+        """
+        result = self.client().revoke(
+            task_id,
+            terminate=terminate,
+            signal=signal,
+            reply=reply,
+            destination=destination,
+            timeout_s=timeout,
+        )
+        return _replies(result, reply)
+
+    def terminate(
+        self,
+        task_id: str | Sequence[str],
+        destination: Destination = None,
+        signal: str = "SIGTERM",
+        **kwargs: Any,
+    ) -> list[dict[str, Any]] | None:
+        """Revoke and kill running tasks (Celery sends this as ``revoke`` with ``terminate``).
+
+        Raises:
+            BrokerUnavailable: the broker cannot be reached.
+        """
+        return self.revoke(task_id, destination=destination, terminate=True, signal=signal, **kwargs)
+
+    def shutdown(self, destination: Destination = None, **kwargs: Any) -> list[dict[str, Any]] | None:
+        """Ask workers to shut down (warm); they send no reply."""
+        return self.broadcast("shutdown", destination=destination, **kwargs)
+
+    def enable_events(self, destination: Destination = None, **kwargs: Any) -> list[dict[str, Any]] | None:
+        """Turn on task events."""
+        return self.broadcast("enable_events", destination=destination, **kwargs)
+
+    def disable_events(self, destination: Destination = None, **kwargs: Any) -> list[dict[str, Any]] | None:
+        """Turn off task events."""
+        return self.broadcast("disable_events", destination=destination, **kwargs)
+
+    def heartbeat(self, destination: Destination = None, **kwargs: Any) -> list[dict[str, Any]] | None:
+        """Ask workers to send a heartbeat event now."""
+        return self.broadcast("heartbeat", destination=destination, **kwargs)
+
+    def time_limit(
+        self,
+        task_name: str,
+        soft: float | None = None,
+        hard: float | None = None,
+        destination: Destination = None,
+        **kwargs: Any,
+    ) -> list[dict[str, Any]] | None:
+        """Change a task's time limits on the workers."""
+        arguments = {"task_name": task_name, "soft": soft, "hard": hard}
+        return self.broadcast("time_limit", arguments, destination=destination, **kwargs)
+
+    def add_consumer(
+        self,
+        queue: str,
+        exchange: str | None = None,
+        exchange_type: str = "direct",
+        routing_key: str | None = None,
+        options: dict[str, Any] | None = None,
+        destination: Destination = None,
+        **kwargs: Any,
+    ) -> list[dict[str, Any]] | None:
+        """Make workers consume from another queue."""
+        arguments = {
+            "queue": queue,
+            "exchange": exchange,
+            "exchange_type": exchange_type,
+            "routing_key": routing_key,
+            "options": options,
+        }
+        return self.broadcast("add_consumer", arguments, destination=destination, **kwargs)
+
+    def cancel_consumer(
+        self, queue: str, destination: Destination = None, **kwargs: Any
+    ) -> list[dict[str, Any]] | None:
+        """Make workers stop consuming from a queue."""
+        return self.broadcast("cancel_consumer", {"queue": queue}, destination=destination, **kwargs)
+
+
+class Inspect:
+    """Read-only queries, shaped like ``celery.app.control.Inspect``.
+
+    Each method returns ``{nodename: value}``, or None when no node answered. As in Celery, when
+    the destination is a single name (a string), only that node's value is returned.
+    """
+
+    def __init__(
+        self,
+        control: Control,
+        *,
+        destination: Destination = None,
+        timeout: float = 1.0,
+        pattern: str | None = None,
+        matcher: Matcher | None = None,
+        limit: int | None = None,
+    ) -> None:
+        self.control = control
+        self.destination = destination
+        self.timeout = timeout
+        self.pattern = pattern
+        self.matcher = matcher
+        self.limit = limit
+
+    def _request(self, method: str, **arguments: Any) -> Any:
+        replies = self.control.broadcast(
+            method,
+            arguments,
+            destination=self.destination,
+            reply=True,
+            timeout=self.timeout,
+            limit=self.limit,
+            pattern=self.pattern,
+            matcher=self.matcher,
+        )
+        if not replies:
+            return None
+        by_node = flatten_replies(replies)
+        if isinstance(self.destination, str):
+            return by_node.get(self.destination)
+        return by_node
+
+    def ping(self) -> Any:
+        """``{node: {"ok": "pong"}}``."""
+        return self._request("ping")
+
+    def clock(self) -> Any:
+        """``{node: {"clock": n}}``."""
+        return self._request("clock")
+
+    def active(self, safe: bool = False) -> Any:
+        """``{node: [task info, ...]}`` of the running tasks."""
+        return self._request("active", safe=safe)
+
+    def reserved(self) -> Any:
+        """``{node: [task info, ...]}`` of tasks received but not started."""
+        return self._request("reserved")
+
+    def scheduled(self) -> Any:
+        """``{node: [{eta, priority, request}, ...]}`` of tasks waiting for their ETA."""
+        return self._request("scheduled")
+
+    def revoked(self) -> Any:
+        """``{node: [task id, ...]}``."""
+        return self._request("revoked")
+
+    def registered(self, *taskinfoitems: str) -> Any:
+        """``{node: [task name, ...]}``."""
+        return self._request("registered", taskinfoitems=list(taskinfoitems))
+
+    registered_tasks = registered
+
+    def stats(self) -> Any:
+        """``{node: {total, pid, clock, uptime, pool, broker, ...}}``."""
+        return self._request("stats")
+
+    def query_task(self, *ids: str | Sequence[str]) -> Any:
+        """``{node: {task id: [state, task info]}}``; ids as arguments or one list."""
+        flat: list[str] = []
+        for item in ids:
+            flat.extend([item] if isinstance(item, str) else item)
+        return self._request("query_task", ids=flat)
+
+    def active_queues(self) -> Any:
+        """``{node: [queue map, ...]}``."""
+        return self._request("active_queues")
+
+    def conf(self, with_defaults: bool = False) -> Any:
+        """``{node: {setting: value}}``."""
+        return self._request("conf", with_defaults=with_defaults)
+
+
+def _replies(result: BroadcastResult, reply: bool) -> list[dict[str, Any]] | None:
+    return result.replies if reply else None

@@ -1,0 +1,265 @@
+"""The ``ctl`` console script, run as a real subprocess against real workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import select
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import pika
+import pytest
+
+from broker_svc import Settings
+from broker_svc.topology import EVENT_EXCHANGE, revocation_log
+from control import ControlClient
+from control.cli import build_parser
+from control.protocol import MARKER_HEADER
+from control.revocations import RevokeEntry
+from tests.amqp import channel
+from tests.infra.broker_probe import url_with_vhost
+from tests.infra.session_broker import SessionBroker
+from tests.waiting import wait_for
+from tests.workers import ROOT, WorkerProcess
+
+CTL = str(Path(sys.executable).parent / "ctl")
+HEARTBEAT_S = 2.0  # the workers' heartbeat interval (worker/events.py)
+
+
+@pytest.fixture
+def vhost_url(session_broker: SessionBroker, test_vhost_url: str) -> Iterator[str]:
+    """A vhost of this test's own, so heartbeats of earlier tests' workers are not seen here."""
+    ctl = session_broker.rabbitmqctl
+    if ctl is None:  # a remote broker we cannot administer: share the session's vhost
+        yield test_vhost_url
+        return
+    vhost = f"clockwork-ctl-{secrets.token_hex(5)}"
+    ctl("add_vhost", vhost)
+    try:
+        ctl(
+            "set_permissions",
+            "-p",
+            vhost,
+            unquote(urlsplit(session_broker.url).username or "guest"),
+            ".*",
+            ".*",
+            ".*",
+        )
+        yield url_with_vhost(session_broker.url, vhost)
+    finally:
+        ctl("delete_vhost", vhost)
+
+
+def start_workers(url: str, count: int, stack: ExitStack) -> list[WorkerProcess]:
+    procs = [
+        stack.enter_context(WorkerProcess(url, queues=[f"q-{uuid.uuid4().hex[:8]}"], concurrency=1))
+        for _ in range(count)
+    ]
+    for proc in procs:
+        proc.wait_ready()
+    return procs
+
+
+@pytest.fixture
+def node(vhost_url: str) -> Iterator[WorkerProcess]:
+    with ExitStack() as stack:
+        [proc] = start_workers(vhost_url, 1, stack)
+        yield proc
+
+
+@pytest.fixture
+def three(vhost_url: str) -> Iterator[list[WorkerProcess]]:
+    with ExitStack() as stack:
+        procs = start_workers(vhost_url, 3, stack)
+        wait_members(vhost_url, {p.name for p in procs})
+        yield procs
+
+
+def wait_members(url: str, names: set[str]) -> None:
+    """Wait until the members stream shows ``names`` alive (their heartbeats are in it)."""
+    with ControlClient(Settings(broker_url=url)) as client:
+
+        def known() -> bool:
+            client.broadcast("ping", destination=sorted(names), reply=True, timeout_s=1.0)
+            return names <= client.membership.alive(time.time())
+
+        wait_for(known, timeout_s=4 * HEARTBEAT_S + 5, message=f"heartbeats of {sorted(names)}")
+
+
+def ctl(*args: str, timeout_s: float = 60) -> tuple[subprocess.CompletedProcess[str], float]:
+    env = {k: v for k, v in os.environ.items() if k != "CLOCKWORK_BROKER_URL"}
+    started = time.monotonic()
+    proc = subprocess.run([CTL, *args], capture_output=True, text=True, timeout=timeout_s, env=env, cwd=ROOT)
+    return proc, time.monotonic() - started
+
+
+def output(proc: subprocess.CompletedProcess[str]) -> str:
+    return f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+
+
+# -- membership: early return, and a dead worker ---------------------------------------------------------
+
+
+def test_inspect_ping_returns_as_soon_as_all_three_live_workers_answered(vhost_url: str, three):
+    proc, elapsed = ctl("inspect", "ping", "-b", vhost_url, "--json", "--timeout", "5")
+    assert proc.returncode == 0, output(proc)
+    assert json.loads(proc.stdout) == {w.name: {"ok": "pong"} for w in three}
+    assert elapsed < 2.5, f"took {elapsed:.2f} s: membership did not end the wait"
+
+
+def test_a_killed_worker_is_reported_missing_within_two_heartbeats_plus_the_timeout(vhost_url: str, three):
+    dead, *alive = three
+    dead.kill()
+    proc, elapsed = ctl("inspect", "ping", "-b", vhost_url, "--json", "--timeout", "5")
+    assert proc.returncode == 1, output(proc)
+    assert set(json.loads(proc.stdout)) == {w.name for w in alive}
+    assert dead.name in proc.stderr and "no reply" in proc.stderr
+    assert elapsed < 2 * HEARTBEAT_S + 5
+
+
+# -- options, destinations and exit codes ------------------------------------------------------------------
+
+
+def test_options_go_before_or_after_the_subcommand(vhost_url: str, node: WorkerProcess):
+    for args in (
+        ("-b", vhost_url, "--json", "--timeout", "5", "-d", node.name, "inspect", "ping"),
+        ("inspect", "ping", "-b", vhost_url, "--json", "--timeout", "5", "-d", node.name),
+        ("--json", "inspect", "-b", vhost_url, "ping", "--destination", node.name),
+    ):
+        proc, elapsed = ctl(*args)
+        assert proc.returncode == 0, output(proc)
+        assert json.loads(proc.stdout) == {node.name: {"ok": "pong"}}
+        assert elapsed < 4
+
+
+def test_registered_as_a_table_names_the_workers_tasks(vhost_url: str, node: WorkerProcess):
+    proc, _ = ctl("-b", vhost_url, "inspect", "registered", "-d", node.name, "--timeout", "5")
+    assert proc.returncode == 0, output(proc)
+    assert proc.stdout.startswith(node.name)
+    assert "- tests.integration.e2e_tasks.add" in proc.stdout
+
+
+def test_a_destination_nobody_answers_for_exits_69(vhost_url: str, node: WorkerProcess):
+    proc, _ = ctl("-b", vhost_url, "inspect", "ping", "-d", "nobody@nowhere", "--timeout", "0.5")
+    assert proc.returncode == 69, output(proc)
+    assert "No nodes replied within time constraint." in proc.stderr
+
+
+def test_some_named_nodes_missing_exits_1_and_names_them(vhost_url: str, node: WorkerProcess):
+    proc, _ = ctl(
+        "-b", vhost_url, "--json", "inspect", "clock", "-d", f"{node.name},nobody@nowhere", "--timeout", "1"
+    )
+    assert proc.returncode == 1, output(proc)
+    assert list(json.loads(proc.stdout)) == [node.name]
+    assert "nobody@nowhere" in proc.stderr and node.name not in proc.stderr
+
+
+def test_an_unknown_inspect_command_is_a_usage_error():
+    proc, _ = ctl("inspect", "no-such-thing")
+    assert proc.returncode == 2, output(proc)
+    assert "invalid choice" in proc.stderr
+
+
+def test_an_unreachable_broker_is_one_clear_line_without_the_password():
+    proc, _ = ctl("-b", "amqp://guest:s3cret@127.0.0.1:1//", "inspect", "ping")
+    assert proc.returncode == 1, output(proc)
+    assert proc.stderr.startswith("ctl: cannot reach the broker") and proc.stderr.count("\n") == 1
+    assert "s3cret" not in proc.stderr + proc.stdout
+
+
+def test_status_lists_the_nodes_like_celery_status(vhost_url: str, node: WorkerProcess):
+    proc, _ = ctl("status", "-b", vhost_url, "-d", node.name, "--timeout", "5")
+    assert proc.returncode == 0, output(proc)
+    assert proc.stdout == f"{node.name}: OK\n\n1 node online.\n"
+
+
+def test_destinations_are_comma_separated_or_repeated():
+    args = build_parser().parse_args(["-d", "a@h,b@h", "inspect", "ping", "-d", "c@h", "-d", "d@h"])
+    assert args.destination == ["c@h", "d@h"]  # a later position replaces an earlier one
+    args = build_parser().parse_args(["inspect", "query-task", "id1", "id2", "--json"])
+    assert args.ids == ["id1", "id2"] and args.json and args.timeout == 1.0
+
+
+# -- revoke ------------------------------------------------------------------------------------------------
+
+
+def read_log_entries(url: str, count: int) -> list[RevokeEntry]:
+    spec = revocation_log()
+    entries: list[RevokeEntry] = []
+    with channel(url) as ch:
+        ch.queue_declare(spec.name, durable=True, arguments=spec.arguments)
+        ch.basic_qos(prefetch_count=100)
+
+        def on_message(_ch: Any, method: Any, props: Any, body: bytes) -> None:
+            _ch.basic_ack(method.delivery_tag)
+            if MARKER_HEADER not in (props.headers or {}):
+                entries.append(RevokeEntry.decode(body))
+
+        ch.basic_consume(spec.name, on_message, arguments={"x-stream-offset": "first"})
+        wait_for(
+            lambda: ch.connection.process_data_events(time_limit=0.05) or len(entries) >= count,
+            timeout_s=10,
+            message="revocation log entries",
+        )
+        ch._impl.close()  # see test_control_client.read_revocation_log: a stream refuses rejects
+        wait_for(lambda: ch.connection.process_data_events(time_limit=0.05) or ch.is_closed, timeout_s=5,
+                 message="stream channel closed")  # fmt: skip
+    return entries
+
+
+def test_revoke_with_no_worker_is_logged_durably_and_exits_0(vhost_url: str):
+    proc, _ = ctl("-b", vhost_url, "revoke", "dead-1", "dead-2", "--terminate", "--signal", "SIGKILL")
+    assert proc.returncode == 0, output(proc)
+    assert "revoke logged; no worker answered" in proc.stderr
+    [entry] = read_log_entries(vhost_url, 1)
+    assert entry.task_ids == ("dead-1", "dead-2") and entry.terminate and entry.signal == "SIGKILL"
+
+
+def test_revoke_with_a_worker_shows_its_reply(vhost_url: str, node: WorkerProcess):
+    proc, _ = ctl("-b", vhost_url, "--json", "revoke", "some-task", "-d", node.name, "--timeout", "5")
+    assert proc.returncode == 0, output(proc)
+    assert list(json.loads(proc.stdout)) == [node.name]
+
+
+# -- events ------------------------------------------------------------------------------------------------
+
+
+def test_events_prints_json_lines_ordered_by_clock_then_origin(vhost_url: str):
+    env = {k: v for k, v in os.environ.items() if k != "CLOCKWORK_BROKER_URL"}
+    args = [CTL, "events", "-b", vhost_url, "--json", "--count", "4", "--duration", "30"]
+    with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
+        try:
+            assert proc.stderr is not None
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                ready, _, _ = select.select([proc.stderr], [], [], 0.5)
+                if ready and "listening" in proc.stderr.readline():
+                    break
+            else:
+                raise AssertionError("ctl events never said it was listening")
+            sent = [(30, "b@h", 1), (10, "z@h", 1), (20, "b@h", 2), (20, "a@h", 9)]
+            with channel(vhost_url) as ch:
+                for clock, host, pid in sent:
+                    event = {"type": "worker-heartbeat", "hostname": host, "pid": pid, "clock": clock,
+                             "timestamp": time.time(), "freq": 2.0}  # fmt: skip
+                    ch.basic_publish(EVENT_EXCHANGE, "worker.heartbeat", json.dumps(event).encode(),
+                                     pika.BasicProperties(content_type="application/json",
+                                                          headers={"hostname": host}))  # fmt: skip
+            out, _ = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                proc.wait(timeout=10)
+    assert proc.returncode == 0
+    got = [(e["clock"], e["hostname"]) for e in map(json.loads, out.splitlines())]
+    assert got == [(10, "z@h"), (20, "a@h"), (20, "b@h"), (30, "b@h")]
