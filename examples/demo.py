@@ -1,4 +1,4 @@
-"""``make run``: start a worker, send demo tasks, print their results, stop the worker."""
+"""``make run``: start a worker, send demo tasks, print their results, ask it via ``ctl``, stop it."""
 
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ def main() -> int:
     try:
         wait_until_serving(client)
         show(client)
+        inspect(settings.broker_url)
     finally:
         client.close()
         worker.send_signal(signal.SIGTERM)
@@ -80,6 +81,17 @@ def show(client: App) -> None:
         f"1000 x add: sum={total}, enqueued+confirmed in {sent - started:.2f} s, "
         f"all results in {done - started:.2f} s"
     )
+
+
+def inspect(broker_url: str) -> None:
+    """What an operator sees: ``ctl`` asks the running worker over the control plane."""
+    for command in (["status"], ["inspect", "stats"], ["inspect", "registered"]):
+        print(f"$ ctl {' '.join(command)}", flush=True)
+        subprocess.run(
+            [sys.executable, "-m", "control.cli", "--timeout", "5", *command],
+            env={**os.environ, "CLOCKWORK_BROKER_URL": broker_url},
+            check=False,
+        )
 
 
 if __name__ == "__main__":
