@@ -27,8 +27,13 @@ NOOP = "bench.tasks.noop"
 
 
 @contextmanager
-def worker(url: str, queue: str, concurrency: int = 2) -> Iterator[subprocess.Popen[bytes]]:
-    """A ``python -m worker`` on ``queue``; yields once it logged ``worker_ready``."""
+def worker(
+    url: str, queue: str, concurrency: int = 2, *, name: str | None = None, lines: list[bytes] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A ``python -m worker`` on ``queue``; yields once it logged ``worker_ready``.
+
+    ``lines`` collects what it logged up to then (for figures the worker logs itself).
+    """
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -45,7 +50,7 @@ def worker(url: str, queue: str, concurrency: int = 2) -> Iterator[subprocess.Po
             "-l",
             "info",
             "-n",
-            f"bench-{queue}@%h",
+            name or f"bench-{queue}@%h",
             *os.environ.get("BENCH_WORKER_ARGS", "").split(),
         ],  # fmt: skip
         stdout=subprocess.PIPE,
@@ -55,6 +60,8 @@ def worker(url: str, queue: str, concurrency: int = 2) -> Iterator[subprocess.Po
     assert proc.stdout is not None
     deadline = time.monotonic() + 60
     for line in proc.stdout:
+        if lines is not None:
+            lines.append(line)
         if b"worker_ready" in line:
             break
         if time.monotonic() > deadline:

@@ -1,0 +1,15 @@
+"""A Celery app for the side-by-side control-plane figures (the peer we are compared with)."""
+
+from __future__ import annotations
+
+import os
+
+from celery import Celery
+
+app = Celery("bench", broker=os.environ.get("BENCH_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//"))
+app.conf.update(accept_content=["json", "msgpack"], worker_hijack_root_logger=False)
+
+
+@app.task(name="bench.tasks.noop")  # type: ignore[untyped-decorator]
+def noop() -> None:
+    return None
