@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import secrets
 import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import pika
 import pytest
@@ -20,37 +18,10 @@ from control import ControlClient
 from control.protocol import MARKER_HEADER
 from control.revocations import LOGGED_HEADER, RevokeEntry
 from tests.amqp import channel
-from tests.infra.broker_probe import url_with_vhost
-from tests.infra.session_broker import SessionBroker
 from tests.waiting import wait_for
 from tests.workers import WorkerProcess
 
 ADD = "tests.integration.e2e_tasks.add"
-
-
-@pytest.fixture
-def vhost_url(session_broker: SessionBroker, test_vhost_url: str) -> Iterator[str]:
-    """A vhost of this test's own: the members stream keeps a minute of heartbeats, so workers
-    of earlier tests (a killed one looks alive for 4 s) must not be seen here."""
-    ctl = session_broker.rabbitmqctl
-    if ctl is None:  # a remote broker we cannot administer: share the session's vhost
-        yield test_vhost_url
-        return
-    vhost = f"clockwork-ctl-{secrets.token_hex(5)}"
-    ctl("add_vhost", vhost)
-    try:
-        ctl(
-            "set_permissions",
-            "-p",
-            vhost,
-            unquote(urlsplit(session_broker.url).username or "guest"),
-            ".*",
-            ".*",
-            ".*",
-        )
-        yield url_with_vhost(session_broker.url, vhost)
-    finally:
-        ctl("delete_vhost", vhost)
 
 
 @pytest.fixture

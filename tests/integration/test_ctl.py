@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import select
 import signal
 import subprocess
@@ -15,7 +14,6 @@ from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import pika
 import pytest
@@ -27,37 +25,11 @@ from control.cli import build_parser
 from control.protocol import MARKER_HEADER
 from control.revocations import RevokeEntry
 from tests.amqp import channel
-from tests.infra.broker_probe import url_with_vhost
-from tests.infra.session_broker import SessionBroker
 from tests.waiting import wait_for
 from tests.workers import ROOT, WorkerProcess
 
 CTL = str(Path(sys.executable).parent / "ctl")
 HEARTBEAT_S = 2.0  # the workers' heartbeat interval (worker/events.py)
-
-
-@pytest.fixture
-def vhost_url(session_broker: SessionBroker, test_vhost_url: str) -> Iterator[str]:
-    """A vhost of this test's own, so heartbeats of earlier tests' workers are not seen here."""
-    ctl = session_broker.rabbitmqctl
-    if ctl is None:  # a remote broker we cannot administer: share the session's vhost
-        yield test_vhost_url
-        return
-    vhost = f"clockwork-ctl-{secrets.token_hex(5)}"
-    ctl("add_vhost", vhost)
-    try:
-        ctl(
-            "set_permissions",
-            "-p",
-            vhost,
-            unquote(urlsplit(session_broker.url).username or "guest"),
-            ".*",
-            ".*",
-            ".*",
-        )
-        yield url_with_vhost(session_broker.url, vhost)
-    finally:
-        ctl("delete_vhost", vhost)
 
 
 def start_workers(url: str, count: int, stack: ExitStack) -> list[WorkerProcess]:

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 
-import pika
 import pytest
 
 from broker_svc import Settings
-from tests.amqp import channel
+from tests.pidbox import call
 from tests.waiting import wait_for
 from tests.workers import ROOT, WorkerProcess
 
@@ -24,49 +21,8 @@ def node(test_vhost_url: str, queue: str) -> Iterator[WorkerProcess]:
         yield proc.wait_ready()
 
 
-def _call(
-    url: str,
-    method: str,
-    *,
-    arguments: dict | None = None,
-    destination: list[str] | None = None,
-    clock: int = 1,
-    body: bytes | None = None,
-    content_type: str = "application/json",
-) -> list:
-    """Broadcast one request the way kombu's Mailbox does and collect replies for 3 s."""
-    replies: list = []
-    oid = uuid.uuid4().hex
-    ticket = str(uuid.uuid4())
-    with channel(url) as ch:
-        ch.exchange_declare("reply.celery.pidbox", exchange_type="direct", durable=False)
-        ch.exchange_declare("celery.pidbox", exchange_type="fanout", durable=False)
-        reply_queue = ch.queue_declare("", exclusive=True).method.queue
-        ch.queue_bind(reply_queue, "reply.celery.pidbox", routing_key=oid)
-        reply_to = {"exchange": "reply.celery.pidbox", "routing_key": oid}
-        request = {
-            "method": method, "arguments": arguments or {}, "destination": destination, "pattern": None,
-            "matcher": None, "ticket": ticket, "reply_to": reply_to,
-        }  # fmt: skip
-        ch.basic_publish(
-            "celery.pidbox", "", body if body is not None else json.dumps(request).encode(),
-            pika.BasicProperties(content_type=content_type, headers={"clock": clock}),
-        )  # fmt: skip
-
-        def collect() -> bool:
-            method_frame, props, payload = ch.basic_get(reply_queue, auto_ack=True)
-            if method_frame is not None:
-                replies.append((props.headers, json.loads(payload)))
-            return False
-
-        from tests.waiting import poll
-
-        poll(collect, timeout_s=3.0, interval_s=0.05)
-    return replies
-
-
 def test_ping_gets_a_pong_with_the_ticket_and_a_clock_past_ours(test_vhost_url: str, node: WorkerProcess):
-    replies = _call(test_vhost_url, "ping", clock=5000)
+    replies = call(test_vhost_url, "ping", clock=5000)
     assert len(replies) == 1
     headers, body = replies[0]
     assert body == {node.name: {"ok": "pong"}}
@@ -74,14 +30,14 @@ def test_ping_gets_a_pong_with_the_ticket_and_a_clock_past_ours(test_vhost_url: 
 
 
 def test_destination_selects_the_node(test_vhost_url: str, node: WorkerProcess):
-    assert _call(test_vhost_url, "ping", destination=["someone-else@host"]) == []
-    assert len(_call(test_vhost_url, "clock", destination=[node.name])) == 1
+    assert call(test_vhost_url, "ping", destination=["someone-else@host"]) == []
+    assert len(call(test_vhost_url, "clock", destination=[node.name])) == 1
 
 
 def test_unknown_commands_and_bad_arguments_get_error_replies(test_vhost_url: str, node: WorkerProcess):
-    [(_, body)] = _call(test_vhost_url, "no_such_command")
+    [(_, body)] = call(test_vhost_url, "no_such_command")
     assert "error" in body[node.name]
-    [(_, body)] = _call(test_vhost_url, "ping", arguments={"bogus": 1})
+    [(_, body)] = call(test_vhost_url, "ping", arguments={"bogus": 1})
     assert "error" in body[node.name]
 
 
@@ -93,8 +49,8 @@ def test_garbage_on_the_control_exchange_never_stops_the_node(test_vhost_url: st
         (b"x" * (16 * 1024 * 1024 + 1), "application/json"),  # over the node's limit
     ]
     for garbage, ctype in garbage_inputs:
-        assert _call(test_vhost_url, "ping", body=garbage, content_type=ctype) == []
-    assert _call(test_vhost_url, "ping")[0][1] == {node.name: {"ok": "pong"}}
+        assert call(test_vhost_url, "ping", body=garbage, content_type=ctype) == []
+    assert call(test_vhost_url, "ping")[0][1] == {node.name: {"ok": "pong"}}
     assert node.proc.poll() is None
     wait_for(lambda: node.count("control_request_refused") >= 4, timeout_s=5, message="garbage not logged")
 
@@ -126,7 +82,7 @@ def test_celery_inspect_active_and_stats_read_our_worker(
             "tests.integration.e2e_tasks.sleep_s", (15, "slow"), queue=queue, task_id="act-1"
         )
         [(_, body)] = wait_for(
-            lambda: [r for r in _call(test_vhost_url, "active") if r[1][node.name]],
+            lambda: [r for r in call(test_vhost_url, "active") if r[1][node.name]],
             timeout_s=20,
             message="the task never showed up as active",
         )
@@ -141,7 +97,7 @@ def test_celery_inspect_active_and_stats_read_our_worker(
             assert out.returncode == 0, out.stdout + out.stderr
             assert expected in out.stdout, out.stdout
         assert running.get(timeout=60) == "slow"
-        [(_, stats)] = _call(test_vhost_url, "stats")
+        [(_, stats)] = call(test_vhost_url, "stats")
         assert stats[node.name]["total"] == {"tests.integration.e2e_tasks.sleep_s": 1}
         assert isinstance(stats[node.name]["clock"], str)
     finally:

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pika
 import pytest
+from pika.adapters.blocking_connection import BlockingChannel
 
 from broker_svc import App, State, TaskRevokedError
+from broker_svc.topology import revocation_log
 from control.revocations import RevokeEntry
 from tests.amqp import channel
 from tests.events import EventTap
@@ -20,6 +22,11 @@ from tests.workers import WorkerProcess
 RECORD = "tests.integration.e2e_tasks.record"
 SLEEP = "tests.integration.e2e_tasks.sleep_s"
 LOG = "clockwork.revoked.celery"
+
+
+def _declare_log(ch: BlockingChannel) -> None:
+    spec = revocation_log()
+    ch.queue_declare(spec.name, durable=spec.durable, arguments=spec.arguments)
 
 
 def _ran(path: Path) -> set[str]:
@@ -125,11 +132,7 @@ def test_a_revoke_logged_while_no_worker_runs_holds_when_one_starts(
     client.flush()
     with channel(test_vhost_url) as ch:
         ch.confirm_delivery()
-        ch.queue_declare(
-            LOG, durable=True,
-            arguments={"x-queue-type": "stream", "x-max-age": "10800s",
-                       "x-stream-max-segment-size-bytes": 4_000_000, "x-max-length-bytes": 200_000_000},
-        )  # fmt: skip
+        _declare_log(ch)
         entry = RevokeEntry.new(ids[:3], hostname="test")
         ch.basic_publish(
             "", LOG, entry.encode(),
@@ -149,11 +152,7 @@ def test_a_revoke_logged_while_no_worker_runs_holds_when_one_starts(
 def test_bad_revocation_entries_are_skipped(test_vhost_url: str, queue: str, client: App):
     with channel(test_vhost_url) as ch:
         ch.confirm_delivery()
-        ch.queue_declare(
-            LOG, durable=True,
-            arguments={"x-queue-type": "stream", "x-max-age": "10800s",
-                       "x-stream-max-segment-size-bytes": 4_000_000, "x-max-length-bytes": 200_000_000},
-        )  # fmt: skip
+        _declare_log(ch)
         for body in (b"\xff\x00garbage", json.dumps({"task_ids": "not-a-list"}).encode(), b"[1,2]"):
             ch.basic_publish("", LOG, body, pika.BasicProperties(headers={"clock": -5}))
     with WorkerProcess(test_vhost_url, queues=[queue], concurrency=1) as worker:
