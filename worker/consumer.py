@@ -26,6 +26,7 @@ from worker.outcomes import OutcomeHandler, reply_type, settle
 from worker.pool import Job, JobOutcome, ProcessPool
 from worker.replies import ReplyPublisher
 from worker.revoked import RevokedSet
+from worker.state import Tracked, WorkerState
 
 __all__ = ["TaskConsumer"]
 
@@ -70,18 +71,10 @@ class TaskConsumer:
         self._revoked = revoked
         # Per-task limits set by the ``time_limit`` command: (hard, soft).
         self.time_limits: dict[str, tuple[float | None, float | None]] = {}
-        # Deliveries waiting for a free child (inspect ``reserved``) or for their ETA in memory
-        # (inspect ``scheduled``), with their delivery info.
-        self._waiting: dict[str, tuple[TaskMessage, dict[str, Any]]] = {}
-        self._scheduled: dict[str, tuple[TaskMessage, dict[str, Any]]] = {}
-        self._delivery: dict[str, dict[str, Any]] = {}
+        self._state = WorkerState(hostname, pool.running)
         # Signals sent by ``revoke(terminate=True)``, for the task-revoked event.
         self._signums: dict[str, int] = {}
         self.received = 0
-        # Requests now running, for state updates; and each one's chain of update publishes, so
-        # updates and the final result reach the client in the order they were made.
-        self._running: dict[str, TaskMessage] = {}
-        self._started_at: dict[str, float] = {}
         self._outcomes = OutcomeHandler(
             app=app, replies=replies, eta=eta, events=events, max_child_deaths=max_child_deaths
         )
@@ -102,78 +95,23 @@ class TaskConsumer:
     @property
     def running_count(self) -> int:
         """Tasks running in children now."""
-        return len(self._running)
+        return len(self._state.active_tasks)
 
-    def active(self, *, safe: bool = False) -> list[dict[str, Any]]:
-        """Celery's TASK_INFO of every running task (inspect ``active``)."""
-        pids = self._pool.running()
-        return [
-            self._info(request, self._delivery.get(task_id, {}), safe=safe,
-                       time_start=self._started_at.get(task_id), pid=pids.get(task_id))
-            for task_id, request in list(self._running.items())
-        ]  # fmt: skip
-
-    def reserved(self, *, safe: bool = False) -> list[dict[str, Any]]:
-        """TASK_INFO of deliveries waiting for a free child (inspect ``reserved``)."""
-        return [self._info(r, d, safe=safe) for r, d in list(self._waiting.values())]
-
-    def scheduled(self, *, safe: bool = False) -> list[dict[str, Any]]:
-        """ETA tasks this worker holds in memory (inspect ``scheduled``).
-
-        Tasks due later wait in the broker's delay queues, not here (docs/design.md, ETA).
-        """
-        return [
-            {"eta": r.eta.isoformat() if r.eta else None, "priority": r.priority or 0,
-             "request": self._info(r, d, safe=safe)}
-            for r, d in list(self._scheduled.values())
-        ]  # fmt: skip
-
-    def query(self, task_ids: list[str]) -> dict[str, list[Any]]:
-        """Where each known id is: ``{id: [state, TASK_INFO]}`` (inspect ``query_task``)."""
-        found: dict[str, list[Any]] = {}
-        wanted = set(task_ids)
-        for state, infos in (
-            ("active", self.active()),
-            ("reserved", self.reserved()),
-            ("reserved", [s["request"] for s in self.scheduled()]),
-        ):
-            for info in infos:
-                if info["id"] in wanted and info["id"] not in found:
-                    found[info["id"]] = [state, info]
-        return found
-
-    def _info(
-        self,
-        request: TaskMessage,
-        delivery: dict[str, Any],
-        *,
-        safe: bool,
-        time_start: float | None = None,
-        pid: int | None = None,
-    ) -> dict[str, Any]:
-        return {
-            "id": request.id,
-            "name": request.display_name,
-            "args": safe_repr(request.args) if safe else request.args,
-            "kwargs": safe_repr(request.kwargs) if safe else request.kwargs,
-            "type": request.task,
-            "hostname": self._hostname,
-            "time_start": time_start,
-            "acknowledged": False,  # we ack after the task ran
-            "delivery_info": delivery,
-            "worker_pid": pid,
-        }
+    @property
+    def state(self) -> WorkerState:
+        """What is scheduled, reserved and running here (for the inspect commands)."""
+        return self._state
 
     async def terminate(self, task_id: str, sig: int) -> bool:
         """Signal the child running ``task_id`` (revoke with terminate)."""
-        if task_id not in self._running:
+        if self._state.running(task_id) is None:
             return False
         self._signums[task_id] = int(sig)
         return await self._pool.terminate(task_id, sig)
 
     def on_update(self, task_id: str, payload: dict[str, Any]) -> None:
         """Pool callback: a running task reported a state."""
-        request = self._running.get(task_id)
+        request = self._state.running(task_id)
         if request is None:
             log.warning("task_update_ignored", task_id=task_id)
             return
@@ -301,19 +239,19 @@ class TaskConsumer:
         if request.expires is not None and request.expires <= dt.datetime.now(dt.UTC):
             await self._revoked_skip(message, request, expired=True)
             return
-        delivery = {
+        tracked = Tracked(request, {
             "exchange": message.exchange,
             "routing_key": message.routing_key,
             "priority": message.priority,
             "redelivered": message.redelivered,
-        }
+        })  # fmt: skip
         if request.eta is not None:
-            self._scheduled[request.id] = (request, delivery)
+            self._state.scheduled_tasks[request.id] = tracked
             try:
                 if await self._eta.defer(message, queue=queue, eta=request.eta):
                     return  # parked in a delay queue until nearly due (and acked here)
             finally:
-                self._scheduled.pop(request.id, None)
+                self._state.scheduled_tasks.pop(request.id, None)
         self.received += 1
         await self._events.send(
             "task-received",
@@ -327,19 +265,20 @@ class TaskConsumer:
             eta=request.eta.isoformat() if request.eta else None,
             expires=request.expires.isoformat() if request.expires else None,
         )
-        outcome = await self._run(request, message, delivery)
+        outcome = await self._run(tracked, message)
         if outcome is None:
             return  # handed back to the broker (shutdown), or revoked while it waited
         signum = self._signums.pop(request.id, None)
         await self._outcomes.finish(message, queue, request, outcome, stopping=self._stopping, signum=signum)
 
     async def _run(
-        self, request: TaskMessage, message: aio_pika.abc.AbstractIncomingMessage, delivery: dict[str, Any]
+        self, tracked: Tracked, message: aio_pika.abc.AbstractIncomingMessage
     ) -> JobOutcome | None:
+        request = tracked.request
         task = asyncio.current_task()
         assert task is not None
         self._reserved.add(task)
-        self._waiting[request.id] = (request, delivery)
+        self._state.reserved_tasks[request.id] = tracked
         try:
             await self._slots.acquire()
         except asyncio.CancelledError:
@@ -349,7 +288,7 @@ class TaskConsumer:
             return None
         finally:
             self._reserved.discard(task)
-            self._waiting.pop(request.id, None)
+            self._state.reserved_tasks.pop(request.id, None)
         try:
             if request.id in self._revoked:  # revoked while it waited for a child
                 await self._revoked_skip(message, request, expired=False)
@@ -364,16 +303,12 @@ class TaskConsumer:
                 hard_time_limit_s=hard,
                 soft_time_limit_s=soft,
             )
-            self._running[request.id] = request
-            self._started_at[request.id] = time.time()
-            self._delivery[request.id] = delivery
+            self._state.start(tracked)
             await self._events.send("task-started", uuid=request.id)
             try:
                 return await self._pool.run(job)
             finally:
-                self._running.pop(request.id, None)
-                self._started_at.pop(request.id, None)
-                self._delivery.pop(request.id, None)
+                self._state.active_tasks.pop(request.id, None)
         finally:
             self._slots.release()
 

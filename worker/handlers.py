@@ -65,7 +65,7 @@ def build_registry(
     started = time.monotonic()
 
     async def active(safe: bool) -> list[dict[str, Any]]:
-        return consumer.active(safe=safe)
+        return consumer.state.active(safe=safe)
 
     async def stats() -> dict[str, Any]:
         url = urlsplit(config.settings.broker_url)
@@ -123,13 +123,13 @@ def build_registry(
         return {"revoked": revoker.revoked.to_wire(limit=HELLO_REVOKED_LIMIT), "clock": clock.forward()}
 
     async def reserved() -> list[dict[str, Any]]:
-        return consumer.reserved()
+        return consumer.state.reserved()
 
     async def scheduled() -> list[dict[str, Any]]:
-        return consumer.scheduled()
+        return consumer.state.scheduled()
 
     async def query_task(ids: str | list[str]) -> dict[str, Any]:
-        return consumer.query([ids] if isinstance(ids, str) else [str(i) for i in ids])
+        return consumer.state.query([ids] if isinstance(ids, str) else [str(i) for i in ids])
 
     async def active_queues() -> list[dict[str, Any]]:
         return [queue_info(name) for name in controls.consuming()]
