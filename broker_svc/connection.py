@@ -25,7 +25,7 @@ from broker_svc.pending import Delivery, PendingPublish, _ConfirmRate
 from broker_svc.settings import Settings
 from broker_svc.topology import QueueSpec
 
-__all__ = ["BrokerConnection", "Consumer", "Delivery", "PendingPublish"]
+__all__ = ["BrokerConnection", "Consumer", "Delivery", "PendingPublish", "connection_parameters"]
 
 log = structlog.get_logger(__name__)
 
@@ -45,6 +45,30 @@ def _is_permanent(error: BaseException | str) -> bool:
 
 
 Consumer = Callable[[Delivery], None]
+
+
+def connection_parameters(settings: Settings, *, connection_name: str) -> pika.URLParameters:
+    """pika's parameters for one connection attempt to the broker ``settings`` name.
+
+    The vhost comes from ``Settings.virtual_host``, heartbeat and timeouts from their settings;
+    the connection makes one attempt, as each caller retries in its own way.
+
+    Args:
+        settings: the broker URL and the connection timeouts.
+        connection_name: the name shown by ``rabbitmqctl list_connections``.
+
+    Raises:
+        ValueError: pika rejects the URL (a bad port or query parameter).
+    """
+    params = pika.URLParameters(settings.broker_url)
+    params.virtual_host = settings.virtual_host  # pika reads "//" as vhost ""
+    params.heartbeat = settings.heartbeat_s
+    params.socket_timeout = settings.connect_timeout_s
+    params.stack_timeout = settings.connect_timeout_s * 2
+    params.blocked_connection_timeout = settings.confirm_timeout_s
+    params.connection_attempts = 1
+    params.client_properties = {"connection_name": connection_name, "product": "clockwork"}
+    return params
 
 
 class BrokerConnection:
@@ -220,21 +244,10 @@ class BrokerConnection:
             backoff = min(backoff * 2, _BACKOFF_MAX_S)
         self._fail_all(BrokerUnavailable("the connection was closed before the broker confirmed"))
 
-    def _parameters(self) -> pika.URLParameters:
-        params = pika.URLParameters(self._settings.broker_url)
-        params.virtual_host = self._settings.virtual_host  # pika reads "//" as vhost ""
-        params.heartbeat = self._settings.heartbeat_s
-        params.socket_timeout = self._settings.connect_timeout_s
-        params.stack_timeout = self._settings.connect_timeout_s * 2
-        params.blocked_connection_timeout = self._settings.confirm_timeout_s
-        params.connection_attempts = 1
-        params.client_properties = {"connection_name": self._name, "product": "clockwork"}
-        return params
-
     def _run_connection(self) -> None:
         try:
             conn = pika.SelectConnection(
-                self._parameters(),
+                connection_parameters(self._settings, connection_name=self._name),
                 on_open_callback=self._on_open,
                 on_open_error_callback=self._on_open_error,
                 on_close_callback=self._on_closed,

@@ -55,10 +55,10 @@ def test_imports_flow_worker_to_control_to_broker_svc_only():
 
 
 # DESIGN §1: a module is pure, blocking (pika) or async (aio-pika), never two of those.
-BLOCKING = {"broker_svc/connection.py", "control/client.py"}
+BLOCKING = {"broker_svc/connection.py", "control/client.py", "control/streams.py"}
 ASYNC_IN_CONTROL = {"control/node.py", "control/broadcast.py"}
 PURE_CONTROL = {"control/protocol.py", "control/commands.py", "control/collect.py", "control/members.py",
-                "control/revocations.py"}  # fmt: skip
+                "control/revocations.py", "control/results.py"}  # fmt: skip
 
 
 def test_pika_only_in_blocking_modules_and_aio_pika_only_in_worker_and_async_control_modules():
