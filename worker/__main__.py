@@ -26,7 +26,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("-Q", "--queues", default=None, help="comma-separated queues (default: celery)")
     parser.add_argument("-b", "--broker", default=None, help="AMQP URL (else $CLOCKWORK_BROKER_URL)")
     parser.add_argument("-l", "--loglevel", default="info", help="debug, info, warning, error")
-    parser.add_argument("--prefetch-multiplier", type=int, default=2, help="deliveries held per child")
+    parser.add_argument(
+        "--prefetch-multiplier",
+        type=int,
+        default=1,
+        help="unacked deliveries per child and queue, running ones included (1: take only what can start)",
+    )
     parser.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish tasks")
     parser.add_argument("--time-limit", type=float, default=None, help="default hard time limit (s)")
     parser.add_argument("--soft-time-limit", type=float, default=None, help="default soft time limit (s)")

@@ -42,7 +42,9 @@ class WorkerConfig:
         hostname: node name ``name@host`` (templates expanded).
         queues: the task queues to consume.
         concurrency: child processes.
-        prefetch_multiplier: unacked deliveries held per child (per consumer QoS = this × children).
+        prefetch_multiplier: unacked deliveries per child, per queue (per-consumer QoS = this ×
+            children). Tasks are acked after they ran, so running ones count: with 1, a worker holds
+            no task it cannot start now, and a busy worker hoards nothing.
         shutdown_timeout_s: how long running tasks may finish after SIGTERM.
         max_child_deaths: how often a message may kill a child before it is dead-lettered.
         time_limit_s: hard time limit for tasks that set none (the task's and the call's win).
@@ -59,7 +61,7 @@ class WorkerConfig:
     hostname: str = field(default_factory=lambda: expand_hostname(DEFAULT_HOSTNAME))
     queues: tuple[str, ...] = ("celery",)
     concurrency: int = field(default_factory=lambda: os.cpu_count() or 1)
-    prefetch_multiplier: int = 2
+    prefetch_multiplier: int = 1
     shutdown_timeout_s: float = 30.0
     max_child_deaths: int = 3
     time_limit_s: float | None = None

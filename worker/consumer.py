@@ -26,6 +26,7 @@ from worker.outcomes import OutcomeHandler, reply_type, settle
 from worker.pool import Job, JobOutcome, ProcessPool
 from worker.replies import ReplyPublisher
 from worker.revoked import RevokedSet
+from worker.slots import FairSlots
 from worker.state import Tracked, WorkerState
 
 __all__ = ["TaskConsumer"]
@@ -63,7 +64,7 @@ class TaskConsumer:
         self._settings = settings
         self._hostname = hostname
         self._accept = codec.accept_set(settings.accept_content)
-        self._slots = asyncio.Semaphore(concurrency)
+        self._slots = FairSlots(concurrency)
         self._max_child_deaths = max_child_deaths
         self._default_limits = default_time_limits
         self._eta = eta
@@ -96,6 +97,11 @@ class TaskConsumer:
     def running_count(self) -> int:
         """Tasks running in children now."""
         return len(self._state.active_tasks)
+
+    @property
+    def slots(self) -> FairSlots:
+        """The children as slots: capacity, in use, and deliveries waiting (the autoscaler's input)."""
+        return self._slots
 
     @property
     def state(self) -> WorkerState:
@@ -265,14 +271,14 @@ class TaskConsumer:
             eta=request.eta.isoformat() if request.eta else None,
             expires=request.expires.isoformat() if request.expires else None,
         )
-        outcome = await self._run(tracked, message)
+        outcome = await self._run(tracked, message, queue)
         if outcome is None:
             return  # handed back to the broker (shutdown), or revoked while it waited
         signum = self._signums.pop(request.id, None)
         await self._outcomes.finish(message, queue, request, outcome, stopping=self._stopping, signum=signum)
 
     async def _run(
-        self, tracked: Tracked, message: aio_pika.abc.AbstractIncomingMessage
+        self, tracked: Tracked, message: aio_pika.abc.AbstractIncomingMessage, queue: str
     ) -> JobOutcome | None:
         request = tracked.request
         task = asyncio.current_task()
@@ -280,7 +286,7 @@ class TaskConsumer:
         self._reserved.add(task)
         self._state.reserved_tasks[request.id] = tracked
         try:
-            await self._slots.acquire()
+            await self._slots.acquire(queue)
         except asyncio.CancelledError:
             # Reserved but never started: the broker gets it back for another worker.
             await settle(message.nack(requeue=True))

@@ -121,7 +121,7 @@ class WorkerService:
             )
             await events.start()
         # Held ETA deliveries count against the prefetch: leave one per child for due tasks.
-        eta = EtaScheduler(publish_channel, max_held=config.prefetch_count - config.concurrency)
+        eta = EtaScheduler(publish_channel, max_held=max(1, config.prefetch_count - config.concurrency))
         consumer = TaskConsumer(
             app=self._app,
             pool=pool,

@@ -28,9 +28,9 @@ STARTED_AT = "tests.integration.e2e_tasks.started_at"
 ADD = "tests.integration.e2e_tasks.add"
 NOOP = "tests.integration.e2e_tasks.noop"
 HOUR_S = 3600.0
-# The `worker` fixture: 2 children, prefetch multiplier 2.
+# The `worker` fixture: 2 children, the default prefetch multiplier 1.
 CONCURRENCY = 2
-PREFETCH = 2 * CONCURRENCY
+PREFETCH = 1 * CONCURRENCY
 ACCEPT = codec.accept_set(["json", "msgpack"])
 
 
