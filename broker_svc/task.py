@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final
 import structlog
 
 from broker_svc.errors import MaxRetriesExceededError, Retry
+from broker_svc.rates import parse_rate
 
 if TYPE_CHECKING:
     from broker_svc.app import App
@@ -150,6 +151,8 @@ class Task:
     serializer: ClassVar[str | None] = None
     time_limit: ClassVar[float | None] = None
     soft_time_limit: ClassVar[float | None] = None
+    # Per worker, as Celery's: "10/s", "100/m", "2/h", or a number per second; None means no limit.
+    rate_limit: ClassVar[str | int | float | None] = None
     track_started: ClassVar[bool] = False
     max_retries: ClassVar[int | None] = 3
     default_retry_delay: ClassVar[float] = 180.0
@@ -162,7 +165,7 @@ class Task:
         {
             "name", "bind", "ignore_result", "queue", "serializer", "time_limit", "soft_time_limit",
             "track_started", "max_retries", "default_retry_delay", "autoretry_for", "retry_backoff",
-            "retry_backoff_max", "retry_jitter",
+            "retry_backoff_max", "retry_jitter", "rate_limit",
         }
     )  # fmt: skip
 
@@ -347,12 +350,17 @@ def build_task_class(
 
     Raises:
         TypeError: an unknown task option, or a base that is not a ``Task``.
+        ValueError: a ``rate_limit`` that is not a rate (``"10/s"``, ``"100/m"``, ``"2/h"``, a number).
     """
     if not (isinstance(base, type) and issubclass(base, Task)):
         raise TypeError(f"base must be a subclass of broker_svc.Task, got {base!r}")
     unknown = set(options) - base.OPTIONS
     if unknown:
         raise TypeError(f"unknown task option(s) {sorted(unknown)}; known: {sorted(base.OPTIONS)}")
+    try:
+        parse_rate(options.get("rate_limit", base.rate_limit))
+    except ValueError as exc:
+        raise ValueError(f"task {name!r}: {exc}") from None
     bind = bool(options.get("bind", base.bind))
     attrs: dict[str, Any] = {
         **options,

@@ -103,6 +103,8 @@ COMMANDS: Final[dict[str, Command]] = {
            signal=Param(_STR, default="SIGTERM")),
         _c("time_limit", _C, '{"ok": "time limits set successfully"}', task_name=Param(_STR, required=True),
            soft=Param(_NUM, default=None), hard=Param(_NUM, default=None)),
+        _c("rate_limit", _C, '{"ok": "new rate limit set successfully"} or "... disabled ..."',
+           task_name=Param(_STR, required=True), rate_limit=Param((str, int, float), required=True)),
         _c("add_consumer", _C, '{"ok": "add consumer <queue>"}', queue=Param(_STR, required=True),
            exchange=Param(_STR), exchange_type=Param(_STR, default="direct"), routing_key=Param(_STR),
            options=Param((dict,), default=None)),

@@ -6,7 +6,7 @@ import asyncio
 import datetime as dt
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Final
 
 import aio_pika
 import aio_pika.abc
@@ -20,16 +20,21 @@ from broker_svc.message import TaskMessage, decode_task, safe_repr
 from broker_svc.outcome import Outcome, wire_exception
 from broker_svc.settings import Settings
 from broker_svc.states import State
+from broker_svc.topology import DELAY_HOLD_WINDOW_S
 from worker.eta import EtaScheduler
 from worker.events import EventDispatcher
 from worker.outcomes import OutcomeHandler, reply_type, settle
 from worker.pool import Job, JobOutcome, ProcessPool
+from worker.ratelimit import RateLimits
 from worker.replies import ReplyPublisher
 from worker.revoked import RevokedSet
 from worker.slots import FairSlots
 from worker.state import Tracked, WorkerState
 
-__all__ = ["TaskConsumer"]
+__all__ = ["RATE_RESERVED_HEADER", "TaskConsumer"]
+
+# On a copy parked for its turn under a rate limit: it holds its token already.
+RATE_RESERVED_HEADER: Final = "x-clockwork-rate-reserved"
 
 log = structlog.get_logger(__name__)
 
@@ -55,6 +60,7 @@ class TaskConsumer:
         eta: EtaScheduler,
         events: EventDispatcher,
         revoked: RevokedSet,
+        limits: RateLimits,
         default_time_limits: tuple[float | None, float | None] = (None, None),
     ) -> None:
         self._app = app
@@ -70,6 +76,7 @@ class TaskConsumer:
         self._eta = eta
         self._events = events
         self._revoked = revoked
+        self._limits = limits
         # Per-task limits set by the ``time_limit`` command: (hard, soft).
         self.time_limits: dict[str, tuple[float | None, float | None]] = {}
         self._state = WorkerState(hostname, pool.running)
@@ -258,6 +265,8 @@ class TaskConsumer:
                     return  # parked in a delay queue until nearly due (and acked here)
             finally:
                 self._state.scheduled_tasks.pop(request.id, None)
+        if await self._rate_limited(message, queue, request):
+            return  # parked until its turn under the task's rate limit (and acked here)
         self.received += 1
         await self._events.send(
             "task-received",
@@ -276,6 +285,26 @@ class TaskConsumer:
             return  # handed back to the broker (shutdown), or revoked while it waited
         signum = self._signums.pop(request.id, None)
         await self._outcomes.finish(message, queue, request, outcome, stopping=self._stopping, signum=signum)
+
+    async def _rate_limited(
+        self, message: aio_pika.abc.AbstractIncomingMessage, queue: str, request: TaskMessage
+    ) -> bool:
+        # A token is taken once per task: a copy parked for its turn comes back marked, due.
+        if (message.headers or {}).get(RATE_RESERVED_HEADER) is True:
+            return False
+        delay_s = self._limits.reserve(request.task)
+        if delay_s <= 0:
+            return False
+        if delay_s <= DELAY_HOLD_WINDOW_S:
+            await asyncio.sleep(delay_s)  # holds the delivery, never a child
+            return False
+        # Its turn is later: wait in the broker, not in our prefetch, so other tasks go on.
+        due = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=delay_s)
+        headers = {"eta": due.isoformat(), RATE_RESERVED_HEADER: True}
+        await self._eta.publish_delayed(message, queue=queue, eta=due, headers=headers)
+        await settle(message.ack())
+        log.debug("task_rate_limited", delay_s=round(delay_s, 3))
+        return True
 
     async def _run(
         self, tracked: Tracked, message: aio_pika.abc.AbstractIncomingMessage, queue: str

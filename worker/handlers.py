@@ -22,9 +22,10 @@ from worker.consumer import TaskConsumer
 from worker.events import EventDispatcher
 from worker.mingle import HELLO_REVOKED_LIMIT
 from worker.pool import ProcessPool
+from worker.ratelimit import RateLimits, parse_rate
 from worker.revocation import Revoker
 
-__all__ = ["ServiceControls", "build_registry", "queue_info"]
+__all__ = ["ServiceControls", "build_registry", "queue_info", "register_rate_limit"]
 
 log = structlog.get_logger(__name__)
 
@@ -246,3 +247,30 @@ def queue_info(name: str) -> dict[str, Any]:
         "max_length_bytes": None,
         "max_priority": None,
     }  # fmt: skip
+
+
+def register_rate_limit(registry: CommandRegistry, *, app: App, limits: RateLimits) -> None:
+    """Answer ``rate_limit`` (Celery's replies, WIRE.md §6.2) by changing ``limits``.
+
+    As in Celery, a malformed rate is refused before the task name is looked up. The reply says
+    "disabled" when the new rate means no limit (None, ``""``, 0, ``"0/m"``).
+    """
+
+    async def set_rate_limit(task_name: str, rate_limit: str | int | float | None) -> dict[str, Any]:
+        try:
+            per_second = parse_rate(rate_limit)
+        except ValueError as exc:
+            return nok(f"Invalid rate limit string: {exc!r}")
+        if task_name not in app.tasks:
+            log.warning("rate_limit_unknown_task", task_name=task_name)
+            return nok("unknown task")
+        # As Celery, rewrite the task's option too: it stays what this worker enforces.
+        type(app.tasks[task_name]).rate_limit = rate_limit
+        limits.set(task_name, per_second)
+        if per_second is None:
+            log.info("rate_limit_disabled", task_name=task_name)
+            return ok("rate limit disabled successfully")
+        log.info("rate_limit_set", task_name=task_name, rate_limit=rate_limit, per_second=per_second)
+        return ok("new rate limit set successfully")
+
+    registry.register("rate_limit", set_rate_limit)

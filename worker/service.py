@@ -22,9 +22,10 @@ from worker.config import WorkerConfig
 from worker.consumer import TaskConsumer
 from worker.eta import EtaScheduler
 from worker.events import EventDispatcher, Heart
-from worker.handlers import build_registry
+from worker.handlers import build_registry, register_rate_limit
 from worker.mingle import mingle
 from worker.pool import ProcessPool
+from worker.ratelimit import RateLimits
 from worker.replies import ReplyPublisher
 from worker.revocation import Revoker
 from worker.revoked import RevokedSet
@@ -58,6 +59,7 @@ class WorkerService:
         self._signals = 0
         self._consumer: TaskConsumer | None = None
         self._revoked = RevokedSet()
+        self._limits = RateLimits.for_tasks(app.tasks)
         self._heart: Heart | None = None
         self._consume_channel: aio_pika.abc.AbstractChannel | None = None
         # Task queues consumed now: name → (queue, consumer tag).
@@ -134,6 +136,7 @@ class WorkerService:
             eta=eta,
             events=events,
             revoked=self._revoked,
+            limits=self._limits,
             default_time_limits=(config.time_limit_s, config.soft_time_limit_s),
         )
         self._consumer = consumer
@@ -270,6 +273,7 @@ class WorkerService:
             events=events,
             controls=self,
         )
+        register_rate_limit(registry, app=self._app, limits=self._limits)
         node = MailboxNode(
             await connection.channel(),
             nodename=config.hostname,

@@ -53,3 +53,9 @@ def record(path: str, tag: str) -> str:
     with open(path, "a") as out:
         out.write(tag + "\n")
     return tag
+
+
+@app.task(rate_limit="10/s")
+def limited() -> float:
+    """When the body ran (wall clock), for rate-limit tests."""
+    return time.time()
