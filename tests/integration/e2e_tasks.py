@@ -59,3 +59,11 @@ def record(path: str, tag: str) -> str:
 def limited() -> float:
     """When the body ran (wall clock), for rate-limit tests."""
     return time.time()
+
+
+@app.task
+def timed(seconds: float) -> list[float]:
+    """Sleep, and say when the body started and ended (wall clock), for fairness tests."""
+    started = time.time()
+    time.sleep(seconds)
+    return [started, time.time()]

@@ -1,0 +1,74 @@
+"""Load is balanced at three levels: child, worker and queue, each with a bound that can fail."""
+
+from __future__ import annotations
+
+import time
+
+from broker_svc import App, Settings
+from broker_svc.task import Signature
+from tests.amqp import delete_queues
+from tests.pidbox import call
+from tests.waiting import wait_for
+from tests.workers import WorkerProcess, unique_queue
+
+TIMED = "tests.integration.e2e_tasks.timed"
+NOOP = "tests.integration.e2e_tasks.noop"
+
+
+def test_short_tasks_never_wait_behind_a_long_one_in_the_same_worker(
+    test_vhost_url: str, queue: str, client: App
+):
+    with WorkerProcess(test_vhost_url, queues=[queue], concurrency=2) as worker:
+        worker.wait_ready()
+        long = client.send_task(TIMED, args=(10.0,), queue=queue)
+        sent = time.time()
+        shorts = [client.send_task(TIMED, args=(0.01,), queue=queue) for _ in range(100)]
+        ends = [r.get(timeout=30)[1] for r in shorts]
+        # 100 x 10 ms is 1 s of work for the one free child; the long task holds only its own.
+        assert max(ends) - sent < 3.0, max(ends) - sent
+        assert not long.ready()
+        call(test_vhost_url, "revoke", arguments={"task_id": long.id, "terminate": True},
+             destination=[worker.name], expect=1)  # fmt: skip
+
+
+def test_a_busy_worker_hoards_nothing_an_idle_one_could_run(test_vhost_url: str, queue: str, client: App):
+    with (
+        WorkerProcess(test_vhost_url, queues=[queue], concurrency=2) as first,
+        WorkerProcess(test_vhost_url, queues=[queue], concurrency=2) as second,
+    ):
+        first.wait_ready()
+        second.wait_ready()
+        longs = [client.send_task(TIMED, args=(4.0,), queue=queue) for _ in range(2)]
+        # The long tasks run before the short ones arrive.
+        wait_for(lambda: _running(test_vhost_url) == 2, timeout_s=15, message="both long tasks running")
+        sent = time.time()
+        shorts = [client.send_task(TIMED, args=(0.01,), queue=queue) for _ in range(60)]
+        waits = sorted(r.get(timeout=30)[0] - sent for r in shorts)
+        long_ends = [r.get(timeout=30)[1] for r in longs]
+    # No short task waited for a long one to end: the worker running them held none back.
+    assert waits[-1] < 2.0 and waits[-1] < min(long_ends) - sent - 1.0, waits
+    print(f"short-task start delay: p50 {waits[len(waits) // 2]:.3f} s, max {waits[-1]:.3f} s")
+
+
+def _running(url: str) -> int:
+    return sum(len(value) for _, body in call(url, "active", expect=2, wait_s=2) for value in body.values())
+
+
+def test_a_small_queue_is_served_while_a_big_one_waits(test_vhost_url: str):
+    big, small = unique_queue("big"), unique_queue("small")
+    with App("fair-queues", settings=Settings(broker_url=test_vhost_url)) as app:
+        backlog = app.send_many(
+            [Signature(NOOP, options={"queue": big, "ignore_result": True}) for _ in range(10_000)]
+        )
+        app.flush(timeout=120)
+        assert len(backlog) == 10_000
+        try:
+            with WorkerProcess(test_vhost_url, queues=[big, small], concurrency=2) as worker:
+                worker.wait_ready()
+                sent = time.time()
+                results = [app.send_task(TIMED, args=(0.0,), queue=small) for _ in range(10)]
+                starts = [r.get(timeout=30)[0] - sent for r in results]
+        finally:
+            delete_queues(test_vhost_url, big, f"{big}.dead", small, f"{small}.dead")
+    # Served in turn with the 10,000 waiting in the big queue, not after it drained (~8 s).
+    assert max(starts) < 1.0, starts
