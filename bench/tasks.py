@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from broker_svc import App
 
 app = App("bench")
@@ -10,3 +12,11 @@ app = App("bench")
 @app.task(name="bench.tasks.noop")
 def noop() -> None:
     return None
+
+
+@app.task(name="bench.tasks.timed")
+def timed(seconds: float) -> list[float]:
+    """Sleep; return when the body started and ended (wall clock)."""
+    started = time.time()
+    time.sleep(seconds)
+    return [started, time.time()]
