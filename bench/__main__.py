@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from bench import control, spine
+from bench import control, fairness, spine
 
 if __name__ == "__main__":
-    status = spine.main()
-    sys.exit(status or control.main())
+    sys.exit(spine.main() or control.main() or fairness.main())
