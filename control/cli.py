@@ -23,6 +23,7 @@ from broker_svc.errors import BrokerUnavailable, ConfigurationError
 from broker_svc.logging import configure_logging
 from broker_svc.settings import Settings
 from control.client import BroadcastResult, ControlClient
+from control.commands import COMMANDS, CommandKind, Param
 from control.protocol import flatten_replies
 
 __all__ = ["EX_UNAVAILABLE", "build_parser", "main"]
@@ -45,6 +46,13 @@ INSPECT_METHODS: Final = {
     "query-task": ("query_task", "where tasks are (active, reserved)"),
     "active-queues": ("active_queues", "queues each worker consumes"),
     "conf": ("conf", "worker configuration"),
+}
+
+# ``ctl control <method> ARG...``: every control command but those with a command of their own.
+CONTROL_METHODS: Final = {
+    name: command
+    for name, command in COMMANDS.items()
+    if command.kind is CommandKind.CONTROL and name not in ("revoke", "terminate", "shutdown")
 }
 
 _REORDER_WINDOW_S: Final = 0.5
@@ -74,6 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
             method.add_argument("--with-defaults", action="store_true", help="include default values")
         elif name == "registered":
             method.add_argument("taskinfoitems", nargs="*", metavar="ATTR", help="task attributes to show")
+
+    control = commands.add_parser("control", parents=[common], help="change workers (rate limits, pool, ...)")
+    changes = control.add_subparsers(dest="method", required=True, metavar="METHOD")
+    for name, command in CONTROL_METHODS.items():
+        change = changes.add_parser(
+            name.replace("_", "-"), parents=[common], help=command.reply, description=command.reply
+        )
+        order = ", ".join(command.params) or "none"
+        change.add_argument("values", nargs="*", metavar="ARG", help=f"arguments in order: {order}")
 
     revoke = commands.add_parser("revoke", parents=[common], help="revoke tasks (durably)")
     revoke.add_argument("ids", nargs="+", metavar="ID", help="task ids")
@@ -159,6 +176,36 @@ def _inspect(
     result = client.broadcast(method, arguments, destination=dest, reply=True, timeout_s=args.timeout)
     _show(flatten_replies(result.replies), args.json, out)
     return _status(result, err)
+
+
+def _control(
+    client: ControlClient, args: argparse.Namespace, dest: list[str] | None, out: TextIO, err: TextIO
+) -> int:
+    method = args.method.replace("-", "_")
+    params = CONTROL_METHODS[method].params
+    if len(args.values) > len(params):
+        raise ValueError(f"{args.method} takes at most {len(params)} argument(s): {', '.join(params)}")
+    arguments = {
+        name: _convert(value, params[name]) for name, value in zip(params, args.values, strict=False)
+    }
+    result = client.broadcast(method, arguments, destination=dest, reply=True, timeout_s=args.timeout)
+    _show(flatten_replies(result.replies), args.json, out)
+    return _status(result, err)
+
+
+def _convert(value: str, param: Param) -> Any:
+    # Positional words to the types the command takes, as Celery's CLI converts them.
+    if value.lower() in ("none", "null"):
+        return None
+    for kind in (bool, int, float):
+        if kind in param.types:
+            try:
+                return value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
+            except ValueError:
+                continue
+    if str in param.types:
+        return value
+    raise ValueError(f"{value!r} is not a valid {' or '.join(t.__name__ for t in param.types)}")
 
 
 def _status_command(
@@ -247,6 +294,7 @@ def _events(
 
 _COMMANDS: Final[dict[str, Command]] = {
     "inspect": _inspect,
+    "control": _control,
     "status": _status_command,
     "revoke": _revoke,
     "shutdown": _shutdown,
