@@ -223,6 +223,24 @@ class Control:
         """Make workers stop consuming from a queue."""
         return self.broadcast("cancel_consumer", {"queue": queue}, destination=destination, **kwargs)
 
+    def pool_grow(
+        self, n: int = 1, destination: Destination = None, **kwargs: Any
+    ) -> list[dict[str, Any]] | None:
+        """Add ``n`` children to the pools (refused under autoscale)."""
+        return self.broadcast("pool_grow", {"n": n}, destination=destination, **kwargs)
+
+    def pool_shrink(
+        self, n: int = 1, destination: Destination = None, **kwargs: Any
+    ) -> list[dict[str, Any]] | None:
+        """Retire ``n`` children from the pools, busy ones after their task (refused under autoscale)."""
+        return self.broadcast("pool_shrink", {"n": n}, destination=destination, **kwargs)
+
+    def autoscale(
+        self, max: int | None, min: int | None, destination: Destination = None, **kwargs: Any
+    ) -> list[dict[str, Any]] | None:
+        """Change the autoscale range of workers started with ``--autoscale`` (None keeps a bound)."""
+        return self.broadcast("autoscale", {"max": max, "min": min}, destination=destination, **kwargs)
+
 
 class Inspect:
     """Read-only queries, shaped like ``celery.app.control.Inspect``.

@@ -87,7 +87,8 @@ COMMANDS: Final[dict[str, Command]] = {
         _c("clock", _I, '{"clock": n}'),
         _c("hello", _I, '{"revoked": LimitedSet data, "clock": n} or null to itself',
            from_node=Param(_STR, required=True), revoked=Param((dict, list), default={})),
-        _c("stats", _I, "map: total, pid, clock (str), uptime, pool, broker, prefetch_count, rusage"),
+        _c("stats", _I, "map: total, pid, clock (str), uptime, pool, broker, prefetch_count, rusage, "
+           "autoscaler (with --autoscale)"),
         _c("active", _I, "list of task info", safe=Param(_BOOL, default=False)),
         _c("reserved", _I, "list of task info"),
         _c("scheduled", _I, "list of {eta, priority, request}"),
@@ -105,6 +106,10 @@ COMMANDS: Final[dict[str, Command]] = {
            soft=Param(_NUM, default=None), hard=Param(_NUM, default=None)),
         _c("rate_limit", _C, '{"ok": "new rate limit set successfully"} or "... disabled ..."',
            task_name=Param(_STR, required=True), rate_limit=Param((str, int, float), required=True)),
+        _c("pool_grow", _C, '{"ok": "pool will grow"}', n=Param(_INT, default=1)),
+        _c("pool_shrink", _C, '{"ok": "pool will shrink"}', n=Param(_INT, default=1)),
+        _c("autoscale", _C, '{"ok": "autoscale now max=.. min=.."}', max=Param(_INT, default=None),
+           min=Param(_INT, default=None)),
         _c("add_consumer", _C, '{"ok": "add consumer <queue>"}', queue=Param(_STR, required=True),
            exchange=Param(_STR), exchange_type=Param(_STR, default="direct"), routing_key=Param(_STR),
            options=Param((dict,), default=None)),
@@ -138,6 +143,14 @@ class CommandRegistry:
         if name not in self._commands:
             raise KeyError(f"unknown command {name!r}; add it to the vocabulary first")
         self._handlers[name] = handler
+
+    def handler(self, name: str) -> Handler:
+        """The handler attached to ``name`` (to wrap it before attaching the wrapper instead).
+
+        Raises:
+            KeyError: no handler for ``name``.
+        """
+        return self._handlers[name]
 
     @property
     def names(self) -> list[str]:

@@ -12,7 +12,13 @@ from typing import Any
 
 from broker_svc.logging import configure_logging
 from broker_svc.settings import DEFAULT_BROKER_URL, Settings
-from worker.config import DEFAULT_HOSTNAME, WorkerConfig, default_state_path, expand_hostname
+from worker.config import (
+    DEFAULT_HOSTNAME,
+    WorkerConfig,
+    default_state_path,
+    expand_hostname,
+    parse_autoscale,
+)
 from worker.loader import load_app
 from worker.service import WorkerService
 
@@ -32,6 +38,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=1,
         help="unacked deliveries per child and queue, running ones included (1: take only what can start)",
     )
+    parser.add_argument(
+        "--autoscale",
+        type=_autoscale,
+        default=None,
+        metavar="MAX,MIN",
+        help="grow the pool up to MAX children while tasks wait, shrink to MIN (default 0; at least "
+        "one child stays) when idle; overrides -c",
+    )
+    parser.add_argument(
+        "--autoscale-keepalive",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="how long a child the pool did not need stays before autoscale retires it (default 30)",
+    )
     parser.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish tasks")
     parser.add_argument("--time-limit", type=float, default=None, help="default hard time limit (s)")
     parser.add_argument("--soft-time-limit", type=float, default=None, help="default soft time limit (s)")
@@ -44,6 +65,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heartbeat-interval", type=float, default=2.0, help="worker-heartbeat interval (s)")
     parser.add_argument("--without-mingle", action="store_true", help="skip syncing with peers at start-up")
     return parser.parse_args(argv)
+
+
+def _autoscale(value: str) -> tuple[int, int]:
+    try:
+        return parse_autoscale(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -67,7 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings=settings,
         hostname=hostname,
         queues=queues,
-        concurrency=args.concurrency,
+        # As Celery, an autoscaled pool starts at its minimum (here at least one child).
+        concurrency=max(args.autoscale[1], 1) if args.autoscale else args.concurrency,
         prefetch_multiplier=args.prefetch_multiplier,
         shutdown_timeout_s=args.shutdown_timeout,
         time_limit_s=args.time_limit,
@@ -76,6 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         task_events=args.task_events,
         heartbeat_s=args.heartbeat_interval,
         mingle=not args.without_mingle,
+        autoscale=args.autoscale,
+        autoscale_keepalive_s=args.autoscale_keepalive,
     )
     app = load_app(args.app)
     return _run(WorkerService(config, app).run())

@@ -9,7 +9,14 @@ from pathlib import Path
 
 from broker_svc.settings import Settings
 
-__all__ = ["DEFAULT_HOSTNAME", "WorkerConfig", "default_state_path", "expand_hostname"]
+__all__ = [
+    "DEFAULT_HOSTNAME",
+    "WorkerConfig",
+    "default_state_path",
+    "expand_hostname",
+    "parse_autoscale",
+    "prefetch_for",
+]
 
 # Celery's default node name, so scripts that address ``celery@host`` keep working.
 DEFAULT_HOSTNAME = "celery@%h"
@@ -30,6 +37,38 @@ def default_state_path(hostname: str) -> Path:
     )
     safe = "".join(c if c.isalnum() or c in "@._-" else "_" for c in hostname)
     return Path(base) / f"{safe}.state"
+
+
+def parse_autoscale(value: str) -> tuple[int, int]:
+    """Read Celery's ``--autoscale MAX,MIN`` (or ``MAX``): ``(max, min)``; MIN defaults to 0.
+
+    As Celery, the larger number is the maximum whichever comes first.
+
+    Raises:
+        ValueError: not one or two comma-separated integers, a negative one, or a maximum of 0.
+    """
+    parts = [p.strip() for p in value.split(",")]
+    if not 1 <= len(parts) <= 2:
+        raise ValueError(f"expected MAX or MAX,MIN (for example 10,3), got {value!r}")
+    try:
+        numbers = [int(p) for p in parts]
+    except ValueError:
+        raise ValueError(f"expected integers, as in --autoscale 10,3; got {value!r}") from None
+    maximum, minimum = max(numbers), (min(numbers) if len(numbers) == 2 else 0)
+    if minimum < 0 or maximum < 1:
+        raise ValueError(f"autoscale needs MAX >= 1 and MIN >= 0, got {value!r}")
+    return maximum, minimum
+
+
+def prefetch_for(size: int, *, multiplier: int, autoscale_max: int | None = None) -> int:
+    """The per-consumer prefetch for a pool of ``size`` children.
+
+    ``size × multiplier``; an autoscaled pool below its maximum takes one delivery more, so a backlog
+    shows up as a delivery waiting for a child (what makes the autoscaler grow the pool). It is never
+    0, which AMQP reads as "no limit".
+    """
+    headroom = 1 if autoscale_max is not None and size < autoscale_max else 0
+    return max(1, size * multiplier + headroom)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +93,10 @@ class WorkerConfig:
         heartbeat_s: the worker-heartbeat interval.
         mingle: sync revoked ids and clocks with peers at start-up and after reconnects.
         namespace: the control namespace (Celery's ``control_exchange``).
+        autoscale: ``(max, min)`` children with ``--autoscale``; ``concurrency`` is then the size
+            the pool starts at (``min``, at least 1). None: the pool keeps ``concurrency`` children.
+        autoscale_keepalive_s: how long a child the pool did not need stays before the autoscaler
+            retires it.
     """
 
     app_spec: str
@@ -71,6 +114,8 @@ class WorkerConfig:
     heartbeat_s: float = 2.0
     mingle: bool = True
     namespace: str = "celery"
+    autoscale: tuple[int, int] | None = None
+    autoscale_keepalive_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -83,8 +128,21 @@ class WorkerConfig:
             raise ValueError(f"heartbeat_s must be positive, got {self.heartbeat_s}")
         if "@" not in self.hostname:
             raise ValueError(f"hostname must look like name@host, got {self.hostname!r}")
+        if self.autoscale is not None:
+            maximum, minimum = self.autoscale
+            if not 0 <= minimum <= maximum or maximum < 1:
+                raise ValueError(f"autoscale must be (max, min) with max >= 1 and 0 <= min <= max, "
+                                 f"got {self.autoscale}")  # fmt: skip
+            if not max(minimum, 1) <= self.concurrency <= maximum:
+                raise ValueError(
+                    f"with autoscale {self.autoscale}, concurrency (the starting size) must be between "
+                    f"{max(minimum, 1)} and {maximum}, got {self.concurrency}"
+                )
+            if not self.autoscale_keepalive_s > 0:
+                raise ValueError(f"autoscale_keepalive_s must be positive, got {self.autoscale_keepalive_s}")
 
     @property
     def prefetch_count(self) -> int:
-        """basic.qos prefetch per consumer (global=False)."""
-        return self.concurrency * self.prefetch_multiplier
+        """basic.qos prefetch per consumer (global=False) at start; resizing the pool changes it."""
+        maximum = self.autoscale[0] if self.autoscale is not None else None
+        return prefetch_for(self.concurrency, multiplier=self.prefetch_multiplier, autoscale_max=maximum)

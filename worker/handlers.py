@@ -17,6 +17,7 @@ from control.commands import CommandRegistry
 from control.node import request_headers
 from control.protocol import nok, ok
 from control.revocations import LOGGED_HEADER
+from worker.autoscale import Autoscaler, PoolSizer
 from worker.config import WorkerConfig
 from worker.consumer import TaskConsumer
 from worker.events import EventDispatcher
@@ -25,7 +26,7 @@ from worker.pool import ProcessPool
 from worker.ratelimit import RateLimits, parse_rate
 from worker.revocation import Revoker
 
-__all__ = ["ServiceControls", "build_registry", "queue_info", "register_rate_limit"]
+__all__ = ["ServiceControls", "build_registry", "queue_info", "register_pool_commands", "register_rate_limit"]
 
 log = structlog.get_logger(__name__)
 
@@ -78,7 +79,7 @@ def build_registry(
             "uptime": int(time.monotonic() - started),
             "pool": {
                 "implementation": "clockwork.worker.pool:ProcessPool",
-                "max-concurrency": config.concurrency,
+                "max-concurrency": pool.target,  # follows pool_grow/pool_shrink and the autoscaler
                 "processes": pool.pids(),
                 "max-tasks-per-child": None,
                 "put-guarded-by-semaphore": False,
@@ -274,3 +275,61 @@ def register_rate_limit(registry: CommandRegistry, *, app: App, limits: RateLimi
         return ok("new rate limit set successfully")
 
     registry.register("rate_limit", set_rate_limit)
+
+
+# Celery's exact refusals (celery/worker/control.py).
+_NOT_WITH_AUTOSCALE = "{} is not supported with autoscale. Adjust autoscale range instead."
+
+
+def register_pool_commands(
+    registry: CommandRegistry, *, pool: ProcessPool, sizer: PoolSizer, autoscaler: Autoscaler | None
+) -> None:
+    """Answer ``pool_grow``, ``pool_shrink`` and ``autoscale`` with Celery's replies (WIRE.md §6.2).
+
+    Also wraps ``stats``: ``prefetch_count`` becomes the prefetch applied now, and with autoscale
+    it gains Celery's ``autoscaler`` map (``max``, ``min``, ``current``, ``qty``). Errors read as
+    Celery's (kombu replies ``repr(exc)`` for a handler's exception), e.g. ``autoscale`` on a worker
+    without it gives ``{"error": "ValueError('Autoscale not enabled')"}``.
+    """
+    base_stats = registry.handler("stats")
+
+    async def stats() -> dict[str, Any]:
+        reply: dict[str, Any] = await base_stats()
+        reply["prefetch_count"] = sizer.prefetch_count
+        if autoscaler is not None:
+            reply["autoscaler"] = autoscaler.info()
+        return reply
+
+    async def pool_grow(n: int) -> dict[str, Any]:
+        if autoscaler is not None:
+            return nok(_NOT_WITH_AUTOSCALE.format("pool_grow"))
+        if n < 0:
+            return nok(repr(ValueError(f"n must not be negative, got {n}")))
+        size = await sizer.resize(sizer.size + n)
+        log.info("pool_grow", n=n, size=size, prefetch=sizer.prefetch_count)
+        return ok("pool will grow")
+
+    async def pool_shrink(n: int) -> dict[str, Any]:
+        if autoscaler is not None:
+            return nok(_NOT_WITH_AUTOSCALE.format("pool_shrink"))
+        if n < 0:
+            return nok(repr(ValueError(f"n must not be negative, got {n}")))
+        if n > 0 and sizer.size <= 1:
+            return nok(repr(ValueError("Can't shrink the pool below one process")))
+        size = await sizer.resize(max(sizer.size - n, 1))
+        log.info("pool_shrink", n=n, size=size, prefetch=sizer.prefetch_count, busy=pool.busy_count)
+        return ok("pool will shrink")
+
+    async def autoscale(max: int | None, min: int | None) -> dict[str, Any]:  # Celery's argument names
+        if autoscaler is None:
+            return nok(repr(ValueError("Autoscale not enabled")))
+        try:
+            new_max, new_min = await autoscaler.update(max, min)
+        except ValueError as exc:
+            return nok(repr(exc))
+        return ok(f"autoscale now max={new_max} min={new_min}")
+
+    registry.register("stats", stats)
+    registry.register("pool_grow", pool_grow)
+    registry.register("pool_shrink", pool_shrink)
+    registry.register("autoscale", autoscale)

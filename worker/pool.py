@@ -47,6 +47,7 @@ class _Child:
     started_at: float = 0.0
     kill_status: JobStatus | None = None  # why we signalled it: the outcome if it dies
     doomed: bool = False  # SIGKILLed: never hand it another job
+    retired: bool = False  # the pool shrank: it was told to exit, and its slot ends with it
     timers: list[asyncio.TimerHandle] = field(default_factory=list)
 
 
@@ -54,7 +55,9 @@ class ProcessPool:
     """``concurrency`` child processes that run task bodies for an asyncio worker.
 
     A job goes only to an idle child, so a long task never holds short ones hostage. A child that
-    dies, passes its hard time limit or is terminated is replaced at once.
+    dies, passes its hard time limit or is terminated is replaced at once. ``grow()`` and
+    ``shrink()`` change how many children it keeps (``target``); shrinking retires idle children
+    at once and busy ones when their job ends, never a running task.
 
     Args:
         app_spec: ``package.module:attr`` of the app (``package.module`` means attribute ``app``).
@@ -85,11 +88,19 @@ class ProcessPool:
         self._waiters: collections.deque[asyncio.Future[_Child]] = collections.deque()
         self._slots: list[asyncio.Task[None]] = []
         self._closing = asyncio.Event()  # also wakes slots backing off between failed restarts
+        # Each slot keeps one child alive: live slots == target + children still due to retire.
+        self._target = concurrency
+        self._to_retire = 0
 
     @property
     def size(self) -> int:
-        """Children up and ready (one less while a dead child's replacement starts)."""
-        return len(self._children)
+        """Children up and ready, retiring ones not counted (one less while a replacement starts)."""
+        return sum(1 for c in self._children.values() if not c.retired)
+
+    @property
+    def target(self) -> int:
+        """How many children the pool keeps: ``concurrency``, then as ``grow()``/``shrink()`` left it."""
+        return self._target
 
     @property
     def idle_count(self) -> int:
@@ -103,7 +114,7 @@ class ProcessPool:
 
     def pids(self) -> list[int]:
         """Process ids of the ready children (for inspect ``stats``: ``pool.processes``)."""
-        return list(self._children)
+        return [pid for pid, c in self._children.items() if not c.retired]
 
     def running(self) -> dict[str, int]:
         """``task_id -> child pid`` of every running job (for inspect ``active``)."""
@@ -129,9 +140,8 @@ class ProcessPool:
         self._context.set_forkserver_preload([child_module.__name__, split_spec(self._app_spec)[0]])
         loop = asyncio.get_running_loop()
         first_starts: list[asyncio.Future[None]] = [loop.create_future() for _ in range(self._concurrency)]
-        self._slots = [asyncio.create_task(self._keep_slot(ready)) for ready in first_starts]
-        for slot in self._slots:
-            slot.add_done_callback(_report_crash)
+        for ready in first_starts:
+            self._add_slot(ready)
         try:
             await asyncio.gather(*first_starts)
         except BaseException:
@@ -140,6 +150,53 @@ class ProcessPool:
                 if ready.done() and not ready.cancelled():
                     ready.exception()
             raise
+
+    def grow(self, n: int = 1) -> None:
+        """Keep ``n`` more children; each takes jobs once it has loaded the app.
+
+        A child still waiting to retire (its job runs on after a ``shrink()``) stays instead of a
+        new one starting.
+
+        Raises:
+            ValueError: ``n < 0``.
+            RuntimeError: the pool was not started.
+            PoolClosedError: the pool is closing or closed.
+        """
+        if n < 0:
+            raise ValueError(f"n must not be negative, got {n}")
+        if self._closing.is_set():
+            raise PoolClosedError("the process pool is closed")
+        if not self._slots:
+            raise RuntimeError("start() the pool before growing it")
+        self._target += n
+        kept = min(n, self._to_retire)
+        self._to_retire -= kept
+        self._slots = [slot for slot in self._slots if not slot.done()]
+        for _ in range(n - kept):
+            self._add_slot(None)
+        log.debug("pool_grow", n=n, target=self._target)
+
+    def shrink(self, n: int = 1) -> int:
+        """Keep ``n`` fewer children, never fewer than one: idle ones exit now, busy ones after their job.
+
+        Returns:
+            How many children go (``n``, or fewer to keep one).
+
+        Raises:
+            ValueError: ``n < 0``.
+            PoolClosedError: the pool is closing or closed.
+        """
+        if n < 0:
+            raise ValueError(f"n must not be negative, got {n}")
+        if self._closing.is_set():
+            raise PoolClosedError("the process pool is closed")
+        n = min(n, self._target - 1)
+        self._target -= n
+        self._to_retire += n
+        while self._to_retire and self._idle:
+            self._retire(self._idle.popleft())
+        log.debug("pool_shrink", n=n, target=self._target)
+        return n
 
     async def run(self, job: Job) -> JobOutcome:
         """Run ``job`` in the next idle child and return how it ended.
@@ -232,12 +289,21 @@ class ProcessPool:
     def _release(self, child: _Child) -> None:
         if child.doomed:
             return  # SIGKILLed; its slot reaps it
+        if self._to_retire and not self._closing.is_set():
+            self._retire(child)  # the pool shrank: the first child to come free goes
+            return
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_result(child)
                 return
         self._idle.append(child)
+
+    def _retire(self, child: _Child) -> None:
+        """Tell an idle child to exit (EOF on its socket); its slot ends once it is reaped."""
+        self._to_retire -= 1
+        child.retired = True
+        child.writer.close()
 
     def _signal(self, child: _Child, sig: int, status: JobStatus | None = None) -> None:
         if self._children.get(child.pid) is not child:
@@ -256,17 +322,30 @@ class ProcessPool:
 
     # -- children ---------------------------------------------------------------------------------
 
-    async def _keep_slot(self, first_start: asyncio.Future[None]) -> None:
-        """Keep one child alive: start it, serve it until it exits, replace it; until close()."""
+    def _add_slot(self, first_start: asyncio.Future[None] | None) -> None:
+        slot = asyncio.create_task(self._keep_slot(first_start))
+        slot.add_done_callback(_report_crash)
+        self._slots.append(slot)
+
+    async def _keep_slot(self, first_start: asyncio.Future[None] | None) -> None:
+        """Keep one child alive: start it, serve it until it exits, replace it; until close() or shrink().
+
+        Args:
+            first_start: resolved when the first child is ready, or failed if it cannot start
+                (``start()`` waits for it); None for a slot added by ``grow()``, which retries.
+        """
         delay_s = _RESPAWN_DELAY_S[0]
         while not self._closing.is_set():
+            if self._to_retire and (first_start is None or first_start.done()):
+                self._to_retire -= 1  # the pool shrank while this slot had no child: end it
+                return
             begun = asyncio.get_running_loop().time()
             try:
                 process, sock = await asyncio.to_thread(
                     child_module.spawn, self._context, self._app_spec, timeout_s=self._start_timeout_s
                 )
             except PoolStartError as exc:
-                if not first_start.done():
+                if first_start is not None and not first_start.done():
                     first_start.set_exception(exc)
                     return
                 log.error("pool_child_start_failed", error=str(exc), retry_in_s=delay_s)
@@ -277,10 +356,13 @@ class ProcessPool:
             reader, writer = await asyncio.open_connection(sock=sock)
             start_ms = round((asyncio.get_running_loop().time() - begun) * 1000, 1)
             log.debug("pool_child_started", pid=process.pid, start_ms=start_ms)
-            if not first_start.done():
+            if first_start is not None and not first_start.done():
                 first_start.set_result(None)
             delay_s = _RESPAWN_DELAY_S[0]
-            await self._serve(_Child(process=process, pid=process.pid or 0, reader=reader, writer=writer))
+            child = _Child(process=process, pid=process.pid or 0, reader=reader, writer=writer)
+            await self._serve(child)
+            if child.retired:
+                return
 
     async def _serve(self, child: _Child) -> None:
         """Hand the child out for jobs and relay its frames until it exits; then settle its job."""
@@ -306,6 +388,8 @@ class ProcessPool:
                     child.job, child.kill_status, exitcode=exitcode, runtime_s=runtime_s, pid=child.pid
                 )
                 self._settle(child, outcome)
+            elif child.retired:
+                log.debug("pool_child_retired", pid=child.pid, exit=ipc.describe_exit(exitcode))
             elif not self._closing.is_set():
                 log.warning("pool_child_died_idle", pid=child.pid, exit=ipc.describe_exit(exitcode))
 

@@ -18,11 +18,12 @@ from broker_svc.topology import QueueSpec, dead_letter_queue, task_queue
 from control.broadcast import AsyncBroadcaster, declare_members_stream
 from control.node import MailboxNode
 from worker.amqp_compat import install_header_int_guard
+from worker.autoscale import Autoscaler, PoolSizer
 from worker.config import WorkerConfig
 from worker.consumer import TaskConsumer
 from worker.eta import EtaScheduler
 from worker.events import EventDispatcher, Heart
-from worker.handlers import build_registry, register_rate_limit
+from worker.handlers import build_registry, register_pool_commands, register_rate_limit
 from worker.mingle import mingle
 from worker.pool import ProcessPool
 from worker.ratelimit import RateLimits
@@ -64,6 +65,10 @@ class WorkerService:
         self._consume_channel: aio_pika.abc.AbstractChannel | None = None
         # Task queues consumed now: name → (queue, consumer tag).
         self._consuming: dict[str, tuple[aio_pika.abc.AbstractQueue, str]] = {}
+        # Held while consumers are added, cancelled or re-subscribed (a new prefetch).
+        self._consumers_lock = asyncio.Lock()
+        self._sizer: PoolSizer | None = None
+        self._autoscaler: Autoscaler | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._mingle: Callable[[], Coroutine[Any, Any, None]] | None = None
 
@@ -140,6 +145,21 @@ class WorkerService:
             default_time_limits=(config.time_limit_s, config.soft_time_limit_s),
         )
         self._consumer = consumer
+        self._sizer = PoolSizer(
+            pool,
+            consumer.slots,
+            set_prefetch=self.set_prefetch,
+            multiplier=config.prefetch_multiplier,
+            autoscale_max=config.autoscale[0] if config.autoscale else None,
+        )
+        if config.autoscale is not None:
+            self._autoscaler = Autoscaler(
+                self._sizer,
+                consumer.slots,
+                maximum=config.autoscale[0],
+                minimum=config.autoscale[1],
+                keepalive_s=config.autoscale_keepalive_s,
+            )
         revoker = Revoker(
             self._revoked,
             terminate=consumer.terminate,
@@ -179,12 +199,15 @@ class WorkerService:
         for name in config.queues:
             await self.add_consumer(name)
         await heart.start()
+        if self._autoscaler is not None:
+            await self._autoscaler.start()
         connection.reconnect_callbacks.add(self._on_reconnect)
         log.info(
             "worker_ready",
             hostname=config.hostname,
             queues=list(config.queues),
             concurrency=config.concurrency,
+            autoscale=list(config.autoscale) if config.autoscale else None,
             prefetch=config.prefetch_count,
             revoked=len(self._revoked),
             pid=os.getpid(),
@@ -192,6 +215,8 @@ class WorkerService:
         try:
             await self._stop.wait()
             log.info("worker_stopping", in_flight=consumer.in_flight, timeout_s=config.shutdown_timeout_s)
+            if self._autoscaler is not None:
+                await self._autoscaler.stop()
             for name in list(self._consuming):
                 await self.cancel_consumer(name)
             await consumer.stop(timeout_s=config.shutdown_timeout_s)
@@ -210,23 +235,48 @@ class WorkerService:
             return f"already consuming from {queue!r}"
         await _declare(channel, dead_letter_queue(queue))
         declared = await _declare(channel, task_queue(queue))
-        tag = await declared.consume(consumer.for_queue(queue))
-        self._consuming[queue] = (declared, tag)
+        async with self._consumers_lock:
+            tag = await declared.consume(consumer.for_queue(queue))
+            self._consuming[queue] = (declared, tag)
         log.info("consumer_added", queue=queue)
         return f"add consumer {queue}"
 
     async def cancel_consumer(self, queue: str) -> str:
         """Stop consuming ``queue``; deliveries already taken still run."""
-        entry = self._consuming.pop(queue, None)
-        if entry is None:
-            return f"not consuming from {queue}"
-        declared, tag = entry
-        try:
-            await declared.cancel(tag)
-        except aio_pika.exceptions.AMQPError as exc:
-            log.warning("consumer_cancel_failed", queue=queue, error=str(exc))
+        async with self._consumers_lock:
+            entry = self._consuming.pop(queue, None)
+            if entry is None:
+                return f"not consuming from {queue}"
+            declared, tag = entry
+            try:
+                await declared.cancel(tag)
+            except aio_pika.exceptions.AMQPError as exc:
+                log.warning("consumer_cancel_failed", queue=queue, error=str(exc))
         log.info("consumer_cancelled", queue=queue)
         return f"no longer consuming from {queue}"
+
+    async def set_prefetch(self, count: int) -> None:
+        """Give every task-queue consumer a per-consumer prefetch of ``count`` (never a global QoS).
+
+        basic.qos binds only consumers created after it, so each queue is consumed anew, then its
+        old consumer cancelled. Deliveries the old one took stay ours and are acked on this channel
+        as usual; the broker no longer counts them against the new consumer, so until they finish
+        the worker may hold them on top of the new prefetch.
+        """
+        channel, consumer = self._consume_channel, self._consumer
+        assert channel is not None and consumer is not None
+        async with self._consumers_lock:
+            try:
+                await channel.set_qos(prefetch_count=count)  # per consumer (global=False)
+                for queue, (declared, old_tag) in list(self._consuming.items()):
+                    tag = await declared.consume(consumer.for_queue(queue))
+                    self._consuming[queue] = (declared, tag)
+                    await declared.cancel(old_tag)
+            except (aio_pika.exceptions.AMQPError, aio_pika.exceptions.ChannelInvalidStateError) as exc:
+                # The robust channel restores the new QoS, then the consumers, once it reconnects.
+                log.warning("prefetch_change_failed", prefetch=count, error=str(exc))
+                return
+        log.info("prefetch_changed", prefetch=count, queues=list(self._consuming))
 
     def consuming(self) -> list[str]:
         """The task queues consumed now."""
@@ -274,6 +324,8 @@ class WorkerService:
             controls=self,
         )
         register_rate_limit(registry, app=self._app, limits=self._limits)
+        assert self._sizer is not None
+        register_pool_commands(registry, pool=pool, sizer=self._sizer, autoscaler=self._autoscaler)
         node = MailboxNode(
             await connection.channel(),
             nodename=config.hostname,

@@ -93,7 +93,10 @@ def test_interpreter_exit_waits_for_every_confirm(test_vhost_url: str, queue: st
 
 
 def test_a_second_sigterm_exits_at_once_and_loses_nothing(test_vhost_url: str, queue: str, client: App):
-    worker = WorkerProcess(test_vhost_url, queues=[queue], concurrency=2).wait_ready()
+    # Multiplier 2: two running and two reserved (the default 1 reserves none).
+    worker = WorkerProcess(
+        test_vhost_url, queues=[queue], concurrency=2, extra_args=["--prefetch-multiplier", "2"]
+    ).wait_ready()
     try:
         results = [
             client.send_task("tests.integration.e2e_tasks.sleep_s", (20, str(i)), queue=queue)
