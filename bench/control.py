@@ -12,7 +12,6 @@ Prints one JSON line per figure.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -28,9 +27,8 @@ from datetime import datetime
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from bench.spine import NOOP, worker
+from bench.spine import NOOP, parse_args, worker
 from broker_svc import App, Settings, TaskRevokedError
-from broker_svc.logging import configure_logging
 from control.client import ControlClient
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -179,13 +177,7 @@ def mingle_figures(url: str) -> dict[str, object]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument(
-        "--broker", default=os.environ.get("CLOCKWORK_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672/")
-    )
-    parser.add_argument("--runs", type=int, default=20)
-    args = parser.parse_args()
-    configure_logging("warning")
+    args = parse_args(lambda parser: parser.add_argument("--runs", type=int, default=20))
     with vhost(args.broker) as url:
         for workers in (1, 3):
             print(json.dumps({"figure": "inspect_ping", **ping_figures(url, workers, args.runs)}), flush=True)

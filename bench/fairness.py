@@ -15,7 +15,6 @@ to both (Celery workers read our messages). Usage: ``python -m bench.fairness [-
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -29,9 +28,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from bench.control import vhost
-from bench.spine import drop_queue, worker
+from bench.spine import drop_queue, parse_args, worker
 from broker_svc import App, Settings
-from broker_svc.logging import configure_logging
 from broker_svc.task import Signature
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,12 +125,7 @@ def queue_level(url: str, start: Starter) -> dict[str, float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument(
-        "--broker", default=os.environ.get("CLOCKWORK_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672/")
-    )
-    args = parser.parse_args()
-    configure_logging("warning")
+    args = parse_args()
     systems: dict[str, Starter] = {
         "clockwork": ours,
         "celery": celery(),

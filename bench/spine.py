@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pika
@@ -136,13 +136,21 @@ def drain(url: str, count: int = 10_000) -> dict[str, float]:
     return {"tasks_per_s": round(count / elapsed), "count": count, "seconds": round(elapsed, 2)}
 
 
-def main() -> int:
+def parse_args(extra: Callable[[argparse.ArgumentParser], object] | None = None) -> argparse.Namespace:
+    """The benchmarks' command line: ``--broker`` (default $CLOCKWORK_BROKER_URL, else local)."""
     parser = argparse.ArgumentParser()
     parser.add_argument(
         "--broker", default=os.environ.get("CLOCKWORK_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672/")
     )
-    args = parser.parse_args()
+    if extra is not None:
+        extra(parser)
+    args, _ = parser.parse_known_args()  # python -m bench runs every benchmark with one command line
     configure_logging("warning")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
     wanted = os.environ.get("BENCH_ONLY", "round_trip,delay_rate,drain_c2").split(",")
     scenarios = {"round_trip": round_trip, "delay_rate": delay_rate, "drain_c2": drain}
     for name in wanted:

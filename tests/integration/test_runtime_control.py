@@ -3,28 +3,19 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 from broker_svc import App
 from tests.amqp import channel, delete_queues, queue_depth
+from tests.cli import run_ctl
 from tests.waiting import wait_for
-from tests.workers import ROOT, WorkerProcess, unique_queue
+from tests.workers import WorkerProcess, unique_queue
 
 ADD = "tests.integration.e2e_tasks.add"
 
 
 def ctl(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "CLOCKWORK_BROKER_URL"}
-    return subprocess.run(
-        [sys.executable, "-m", "control.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-        cwd=ROOT,
-    )
+    return run_ctl(*args)[0]
 
 
 def _queues(url: str, node: str) -> list[str]:

@@ -76,3 +76,13 @@ def test_celery_control_autoscale_moves_our_range(test_vhost_url: str, scaled: W
     refused = celery(test_vhost_url, "control", "pool_grow", "1", "-d", scaled.name)
     assert f"->  {scaled.name}: ERROR" in refused.stdout, refused.stdout + refused.stderr
     assert "pool_grow is not supported with autoscale" in refused.stdout
+
+
+def test_celery_control_adds_and_cancels_a_consumer(test_vhost_url: str, fixed: WorkerProcess):
+    extra = unique_queue("cc")
+    out = control(test_vhost_url, fixed, "add_consumer", extra)
+    assert f"add consumer {extra}" in out
+    proc = celery(test_vhost_url, "inspect", "active_queues", "-d", fixed.name, "--json")
+    assert extra in [q["name"] for q in json.loads(proc.stdout.splitlines()[0])[fixed.name]]
+    out = control(test_vhost_url, fixed, "cancel_consumer", extra)
+    assert f"no longer consuming from {extra}" in out
