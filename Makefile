@@ -48,9 +48,12 @@ test: lint typecheck chromium
 worker: $(VENV)/.installed
 	@$(WITH_BROKER); CLOCKWORK_BROKER_URL="$$url" $(BIN)/python -m worker -A examples.tasks:app -l info
 
+# Us beside Celery and Dramatiq (installed into .bench-peers/ on first use) and the raw AMQP
+# libraries, alternating, 3 rounds (~12 min on 2 cores).
+# Smoke run (~2 min): make bench BENCH_FLAGS="--rounds 1 --quick"
+BENCH_FLAGS ?=
 bench: $(VENV)/.installed
-	@if [ ! -d bench ]; then echo "bench/ does not exist yet: nothing to run."; exit 0; fi; \
-	$(WITH_BROKER); CLOCKWORK_BROKER_URL="$$url" $(BIN)/python -m bench
+	@$(WITH_BROKER); CLOCKWORK_BROKER_URL="$$url" $(BIN)/python -m bench.compare $(BENCH_FLAGS)
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .

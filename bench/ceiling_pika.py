@@ -1,0 +1,124 @@
+"""The ceiling with raw pika: ``python -m bench.ceiling_pika SCENARIO ...`` (or ``consume``, its worker).
+
+Publishing uses a ``SelectConnection`` (``BlockingConnection`` waits for each confirm), keeping
+up to ``CONFIRM_WINDOW`` messages unconfirmed; consuming uses a ``BlockingConnection``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import pika
+from pika.adapters.blocking_connection import BlockingChannel
+from pika.channel import Channel
+from pika.frame import Method
+from pika.spec import Basic, BasicProperties
+
+from bench import driver
+from bench.ceiling import CONFIRM_WINDOW, PREFETCH, RawSubject, pika_properties
+from bench.scenarios import Produced
+from broker_svc.message import WireMessage
+
+SYSTEM = "pika"
+
+
+class _PipelinedPublisher:
+    """Publish ``count`` messages (after one warm-up) with confirms, ``CONFIRM_WINDOW`` in flight."""
+
+    _connection: pika.SelectConnection
+
+    def __init__(self, url: str, queue: str, count: int, wire: WireMessage) -> None:
+        self._params = pika.URLParameters(url)
+        self._queue = queue
+        self._total = count + 1  # the first one, confirmed before the clock starts, warms up
+        self._body = wire.body
+        self._properties = pika_properties(wire)
+        self._published = self._confirmed = 0
+        self._started = self._handed = self._done = 0.0
+        self._error: str | None = None
+        self._channel: Channel | None = None
+
+    def run(self) -> Produced:
+        """Raises: RuntimeError: the broker refused a message or closed the connection."""
+        self._connection = pika.SelectConnection(
+            self._params,
+            on_open_callback=lambda conn: conn.channel(on_open_callback=self._on_channel),
+            on_open_error_callback=self._on_open_error,
+            on_close_callback=lambda conn, _exc: conn.ioloop.stop(),
+        )
+        self._connection.ioloop.start()
+        if self._error is not None:
+            raise RuntimeError(self._error)
+        return Produced(self._started, self._handed, self._done)
+
+    def _on_open_error(self, connection: pika.SelectConnection, error: BaseException | str) -> None:
+        self._error = f"cannot connect: {error}"
+        connection.ioloop.stop()
+
+    def _on_channel(self, channel: Channel) -> None:
+        self._channel = channel
+        channel.confirm_delivery(self._on_confirm, callback=lambda _frame: self._declare())
+
+    def _declare(self) -> None:
+        assert self._channel is not None
+        self._channel.queue_declare(self._queue, durable=True, callback=lambda _frame: self._publish(1))
+
+    def _publish(self, upto: int) -> None:
+        assert self._channel is not None
+        while self._published < min(upto, self._total):
+            self._channel.basic_publish("", self._queue, self._body, self._properties)
+            self._published += 1
+        if self._published == self._total and not self._handed:
+            self._handed = time.perf_counter()
+
+    def _on_confirm(self, frame: Method[Basic.Ack | Basic.Nack]) -> None:
+        method = frame.method
+        if isinstance(method, Basic.Nack):
+            self._error = f"the broker refused message {method.delivery_tag}"
+            self._connection.close()
+            return
+        self._confirmed = method.delivery_tag if method.multiple else self._confirmed + 1
+        if self._confirmed == 1 and not self._started:
+            self._started = time.perf_counter()
+        if self._confirmed >= self._total:
+            self._done = time.perf_counter()
+            self._connection.close()
+        else:
+            self._publish(self._confirmed + CONFIRM_WINDOW)
+
+
+def produce(url: str, queue: str, count: int, wire: WireMessage) -> Produced:
+    return _PipelinedPublisher(url, queue, count, wire).run()
+
+
+def consume(url: str, queue: str) -> None:
+    """Ack every message of ``queue`` until killed (SIGTERM's default action ends it)."""
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    channel = connection.channel()
+    channel.basic_qos(prefetch_count=PREFETCH)
+    channel.queue_declare(queue, durable=True)
+
+    def on_message(ch: BlockingChannel, method: Basic.Deliver, _props: BasicProperties, _body: bytes) -> None:
+        ch.basic_ack(method.delivery_tag)
+
+    channel.basic_consume(queue, on_message)
+    channel.start_consuming()
+
+
+def main() -> int:
+    if sys.argv[1:2] == ["consume"]:
+        parser = argparse.ArgumentParser(prog="python -m bench.ceiling_pika consume")
+        parser.add_argument("--broker", required=True)
+        parser.add_argument("--queue", required=True)
+        args = parser.parse_args(sys.argv[2:])
+        consume(args.broker, args.queue)
+        return 0
+    return driver.main(
+        SYSTEM, lambda job: RawSubject(job.broker_url, module="bench.ceiling_pika", producer=produce)
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
