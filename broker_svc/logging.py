@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+from typing import Any, TextIO
 
 import structlog
 
@@ -32,25 +34,27 @@ def configure_logging(level: str | int = "INFO", *, json: bool | None = None, ca
     renderer: structlog.types.Processor = (
         structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer()
     )
+    render_exception = structlog.processors.format_exc_info if use_json else _identity
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=shared,
+            processors=[
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                render_exception,
+                renderer,
+            ],
+        )
+    )
+    # Our own events skip the stdlib (a LogRecord, the handler's filters and the formatter cost
+    # about half of each line, and the worker writes one per task): the same processors render
+    # them here, and they are written to the same stream under the handler's lock.
     structlog.configure(
-        processors=[
-            *shared,
-            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
-        ],
-        logger_factory=structlog.stdlib.LoggerFactory(),
+        processors=[*shared, render_exception, renderer],
+        logger_factory=_HandlerLoggerFactory(handler),
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
         cache_logger_on_first_use=cache,
     )
-    formatter = structlog.stdlib.ProcessorFormatter(
-        foreign_pre_chain=shared,
-        processors=[
-            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-            structlog.processors.format_exc_info if use_json else _identity,
-            renderer,
-        ],
-    )
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(formatter)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(numeric)
@@ -63,3 +67,38 @@ def _identity(
     _logger: object, _name: str, event_dict: structlog.types.EventDict
 ) -> structlog.types.EventDict:
     return event_dict
+
+
+class _HandlerLogger:
+    """Writes rendered structlog lines to a stdlib handler's stream, under the handler's lock.
+
+    Sharing the lock keeps our lines and the stdlib's (pika, aio-pika, aiormq) whole when they
+    are written from different threads.
+    """
+
+    def __init__(self, name: str, handler: logging.StreamHandler[TextIO]) -> None:
+        self.name = name  # ``add_logger_name`` reads it
+        self._handler = handler
+
+    def msg(self, message: str) -> None:
+        handler = self._handler
+        try:
+            with handler.lock or contextlib.nullcontext():
+                handler.stream.write(message + handler.terminator)
+                handler.stream.flush()
+        except Exception:  # as the stdlib's handlers: a line that cannot be written never fails its caller
+            pass
+
+    debug = info = warning = warn = error = err = critical = exception = fatal = failure = log = msg
+
+
+class _HandlerLoggerFactory:
+    def __init__(self, handler: logging.StreamHandler[TextIO]) -> None:
+        self._handler = handler
+        self._find_name = structlog.stdlib.LoggerFactory(ignore_frame_names=[__name__])
+
+    def __call__(self, *args: Any) -> _HandlerLogger:
+        # ``get_logger(__name__)`` passes the name; without one, the stdlib factory finds the caller.
+        if args and isinstance(args[0], str):
+            return _HandlerLogger(args[0], self._handler)
+        return _HandlerLogger(self._find_name().name, self._handler)

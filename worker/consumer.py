@@ -11,6 +11,7 @@ from typing import Any, Final
 import aio_pika
 import aio_pika.abc
 import structlog
+from structlog.contextvars import bind_contextvars
 
 from broker_svc import codec
 from broker_svc.app import App
@@ -169,28 +170,27 @@ class TaskConsumer:
             await settle(message.nack(requeue=True))
             return
         raw_id = (message.headers or {}).get("id")
-        with structlog.contextvars.bound_contextvars(
-            queue=queue, task_id=raw_id if isinstance(raw_id, str) else None
-        ):
-            try:
-                request = decode_task(
-                    message.body,
-                    message.headers,
-                    content_type=message.content_type,
-                    accept=self._accept,
-                    max_bytes=self._settings.max_body_bytes,
-                    correlation_id=message.correlation_id,
-                    reply_to=message.reply_to,
-                    priority=message.priority,
-                )
-            except MessageError as exc:
-                await self._refuse(message, queue, reason=type(exc).__name__, error=str(exc))
-                return
-            self._clock.adjust(request.clock)
-            with structlog.contextvars.bound_contextvars(
-                task_name=request.display_name, attempt=request.retries + 1
-            ):
-                await self._handle_task(message, queue, request)
+        # aio-pika runs each delivery in a task of its own, with a copy of the context: what is
+        # bound here is seen by this delivery's log lines only and goes with its task, so there is
+        # nothing to unbind (``bound_contextvars`` would copy and restore the context twice per task).
+        bind_contextvars(queue=queue, task_id=raw_id if isinstance(raw_id, str) else None)
+        try:
+            request = decode_task(
+                message.body,
+                message.headers,
+                content_type=message.content_type,
+                accept=self._accept,
+                max_bytes=self._settings.max_body_bytes,
+                correlation_id=message.correlation_id,
+                reply_to=message.reply_to,
+                priority=message.priority,
+            )
+        except MessageError as exc:
+            await self._refuse(message, queue, reason=type(exc).__name__, error=str(exc))
+            return
+        self._clock.adjust(request.clock)
+        bind_contextvars(task_name=request.display_name, attempt=request.retries + 1)
+        await self._handle_task(message, queue, request)
 
     async def _refuse(
         self, message: aio_pika.abc.AbstractIncomingMessage, queue: str, *, reason: str, error: str
@@ -268,18 +268,21 @@ class TaskConsumer:
         if await self._rate_limited(message, queue, request):
             return  # parked until its turn under the task's rate limit (and acked here)
         self.received += 1
-        await self._events.send(
-            "task-received",
-            uuid=request.id,
-            name=request.task,
-            args=safe_repr(tuple(request.args)),  # Celery shows argsrepr, a tuple's repr
-            kwargs=safe_repr(request.kwargs),
-            root_id=request.root_id,
-            parent_id=request.parent_id,
-            retries=request.retries,
-            eta=request.eta.isoformat() if request.eta else None,
-            expires=request.expires.isoformat() if request.expires else None,
-        )
+        # Task events are off unless asked for (-E): check before building one, as every task
+        # would pay for the reprs and a coroutine otherwise.
+        if self._events.task_events:
+            await self._events.send(
+                "task-received",
+                uuid=request.id,
+                name=request.task,
+                args=safe_repr(tuple(request.args)),  # Celery shows argsrepr, a tuple's repr
+                kwargs=safe_repr(request.kwargs),
+                root_id=request.root_id,
+                parent_id=request.parent_id,
+                retries=request.retries,
+                eta=request.eta.isoformat() if request.eta else None,
+                expires=request.expires.isoformat() if request.expires else None,
+            )
         outcome = await self._run(tracked, message, queue)
         if outcome is None:
             return  # handed back to the broker (shutdown), or revoked while it waited
@@ -339,7 +342,8 @@ class TaskConsumer:
                 soft_time_limit_s=soft,
             )
             self._state.start(tracked)
-            await self._events.send("task-started", uuid=request.id)
+            if self._events.task_events:
+                await self._events.send("task-started", uuid=request.id)
             try:
                 return await self._pool.run(job)
             finally:

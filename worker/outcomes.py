@@ -122,9 +122,13 @@ class OutcomeHandler:
         if outcome.status == JobStatus.SUCCESS:
             log.info("task_succeeded", runtime_ms=runtime_ms, pid=outcome.pid)
             result = Outcome(task_id=request.id, status=state, result=outcome.value)
-            await self._events.send(
-                "task-succeeded", uuid=request.id, result=safe_repr(outcome.value), runtime=outcome.runtime_s
-            )
+            if self._events.task_events:  # off by default: skip the repr and the coroutine
+                await self._events.send(
+                    "task-succeeded",
+                    uuid=request.id,
+                    result=safe_repr(outcome.value),
+                    runtime=outcome.runtime_s,
+                )
         elif outcome.status == JobStatus.TERMINATED:
             log.warning("task_terminated", runtime_ms=runtime_ms, signum=signum)
             result = Outcome(task_id=request.id, status=state, result=outcome.error)

@@ -8,7 +8,9 @@ from typing import Any
 import aio_pika
 import aio_pika.abc
 import aiormq.abc
+import aiormq.exceptions
 import structlog
+from aiormq import spec
 
 from broker_svc import codec
 from broker_svc.clock import LamportClock
@@ -41,7 +43,7 @@ class ReplyPublisher:
         self._clock = clock
         self._delivery_mode = (
             aio_pika.DeliveryMode.PERSISTENT if persistent else aio_pika.DeliveryMode.NOT_PERSISTENT
-        )
+        ).value
 
     async def publish_result(
         self, outcome: Outcome, *, reply_to: str, correlation_id: str | None, content_type: str
@@ -58,16 +60,18 @@ class ReplyPublisher:
             error = wire_exception("EncodeError", f"result cannot be encoded as {content_type}: {exc}")
             fallback = Outcome(task_id=outcome.task_id, status=State.FAILURE, result=error)
             payload, ctype, encoding = codec.encode(fallback.to_wire(), content_type)
-        message = aio_pika.Message(
-            payload,
+        # One result per task: its properties are built here rather than through an aio_pika.Message
+        # (a dozen checked attribute sets, then the same Properties again), with the same values.
+        properties = spec.Basic.Properties(
             content_type=ctype,
             content_encoding=encoding,
             correlation_id=correlation_id or outcome.task_id,
             delivery_mode=self._delivery_mode,
+            priority=0,
             headers={CLOCK_HEADER: self._clock.forward()},
         )
         try:
-            await self._publish(message, reply_to)
+            await self._send(payload, properties, reply_to)
         except (aio_pika.exceptions.DeliveryError, Unroutable):
             # Its client and result queue are gone: nobody can receive it any more.
             log.warning("result_unroutable", reply_to=reply_to, task_id=outcome.task_id)
@@ -109,11 +113,19 @@ class ReplyPublisher:
         await self._publish(copy_message(message, merged), queue)
 
     async def _publish(self, message: aio_pika.Message, routing_key: str) -> None:
-        # aio-pika hands a basic.return back as the publish's result instead of raising; a copy
-        # no queue took must not count as kept, or the caller would ack the original away.
-        result = await self._channel.default_exchange.publish(
-            message, routing_key=routing_key, mandatory=True
+        await self._send(message.body, message.properties, routing_key)
+
+    async def _send(self, body: bytes, properties: spec.Basic.Properties, routing_key: str) -> None:
+        # What ``default_exchange.publish`` does, less building a Message: aio-pika's channel
+        # check, then the underlying aiormq channel's ``basic_publish``.
+        if self._channel.is_closed:
+            raise aiormq.exceptions.ChannelInvalidStateError(f"{self._channel!r} closed")
+        channel = await self._channel.get_underlay_channel()
+        result = await channel.basic_publish(
+            body, exchange="", routing_key=routing_key, properties=properties, mandatory=True
         )
+        # aiormq hands a basic.return back as the publish's result instead of raising; a copy
+        # no queue took must not count as kept, or the caller would ack the original away.
         if isinstance(result, aiormq.abc.DeliveredMessage):
             raise Unroutable(f"no queue {routing_key!r} took the message")
 
