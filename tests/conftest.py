@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
 
 import pytest
 
-from tests.infra.broker_probe import url_with_vhost
 from tests.infra.session_broker import NoBrokerError, SessionBroker, open_session_broker
 
 # ==== Broker (tests/infra does the work; keep this block small) ===========================
@@ -48,18 +45,8 @@ def test_vhost_url(session_broker: SessionBroker) -> Iterator[str]:
     removes everything the session declared. Without a ``rabbitmqctl`` for the broker (a remote
     ``AMQP_URL``), this is ``amqp_url`` unchanged.
     """
-    ctl = session_broker.rabbitmqctl
-    if ctl is None:
-        yield session_broker.url
-        return
-    vhost = f"clockwork-test-{secrets.token_hex(6)}"
-    user = unquote(urlsplit(session_broker.url).username or "guest")
-    ctl("add_vhost", vhost)
-    try:
-        ctl("set_permissions", "-p", vhost, user, ".*", ".*", ".*")
-        yield url_with_vhost(session_broker.url, vhost)
-    finally:
-        ctl("delete_vhost", vhost)
+    with session_broker.own_vhost("clockwork-test") as url:
+        yield url
 
 
 # ==== End of broker block ==================================================================

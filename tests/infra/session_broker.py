@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import os
+import secrets
 import warnings
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, unquote, urlsplit
 
-from tests.infra.broker_probe import LOCAL_BROKER_URL, broker_reachable, redact_url
+from tests.infra.broker_probe import LOCAL_BROKER_URL, broker_reachable, redact_url, url_with_vhost
 from tests.infra.docker_engine import docker_engine_reachable
 from tests.infra.rabbit_node import PrivateNode, rabbitmqctl_for
 from tests.infra.rabbitmq_tools import (
@@ -52,6 +53,26 @@ class SessionBroker:
     url: str
     rabbitmqctl: Rabbitmqctl | None
     origin: str
+
+    @contextmanager
+    def own_vhost(self, prefix: str, *, fallback: str | None = None) -> Iterator[str]:
+        """A vhost made for the caller and deleted after it; its URL.
+
+        Without a ``rabbitmqctl`` for the broker (a remote ``AMQP_URL``), yields ``fallback`` (or
+        the broker's URL) unchanged.
+        """
+        ctl = self.rabbitmqctl
+        if ctl is None:
+            yield fallback or self.url
+            return
+        vhost = f"{prefix}-{secrets.token_hex(6)}"
+        user = unquote(urlsplit(self.url).username or "guest")
+        ctl("add_vhost", vhost)
+        try:
+            ctl("set_permissions", "-p", vhost, user, ".*", ".*", ".*")
+            yield url_with_vhost(self.url, vhost)
+        finally:
+            ctl("delete_vhost", vhost)
 
 
 def open_session_broker(stack: ExitStack, *, state_dir: Path | None = None) -> SessionBroker:
