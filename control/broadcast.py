@@ -23,12 +23,12 @@ from broker_svc.clock import LamportClock
 from broker_svc.errors import MessageError
 from broker_svc.topology import (
     DEFAULT_NAMESPACE,
-    QueueSpec,
     control_reply_queue,
     members_stream,
     pidbox_exchange,
 )
 from control.collect import ReplyCollector
+from control.declare import declare_queue
 from control.members import Membership
 from control.protocol import CLOCK_HEADER, EXPIRES_HEADER, MARKER_HEADER, ControlRequest, ReplyAddress
 
@@ -72,7 +72,7 @@ async def read_members(
 
     try:
         await channel.set_qos(prefetch_count=1000)
-        queue = await _declare_bound(channel, spec)
+        queue = await declare_queue(channel, spec)
         since = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=_LOOKBACK_S)
         tag = await queue.consume(on_message, arguments={"x-stream-offset": since})
         try:
@@ -94,25 +94,7 @@ async def declare_members_stream(
     channel: aio_pika.abc.AbstractChannel, namespace: str = DEFAULT_NAMESPACE
 ) -> None:
     """Make sure the members stream exists and is bound, so the events we send next are kept."""
-    await _declare_bound(channel, members_stream(namespace))
-
-
-async def _declare_bound(
-    channel: aio_pika.abc.AbstractChannel, spec: QueueSpec
-) -> aio_pika.abc.AbstractQueue:
-    queue = await channel.declare_queue(
-        spec.name,
-        durable=spec.durable,
-        exclusive=spec.exclusive,
-        auto_delete=spec.auto_delete,
-        arguments=spec.arguments or None,
-    )
-    if spec.exchange is not None:
-        exchange = await channel.declare_exchange(
-            spec.exchange.name, type=aio_pika.ExchangeType(spec.exchange.type), durable=spec.exchange.durable
-        )
-        await queue.bind(exchange, routing_key=spec.routing_key)
-    return queue
+    await declare_queue(channel, members_stream(namespace))
 
 
 class AsyncBroadcaster:
@@ -147,7 +129,7 @@ class AsyncBroadcaster:
         self._exchange = await self._channel.declare_exchange(
             spec.name, type=aio_pika.ExchangeType(spec.type), durable=spec.durable
         )
-        queue = await _declare_bound(self._channel, self._reply_spec)
+        queue = await declare_queue(self._channel, self._reply_spec)
         await queue.consume(self._on_reply, no_ack=True)
 
     async def call(

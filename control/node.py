@@ -15,6 +15,7 @@ from broker_svc.clock import LamportClock
 from broker_svc.errors import MessageError
 from broker_svc.topology import DEFAULT_NAMESPACE, node_queue, reply_exchange
 from control.commands import CommandRegistry
+from control.declare import declare_queue
 from control.protocol import CLOCK_HEADER, TICKET_HEADER, ControlRequest
 
 __all__ = ["MailboxNode", "request_headers"]
@@ -67,19 +68,7 @@ class MailboxNode:
 
     async def start(self) -> None:
         """Declare the node queue (bound to the fanout exchange) and start consuming."""
-        spec = node_queue(self._nodename, self._namespace)
-        assert spec.exchange is not None
-        exchange = await self._channel.declare_exchange(
-            spec.exchange.name, type=aio_pika.ExchangeType.FANOUT, durable=False
-        )
-        queue = await self._channel.declare_queue(
-            spec.name,
-            durable=spec.durable,
-            exclusive=spec.exclusive,
-            auto_delete=spec.auto_delete,
-            arguments=spec.arguments,
-        )
-        await queue.bind(exchange, routing_key=spec.routing_key)
+        queue = await declare_queue(self._channel, node_queue(self._nodename, self._namespace))
         await queue.consume(self._on_message, no_ack=True)
 
     async def _on_message(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:

@@ -14,8 +14,9 @@ import structlog
 
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
-from broker_svc.topology import QueueSpec, dead_letter_queue, task_queue
+from broker_svc.topology import dead_letter_queue, task_queue
 from control.broadcast import AsyncBroadcaster, declare_members_stream
+from control.declare import declare_queue
 from control.node import MailboxNode
 from worker.amqp_compat import install_header_int_guard
 from worker.autoscale import Autoscaler, PoolSizer
@@ -233,8 +234,8 @@ class WorkerService:
         assert channel is not None and consumer is not None
         if queue in self._consuming:
             return f"already consuming from {queue!r}"
-        await _declare(channel, dead_letter_queue(queue))
-        declared = await _declare(channel, task_queue(queue))
+        await declare_queue(channel, dead_letter_queue(queue))
+        declared = await declare_queue(channel, task_queue(queue))
         async with self._consumers_lock:
             tag = await declared.consume(consumer.for_queue(queue))
             self._consuming[queue] = (declared, tag)
@@ -362,23 +363,3 @@ class WorkerService:
 def _log_failure(task: asyncio.Task[Any]) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("background_step_failed", task=task.get_name(), error=repr(task.exception()))
-
-
-async def _declare(channel: aio_pika.abc.AbstractChannel, spec: QueueSpec) -> aio_pika.abc.AbstractQueue:
-    arguments: dict[str, Any] | None = spec.arguments or None
-    queue = await channel.declare_queue(
-        spec.name,
-        durable=spec.durable,
-        exclusive=spec.exclusive,
-        auto_delete=spec.auto_delete,
-        arguments=arguments,
-    )
-    if spec.exchange is not None:
-        exchange = await channel.declare_exchange(
-            spec.exchange.name,
-            type=aio_pika.ExchangeType(spec.exchange.type),
-            durable=spec.exchange.durable,
-            auto_delete=spec.exchange.auto_delete,
-        )
-        await queue.bind(exchange, routing_key=spec.routing_key)
-    return queue

@@ -56,7 +56,7 @@ def test_imports_flow_worker_to_control_to_broker_svc_only():
 
 # DESIGN §1: a module is pure, blocking (pika) or async (aio-pika), never two of those.
 BLOCKING = {"broker_svc/connection.py", "control/client.py", "control/streams.py"}
-ASYNC_IN_CONTROL = {"control/node.py", "control/broadcast.py"}
+ASYNC_IN_CONTROL = {"control/node.py", "control/broadcast.py", "control/declare.py"}
 PURE_CONTROL = {"control/protocol.py", "control/commands.py", "control/collect.py", "control/members.py",
                 "control/revocations.py", "control/results.py"}  # fmt: skip
 
