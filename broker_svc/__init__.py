@@ -5,6 +5,7 @@ from __future__ import annotations
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
 from broker_svc.errors import (
+    BrokerBlocked,
     BrokerSvcError,
     BrokerUnavailable,
     ConfigurationError,
@@ -42,6 +43,7 @@ __all__ = [
     "Settings",
     "TaskMessage",
     # errors
+    "BrokerBlocked",
     "BrokerSvcError",
     "BrokerUnavailable",
     "ConfigurationError",

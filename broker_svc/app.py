@@ -164,7 +164,9 @@ class App:
         prepared: list[tuple[PendingPublish, str, bool]] = []
         for sig in signatures:
             message, queue, serializer = self._build_message(sig)
-            pending = publisher.prepare(message, queue=queue, serializer=serializer)
+            pending = publisher.prepare(
+                message, queue=queue, queue_type=self.settings.queue_type(queue), serializer=serializer
+            )
             prepared.append((pending, message.id, message.ignore_result))
         # Results register before the publish, so even an instant reply finds its waiter.
         results = [AsyncResult(task_id, store=self._store, publish=p) for p, task_id, _ in prepared]

@@ -7,6 +7,7 @@
     ├── BrokerUnavailable (ConnectionError)  cannot reach or keep the broker
     ├── PublishError                         a publish was not confirmed
     │   ├── PublishNacked                    the broker refused it (nack)
+    │   ├── BrokerBlocked                    a memory or disk alarm held it past confirm_timeout_s
     │   └── Unroutable                       no queue was bound for it (mandatory return)
     ├── MessageError                         a message cannot be used as it is
     │   ├── ContentDisallowed                content type not in the accept list (pickle, yaml, ...)
@@ -27,6 +28,7 @@ from __future__ import annotations
 import datetime as dt
 
 __all__ = [
+    "BrokerBlocked",
     "BrokerSvcError",
     "BrokerUnavailable",
     "ConfigurationError",
@@ -66,6 +68,14 @@ class PublishError(BrokerSvcError):
 
 class PublishNacked(PublishError):
     """The broker answered a publish with basic.nack."""
+
+
+class BrokerBlocked(PublishError):
+    """The broker blocked the connection (a memory or disk alarm) and the publish timed out.
+
+    A message that was already written to the socket may still be enqueued once the alarm clears,
+    so sending it again can duplicate it (same task id: at-least-once).
+    """
 
 
 class Unroutable(PublishError):

@@ -61,6 +61,7 @@ class PendingPublish:
         "mandatory",
         "message",
         "queue",
+        "first_sent_at",
         "routing_key",
         "sent_at",
     )
@@ -85,6 +86,7 @@ class PendingPublish:
         self.eta_s = eta_s
         self.attempts = 0
         self.sent_at = 0.0
+        self.first_sent_at = 0.0
         self.error: BrokerSvcError | None = None
         self._done = False
         self._event: threading.Event | None = None  # made only if someone waits: most never do

@@ -102,17 +102,25 @@ class Publisher:
             PublishError: (``each`` mode) a message was not confirmed.
             BrokerUnavailable: the publisher is closed or the broker unreachable.
         """
+        each = self._settings.confirm == "each"
         with self._lock:
             self._prune()
-            self._inflight.extend(items)
+            if not each:
+                self._inflight.extend(items)
         self._connection.publish_many(items)
-        if self._settings.confirm == "each":
+        if each:
+            # Failures raise here, once; only what is still unsettled is left for ``flush``.
             deadline = time.monotonic() + self._settings.confirm_timeout_s + self._settings.reconnect_window_s
             for pending in items:
-                if not pending.wait(max(0.0, deadline - time.monotonic())):
-                    raise PublishError(f"no confirm within {self._settings.confirm_timeout_s} s")
-                if pending.error is not None:
-                    raise pending.error
+                pending.wait(max(0.0, deadline - time.monotonic()))
+            unsettled = [p for p in items if not p.done]
+            if unsettled:
+                with self._lock:
+                    self._inflight.extend(unsettled)
+                raise PublishError(f"no confirm within {self._settings.confirm_timeout_s} s")
+            error = next((p.error for p in items if p.error is not None), None)
+            if error is not None:
+                raise error
 
     def send(self, message: TaskMessage, *, queue: str, queue_type: QueueType = "classic") -> PendingPublish:
         """Prepare and submit one task.

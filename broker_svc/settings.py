@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import os
+import re
+import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 from broker_svc.errors import ConfigurationError
+from broker_svc.topology import QueueType
 
-__all__ = ["DEFAULT_BROKER_URL", "ConfirmMode", "Settings", "redact_url"]
+__all__ = ["DEFAULT_BROKER_URL", "ConfirmMode", "Settings", "redact_url", "split_names", "split_urls"]
 
 DEFAULT_BROKER_URL = "amqp://guest:guest@127.0.0.1:5672//"
 
@@ -19,14 +22,46 @@ ConfirmMode = Literal["pipelined", "each"]
 _SERIALIZERS = ("msgpack", "json")
 
 
+def split_names(text: str) -> tuple[str, ...]:
+    """``"a, b,,c"`` → ``("a", "b", "c")``: a comma-separated list of names (queues, users)."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+# URL query options naming TLS files (aio-pika's names); read here, removed before a client sees the URL.
+_TLS_QUERY_KEYS = ("cafile", "certfile", "keyfile")
+
+
+def split_urls(url: str) -> tuple[str, ...]:
+    """The URLs of a failover list ``"amqp://a//;amqp://b//"`` (kombu's syntax), in order."""
+    return tuple(part.strip() for part in url.split(";") if part.strip())
+
+
 def redact_url(url: str) -> str:
-    """Return ``url`` with its password replaced by ``***`` (for logs, reprs and errors)."""
-    parts = urlsplit(url)
-    if parts.password is None:
+    """Return ``url`` (or each URL of a ``;`` list) with its password replaced by ``***``.
+
+    Used for logs, reprs and errors. A URL that does not parse loses everything between ``//``
+    and ``@`` instead, so a password is never shown, whatever it holds.
+    """
+    if ";" in url:
+        return ";".join(redact_url(part) for part in split_urls(url))
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+        user = parts.username or ""
+    except ValueError:
+        return re.sub(r"//[^/]*@", "//***@", url)
+    if password is None:
         return url
     netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
     return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+
+
+def _without_tls_query(url: str) -> str:
+    parts = urlsplit(url)
+    if not parts.query:
+        return url
+    kept = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k not in _TLS_QUERY_KEYS]
+    return urlunsplit(parts._replace(query=urlencode(kept)))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,11 +71,23 @@ class Settings:
     The AMQP URL is the single connection source. Units are in the names.
 
     Attributes:
-        broker_url: ``amqp://user:password@host:port/vhost`` (``//`` is the default vhost).
+        broker_url: ``amqp://user:password@host:port/vhost`` (``//`` is the default vhost), or
+            several separated by ``;`` (kombu's failover list): connections try them in order and
+            move to the next one when a connection is lost or an attempt fails. All must name the
+            same vhost. ``amqps://`` uses TLS; the query options ``cafile``, ``certfile`` and
+            ``keyfile`` name TLS files (the ``ssl_*`` fields win over them).
         default_queue: where tasks go when no queue is named (Celery's ``celery``).
         serializer: how our client encodes task bodies: ``msgpack`` (default) or ``json``.
         accept_content: content types a receiver decodes; never pickle or yaml.
         max_body_bytes: bodies larger than this are refused on publish and dead-lettered on receive.
+        quorum_queues: task queues declared as quorum queues (``x-queue-type: quorum``, as Celery
+            declares them with ``task_default_queue_type`` or ``task_create_missing_queue_type``
+            ``"quorum"``); every other task queue is classic, as Celery's default. Clients and
+            workers sharing a queue must agree, or RabbitMQ refuses the second declaration (406
+            PRECONDITION_FAILED).
+        delivery_limit: how often a worker lets one message start without finishing (its worker
+            or child died) before the next delivery goes to ``<queue>.dead`` instead (reason
+            ``delivery_limit``): a poison task runs at most ``delivery_limit + 1`` times.
         confirm: ``pipelined`` (a call returns once the message is handed to the connection; confirms
             are tracked in the background) or ``each`` (each call waits for its own confirm).
         publish_attempts: how often one message is sent before its publish is reported failed.
@@ -52,6 +99,16 @@ class Settings:
         heartbeat_s: AMQP heartbeat interval.
         result_expires_s: idle lifetime of a client's result queue (``x-expires``).
         result_persistent: publish results with delivery mode 2.
+        control_signing_key: shared secret for signed control messages (HMAC-SHA256); when set, a
+            worker refuses unsigned commands. Never shown in reprs or logs.
+        control_allowed_users: when not empty, a worker acts only on commands whose AMQP
+            ``user_id`` is one of these broker users.
+        ssl_context: the TLS context for ``amqps://`` URLs (client certificate, CAs, checks); when
+            None, one is made from the ``ssl_*_file`` options, else the system's default context.
+        ssl_ca_file: CA bundle (PEM) that must have signed the broker's certificate.
+        ssl_cert_file: client certificate (PEM), for brokers that require one (mutual TLS).
+        ssl_key_file: the client certificate's private key (PEM); omit it if the key is in
+            ``ssl_cert_file``.
     """
 
     broker_url: str = field(default=DEFAULT_BROKER_URL, repr=False)
@@ -59,6 +116,8 @@ class Settings:
     serializer: str = "msgpack"
     accept_content: tuple[str, ...] = ("msgpack", "json")
     max_body_bytes: int = 10 * 1024 * 1024
+    quorum_queues: tuple[str, ...] = ()
+    delivery_limit: int = 3
     confirm: ConfirmMode = "pipelined"
     publish_attempts: int = 3
     max_unconfirmed: int = 50_000
@@ -68,13 +127,17 @@ class Settings:
     heartbeat_s: int = 30
     result_expires_s: int = 86_400
     result_persistent: bool = False
+    control_signing_key: str | None = field(default=None, repr=False)
+    control_allowed_users: tuple[str, ...] = ()
+    ssl_context: ssl.SSLContext | None = field(default=None, repr=False, compare=False)
+    ssl_ca_file: str | None = None
+    ssl_cert_file: str | None = None
+    ssl_key_file: str | None = None
 
     def __post_init__(self) -> None:
-        scheme = urlsplit(self.broker_url).scheme
-        if scheme not in ("amqp", "amqps"):
-            raise ConfigurationError(
-                f"broker URL must start with amqp:// or amqps://, got {redact_url(self.broker_url)!r}"
-            )
+        _check_urls(self.broker_url)
+        if self.ssl_key_file and not self.ssl_cert_file:
+            raise ConfigurationError("ssl_key_file needs ssl_cert_file (the certificate it belongs to)")
         if self.serializer not in _SERIALIZERS:
             raise ConfigurationError(f"serializer must be one of {_SERIALIZERS}, got {self.serializer!r}")
         bad = [name for name in self.accept_content if name not in _SERIALIZERS]
@@ -86,22 +149,58 @@ class Settings:
             raise ConfigurationError(f"confirm must be 'pipelined' or 'each', got {self.confirm!r}")
         if self.publish_attempts < 1 or self.max_body_bytes < 1 or self.max_unconfirmed < 1:
             raise ConfigurationError("publish_attempts, max_body_bytes and max_unconfirmed must be positive")
+        if self.delivery_limit < 0:
+            raise ConfigurationError(f"delivery_limit must not be negative, got {self.delivery_limit}")
 
     def __repr__(self) -> str:
-        shown = ", ".join(
-            f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.name != "broker_url"
-        )
+        # Fields with repr=False (the URL, the control key, the SSL context) are never shown.
+        shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.repr)
         return f"Settings(broker_url={redact_url(self.broker_url)!r}, {shown})"
 
     @property
     def virtual_host(self) -> str:
         """The vhost named by the URL path; ``//`` or an empty path mean ``/`` (as kombu reads it)."""
-        return unquote(urlsplit(self.broker_url).path[1:]) or "/"
+        return _vhost(split_urls(self.broker_url)[0])
+
+    @property
+    def broker_urls(self) -> tuple[str, ...]:
+        """The URLs to connect to, in failover order, without the TLS file query options."""
+        return tuple(_without_tls_query(url) for url in split_urls(self.broker_url))
+
+    def tls_context(self, url: str) -> ssl.SSLContext | None:
+        """The TLS context for a connection to ``url`` (one of ``broker_url``'s); None for ``amqp://``.
+
+        ``ssl_context`` if set; else a context that checks the broker's certificate and host
+        name against ``ssl_ca_file`` (else the system's CAs) and presents ``ssl_cert_file``.
+
+        Raises:
+            ConfigurationError: a TLS file cannot be read or does not hold what it should.
+        """
+        parts = urlsplit(url)
+        if parts.scheme != "amqps":
+            return None
+        if self.ssl_context is not None:
+            return self.ssl_context
+        query = dict(parse_qsl(parts.query))
+        ca_file = self.ssl_ca_file or query.get("cafile")
+        cert_file = self.ssl_cert_file or query.get("certfile")
+        key_file = self.ssl_key_file or (None if self.ssl_cert_file else query.get("keyfile"))
+        try:
+            context = ssl.create_default_context(cafile=ca_file)
+            if cert_file:
+                context.load_cert_chain(cert_file, key_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigurationError(f"cannot load the TLS files: {exc}") from exc
+        return context
 
     @property
     def safe_broker_url(self) -> str:
         """The broker URL without its password."""
         return redact_url(self.broker_url)
+
+    def queue_type(self, queue: str) -> QueueType:
+        """``quorum`` for a queue named in ``quorum_queues``, else ``classic``."""
+        return "quorum" if queue in self.quorum_queues else "classic"
 
     def with_options(self, **changes: Any) -> Settings:
         """Return a copy with some fields changed."""
@@ -117,7 +216,10 @@ class Settings:
         """Settings from ``CLOCKWORK_*`` environment variables (call this in entry points only).
 
         Reads ``CLOCKWORK_BROKER_URL``, ``CLOCKWORK_DEFAULT_QUEUE``, ``CLOCKWORK_SERIALIZER``,
-        ``CLOCKWORK_CONFIRM``, ``CLOCKWORK_MAX_BODY_BYTES``, ``CLOCKWORK_RESULT_EXPIRES_S``.
+        ``CLOCKWORK_CONFIRM``, ``CLOCKWORK_MAX_BODY_BYTES``, ``CLOCKWORK_RESULT_EXPIRES_S``,
+        ``CLOCKWORK_CONTROL_KEY`` and ``CLOCKWORK_CONTROL_USERS`` (comma-separated),
+        ``CLOCKWORK_QUORUM_QUEUES`` (comma-separated) and ``CLOCKWORK_DELIVERY_LIMIT``,
+        ``CLOCKWORK_SSL_CA_FILE``, ``CLOCKWORK_SSL_CERT_FILE`` and ``CLOCKWORK_SSL_KEY_FILE``.
         Keyword options win over the environment.
 
         Raises:
@@ -130,10 +232,15 @@ class Settings:
             "default_queue": "CLOCKWORK_DEFAULT_QUEUE",
             "serializer": "CLOCKWORK_SERIALIZER",
             "confirm": "CLOCKWORK_CONFIRM",
+            "control_signing_key": "CLOCKWORK_CONTROL_KEY",
+            "ssl_ca_file": "CLOCKWORK_SSL_CA_FILE",
+            "ssl_cert_file": "CLOCKWORK_SSL_CERT_FILE",
+            "ssl_key_file": "CLOCKWORK_SSL_KEY_FILE",
         }
         int_vars = {
             "max_body_bytes": "CLOCKWORK_MAX_BODY_BYTES",
             "result_expires_s": "CLOCKWORK_RESULT_EXPIRES_S",
+            "delivery_limit": "CLOCKWORK_DELIVERY_LIMIT",
         }
         for name, var in text_vars.items():
             if env.get(var):
@@ -144,5 +251,35 @@ class Settings:
                     found[name] = int(env[var])
                 except ValueError:
                     raise ConfigurationError(f"{var} must be an integer, got {env[var]!r}") from None
+        if env.get("CLOCKWORK_QUORUM_QUEUES"):
+            found["quorum_queues"] = split_names(env["CLOCKWORK_QUORUM_QUEUES"])
+        if env.get("CLOCKWORK_CONTROL_USERS"):
+            found["control_allowed_users"] = split_names(env["CLOCKWORK_CONTROL_USERS"])
         found.update(options)
         return cls(**found)
+
+
+def _vhost(url: str) -> str:
+    return unquote(urlsplit(url).path[1:]) or "/"
+
+
+def _check_urls(broker_url: str) -> None:
+    urls = split_urls(broker_url)
+    if not urls:
+        raise ConfigurationError("broker_url is empty; give amqp://user:password@host:port/vhost")
+    for url in urls:
+        parts = urlsplit(url)
+        if parts.scheme not in ("amqp", "amqps"):
+            raise ConfigurationError(
+                f"broker URL must start with amqp:// or amqps://, got {redact_url(url)!r}"
+            )
+        try:
+            parts.port  # noqa: B018 - parsing it is the check
+        except ValueError:
+            raise ConfigurationError(f"broker URL has an invalid port: {redact_url(url)!r}") from None
+    vhosts = {_vhost(url) for url in urls}
+    if len(vhosts) > 1:
+        # Failover moves a client between brokers of one cluster; its queues live in one vhost.
+        raise ConfigurationError(
+            f"every URL of a failover list must name the same vhost, got {sorted(vhosts)}"
+        )

@@ -92,7 +92,8 @@ def task_exchange(queue: str) -> ExchangeSpec:
 def task_queue(queue: str, *, queue_type: QueueType = "classic") -> QueueSpec:
     """A task queue: durable, no arguments (as Celery), bound to its exchange by its own name.
 
-    A quorum queue must be chosen on both sides; Celery's ``task_default_queue_type`` must match.
+    A quorum queue must be chosen on both sides (``Settings.quorum_queues``); Celery's
+    ``task_default_queue_type`` / ``task_create_missing_queue_type`` must match.
     """
     arguments: dict[str, Any] = {} if queue_type == "classic" else {"x-queue-type": "quorum"}
     return QueueSpec(
