@@ -28,6 +28,7 @@ __all__ = [
     "content_type_of",
     "decode",
     "decompress",
+    "refuse_ext",
     "encode",
 ]
 
@@ -97,7 +98,7 @@ def decode(body: bytes, content_type: str | None, *, accept: frozenset[str], max
                 body,
                 raw=False,
                 strict_map_key=False,
-                ext_hook=_refuse_ext,
+                ext_hook=refuse_ext,
             )
         return json.loads(body.decode("utf-8"), object_hook=_json_object_hook)
     except (ValueError, TypeError, RecursionError, UnicodeDecodeError, msgpack.ExtraData) as exc:
@@ -133,7 +134,8 @@ def decompress(body: bytes, compression: object, *, max_bytes: int) -> bytes:
     return out
 
 
-def _refuse_ext(code: int, data: bytes) -> NoReturn:
+def refuse_ext(code: int, data: bytes) -> NoReturn:
+    """msgpack ``ext_hook`` that refuses every ext type: none of our formats uses one."""
     raise ValueError(f"msgpack ext type {code} is not accepted")
 
 

@@ -31,6 +31,7 @@ from control.collect import ReplyCollector
 from control.declare import declare_queue
 from control.members import Membership
 from control.protocol import CLOCK_HEADER, EXPIRES_HEADER, MARKER_HEADER, ControlRequest, ReplyAddress
+from control.signing import ControlSecurity
 
 __all__ = ["AsyncBroadcaster", "declare_members_stream", "read_members"]
 
@@ -105,6 +106,7 @@ class AsyncBroadcaster:
         clock: the process clock (forwarded on send, adjusted by every reply).
         namespace: the control namespace.
         serializer: how requests are encoded (json: every Celery node accepts it).
+        security: signs requests and, with a key, refuses replies that fail the check.
     """
 
     def __init__(
@@ -114,6 +116,7 @@ class AsyncBroadcaster:
         clock: LamportClock,
         namespace: str = DEFAULT_NAMESPACE,
         serializer: str = "json",
+        security: ControlSecurity | None = None,
     ) -> None:
         self._channel = channel
         self._clock = clock
@@ -122,6 +125,7 @@ class AsyncBroadcaster:
         self._collectors: dict[str, tuple[ReplyCollector, asyncio.Event]] = {}
         self._reply_spec = control_reply_queue(namespace)
         self._exchange: aio_pika.abc.AbstractExchange | None = None
+        self._security = security or ControlSecurity()
 
     async def start(self) -> None:
         """Declare the exchanges (as Celery does) and our reply queue, and consume it."""
@@ -161,15 +165,23 @@ class AsyncBroadcaster:
         self._collectors[request.ticket] = (collector, arrived)
         payload, ctype, encoding = codec.encode(request.to_wire(), self._serializer)
         # Header values are ints, never floats (DESIGN §2); kombu only reads ``expires`` as a number.
-        headers: dict[str, Any] = {
-            CLOCK_HEADER: self._clock.forward(),
-            EXPIRES_HEADER: int(time.time() + timeout_s) + 1,
-        }
+        headers = self._security.sign(
+            "request",
+            exchange=self._exchange.name,
+            body=payload,
+            content_type=ctype,
+            content_encoding=encoding,
+            headers={CLOCK_HEADER: self._clock.forward(), EXPIRES_HEADER: int(time.time() + timeout_s) + 1},
+        )
+        message = aio_pika.Message(
+            payload,
+            content_type=ctype,
+            content_encoding=encoding,
+            headers=headers,
+            user_id=self._security.user_id,
+        )
         try:
-            await self._exchange.publish(
-                aio_pika.Message(payload, content_type=ctype, content_encoding=encoding, headers=headers),
-                routing_key="",
-            )
+            await self._exchange.publish(message, routing_key="")
             while not collector.done(loop.time()):
                 arrived.clear()
                 try:
@@ -182,6 +194,19 @@ class AsyncBroadcaster:
 
     async def _on_reply(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
         headers = message.headers or {}
+        if self._security.signing:  # a keyed worker trusts only keyed peers' hello replies
+            refusal = self._security.check(
+                "reply",
+                exchange=message.exchange or "",
+                body=message.body,
+                content_type=message.content_type,
+                content_encoding=message.content_encoding,
+                headers=headers,
+                user_id=message.user_id,
+            )
+            if refusal is not None:
+                log.warning("control_reply_refused", reason=str(refusal), size=len(message.body))
+                return
         self._clock.adjust(headers.get(CLOCK_HEADER))
         try:
             body = codec.decode(message.body, message.content_type, accept=_ACCEPT, max_bytes=MAX_REPLY_BYTES)

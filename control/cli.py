@@ -4,6 +4,9 @@ Exit status: 0 when every addressed worker answered (the destination list, else 
 when membership is unknown, when anyone answered), 69 when none did (Celery's EX_UNAVAILABLE),
 1 when some did not or the broker is unreachable, 2 for usage errors. A revoke that reached the
 durable revocation log exits 0 even when no worker answered: workers apply it when they start.
+
+With ``$CLOCKWORK_CONTROL_KEY`` set, requests are signed and unsigned replies dropped (see the
+guide, "Securing the control plane"); requests carry the URL's user as ``user_id``.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from pika.adapters.blocking_connection import BlockingChannel as Channel
 
 from broker_svc import codec
 from broker_svc.clock import LamportClock
-from broker_svc.connection import connection_parameters
+from broker_svc.connection import all_connection_parameters, describe_connect_error
 from broker_svc.errors import BrokerUnavailable, MessageError
 from broker_svc.settings import Settings
 from broker_svc.topology import (
@@ -46,6 +46,7 @@ from control.protocol import (
 from control.results import BroadcastResult, CallOptions, InspectReply, RevokeResult
 from control.revocations import CONTENT_TYPE as REVOKE_CONTENT_TYPE
 from control.revocations import LOGGED_HEADER, RevokeEntry
+from control.signing import ControlSecurity
 from control.streams import MembersFeed, declare_exchange, declare_queue, describe_error, follow_events
 
 __all__ = ["BroadcastResult", "ControlClient", "InspectReply", "RevokeResult"]
@@ -73,6 +74,9 @@ class ControlClient:
             is what every Celery worker accepts.
         hostname: this client's name in revocation log entries and the connection name.
 
+    Requests carry ``user_id`` (the URL's user) and, with ``settings.control_signing_key``, a
+    signature; a client with a key drops replies that are not signed with it.
+
     Raises:
         ValueError: an unknown serializer.
     """
@@ -93,6 +97,7 @@ class ControlClient:
         self.clock = clock or LamportClock()
         self.hostname = hostname or f"ctl{os.getpid()}@{socket.gethostname()}"
         self.membership = Membership()
+        self.security = ControlSecurity.from_settings(settings)
         self._serializer = serializer
         self._conn: pika.BlockingConnection | None = None
         self._channel: Channel | None = None
@@ -286,11 +291,14 @@ class ControlClient:
         return self._connect()
 
     def _connect(self) -> tuple[pika.BlockingConnection, Channel]:
+        # pika tries each URL of a failover list in turn, once.
+        params = all_connection_parameters(self.settings, connection_name=f"clockwork-ctl {self.hostname}")
         try:
-            params = connection_parameters(self.settings, connection_name=f"clockwork-ctl {self.hostname}")
             conn = pika.BlockingConnection(params)
         except (pika.exceptions.AMQPError, OSError) as exc:
-            raise self._unavailable(exc) from exc
+            raise BrokerUnavailable(
+                f"broker {self.settings.safe_broker_url}: {describe_connect_error(exc)}"
+            ) from exc
         try:
             channel = conn.channel()
             # Both exchanges exist before the first request, whether or not a worker runs.
@@ -328,12 +336,24 @@ class ControlClient:
         # Celery sends ``expires`` as a float; pika cannot encode floats in headers, and nobody
         # checks it on receipt (WIRE.md §5.2), so whole seconds, rounded up, it is.
         expires = math.ceil(time.time() + timeout_s) if timeout_s else 0
-        headers = {CLOCK_HEADER: self.clock.forward(), EXPIRES_HEADER: expires, **(extra or {})}
+        exchange = pidbox_exchange(self.namespace).name
+        headers = self.security.sign(
+            "request",
+            exchange=exchange,
+            body=body,
+            content_type=content_type,
+            content_encoding=encoding,
+            headers={CLOCK_HEADER: self.clock.forward(), EXPIRES_HEADER: expires, **(extra or {})},
+        )
         properties = pika.BasicProperties(
-            content_type=content_type, content_encoding=encoding, headers=headers, delivery_mode=2
+            content_type=content_type,
+            content_encoding=encoding,
+            headers=headers,
+            delivery_mode=2,
+            user_id=self.security.user_id,
         )
         try:
-            channel.basic_publish(pidbox_exchange(self.namespace).name, "", body, properties)
+            channel.basic_publish(exchange, "", body, properties)
         except (pika.exceptions.AMQPError, OSError) as exc:
             raise self._unavailable(exc) from exc
 
@@ -354,9 +374,22 @@ class ControlClient:
                 raise self._unavailable(exc) from exc
 
     def _on_reply(
-        self, _ch: Channel, _method: pika.spec.Basic.Deliver, props: pika.spec.BasicProperties, body: bytes
+        self, _ch: Channel, method: pika.spec.Basic.Deliver, props: pika.spec.BasicProperties, body: bytes
     ) -> None:
         headers = props.headers or {}
+        if self.security.signing:
+            refusal = self.security.check(
+                "reply",
+                exchange=method.exchange or "",
+                body=body,
+                content_type=props.content_type,
+                content_encoding=props.content_encoding,
+                headers=headers,
+                user_id=props.user_id,
+            )
+            if refusal is not None:
+                log.warning("control_reply_refused", reason=str(refusal), size=len(body))
+                return
         self.clock.adjust(headers.get(CLOCK_HEADER))
         collector = self._collector
         if collector is None:
@@ -376,7 +409,10 @@ class ControlClient:
         conn, _ = self._ensure_open()
         spec = revocation_log(self.namespace)
         properties = pika.BasicProperties(
-            content_type=REVOKE_CONTENT_TYPE, delivery_mode=2, headers={CLOCK_HEADER: self.clock.forward()}
+            content_type=REVOKE_CONTENT_TYPE,
+            delivery_mode=2,
+            headers={CLOCK_HEADER: self.clock.forward()},
+            user_id=self.security.user_id,
         )
         try:
             channel = self._log_channel

@@ -17,6 +17,7 @@ from broker_svc.topology import DEFAULT_NAMESPACE, node_queue, reply_exchange
 from control.commands import CommandRegistry
 from control.declare import declare_queue
 from control.protocol import CLOCK_HEADER, TICKET_HEADER, ControlRequest
+from control.signing import ControlSecurity
 
 __all__ = ["MailboxNode", "request_headers"]
 
@@ -34,8 +35,10 @@ class MailboxNode:
     """Consumes ``<nodename>.<ns>.pidbox`` and dispatches each request to the registry.
 
     Garbage (undecodable, wrong content type, oversized, malformed) is logged and counted, never
-    fatal. Replies go to the request's reply exchange and routing key, in the request's content
-    type, with its ticket and this process's clock.
+    fatal. With a signing key or an allow-list, a request that fails the check (unsigned, bad
+    signature, stale, replayed, sender not allowed) is refused before its body is decoded, and
+    logged once with the reason. Replies go to the request's reply exchange and routing key, in
+    the request's content type, with its ticket and this process's clock (signed with the key).
 
     Args:
         channel: an aio-pika channel for the mailbox.
@@ -44,6 +47,7 @@ class MailboxNode:
         clock: the process's Lamport clock.
         accept: serializer names accepted for requests.
         namespace: the control namespace (Celery's ``control_exchange``).
+        security: signing key, allow-list and our login (None: no checks, as Celery).
     """
 
     def __init__(
@@ -55,6 +59,7 @@ class MailboxNode:
         clock: LamportClock,
         accept: tuple[str, ...] = ("json", "msgpack"),
         namespace: str = DEFAULT_NAMESPACE,
+        security: ControlSecurity | None = None,
     ) -> None:
         self._channel = channel
         self._nodename = nodename
@@ -63,6 +68,7 @@ class MailboxNode:
         self._accept = codec.accept_set(accept)
         self._namespace = namespace
         self._reply_exchanges: dict[str, aio_pika.abc.AbstractExchange] = {}
+        self._security = security or ControlSecurity()
         self.refused = 0
         self.handled = 0
 
@@ -79,6 +85,25 @@ class MailboxNode:
             log.exception("control_request_failed")
 
     async def _handle(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        headers = message.headers or {}
+        refusal = self._security.check(
+            "request",
+            exchange=message.exchange or "",
+            body=message.body,
+            content_type=message.content_type,
+            content_encoding=message.content_encoding,
+            headers=headers,
+            user_id=message.user_id,
+        )
+        if refusal is not None:
+            self.refused += 1
+            log.warning(
+                "control_request_refused",
+                reason=str(refusal),
+                user_id=message.user_id,
+                size=len(message.body),
+            )
+            return
         try:
             body = codec.decode(
                 message.body, message.content_type, accept=self._accept, max_bytes=MAX_REQUEST_BYTES
@@ -86,12 +111,12 @@ class MailboxNode:
             request = ControlRequest.from_wire(body)
         except MessageError as exc:
             self.refused += 1
-            log.warning("control_request_refused", error=str(exc), size=len(message.body))
+            log.warning("control_request_refused", reason="malformed", error=str(exc), size=len(message.body))
             return
-        self._clock.adjust((message.headers or {}).get(CLOCK_HEADER))
+        self._clock.adjust(headers.get(CLOCK_HEADER))
         if not request.is_for(self._nodename):
             return
-        request_headers.set(message.headers or {})
+        request_headers.set(headers)
         value = await self._registry.dispatch(request.method, request.arguments)
         self.handled += 1
         if request.wants_reply and request.method != "shutdown":
@@ -102,11 +127,22 @@ class MailboxNode:
         # Replies go out in the request's content type: a json-only Celery CLI aborts on msgpack.
         payload, ctype, encoding = codec.encode({self._nodename: value}, content_type or "json")
         exchange = await self._reply_exchange(request.reply_to.exchange)
-        headers: dict[str, Any] = {TICKET_HEADER: request.ticket, CLOCK_HEADER: self._clock.forward()}
-        await exchange.publish(
-            aio_pika.Message(payload, content_type=ctype, content_encoding=encoding, headers=headers),
-            routing_key=request.reply_to.routing_key,
+        headers = self._security.sign(
+            "reply",
+            exchange=request.reply_to.exchange,
+            body=payload,
+            content_type=ctype,
+            content_encoding=encoding,
+            headers={TICKET_HEADER: request.ticket, CLOCK_HEADER: self._clock.forward()},
         )
+        message = aio_pika.Message(
+            payload,
+            content_type=ctype,
+            content_encoding=encoding,
+            headers=headers,
+            user_id=self._security.user_id,
+        )
+        await exchange.publish(message, routing_key=request.reply_to.routing_key)
 
     async def _reply_exchange(self, name: str) -> aio_pika.abc.AbstractExchange:
         exchange = self._reply_exchanges.get(name)

@@ -153,6 +153,7 @@ def build_registry(
 
     async def revoke(task_id: str | list[str], terminate: bool, signal: str | int | None) -> dict[str, Any]:
         ids = [task_id] if isinstance(task_id, str) else [str(t) for t in task_id]
+        log.info("revoke_received", task_ids=len(ids), first=ids[0] if ids else None, terminate=terminate)
         if not (request_headers.get() or {}).get(LOGGED_HEADER):
             # A revoke that did not come through our client (celery control revoke, Flower) is
             # journaled too, so workers that are down now still learn it.

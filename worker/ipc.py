@@ -23,6 +23,7 @@ from typing import Any, Final
 
 import msgpack
 
+from broker_svc.codec import refuse_ext
 from broker_svc.errors import DecodeError, MessageTooLarge
 from broker_svc.outcome import wire_exception
 
@@ -214,7 +215,7 @@ def decode_frame(body: bytes) -> dict[str, Any]:
         DecodeError: not msgpack, or not a map with a string ``op``.
     """
     try:
-        frame = msgpack.unpackb(body, raw=False, strict_map_key=False)
+        frame = msgpack.unpackb(body, raw=False, strict_map_key=False, ext_hook=refuse_ext)
     except Exception as exc:  # msgpack raises several private error types
         raise DecodeError(f"undecodable frame of {len(body)} bytes: {type(exc).__name__}: {exc}") from exc
     if not isinstance(frame, dict) or not isinstance(frame.get("op"), str):

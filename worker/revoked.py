@@ -13,6 +13,8 @@ from typing import Any, Final
 import msgpack
 import structlog
 
+from broker_svc.codec import refuse_ext
+
 __all__ = ["RevokedSet"]
 
 log = structlog.get_logger(__name__)
@@ -147,7 +149,7 @@ class RevokedSet:
             How many unexpired ids were loaded.
         """
         try:
-            data = msgpack.unpackb(path.read_bytes(), raw=False)
+            data = msgpack.unpackb(path.read_bytes(), raw=False, ext_hook=refuse_ext)
             entries = data["entries"]
         except FileNotFoundError:
             return 0
