@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from broker_svc.logging import configure_logging
-from broker_svc.settings import DEFAULT_BROKER_URL, Settings
+from broker_svc.settings import DEFAULT_BROKER_URL, Settings, split_names
 from worker.config import (
+    DEFAULT_CONSUMER_TIMEOUT_S,
     DEFAULT_HOSTNAME,
     WorkerConfig,
     default_state_path,
@@ -64,6 +65,42 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("-E", "--task-events", action="store_true", help="send task events from the start")
     parser.add_argument("--heartbeat-interval", type=float, default=2.0, help="worker-heartbeat interval (s)")
     parser.add_argument("--without-mingle", action="store_true", help="skip syncing with peers at start-up")
+    parser.add_argument(
+        "--quorum-queues",
+        default=None,
+        metavar="A,B",
+        help="task queues to declare as quorum queues (default $CLOCKWORK_QUORUM_QUEUES; clients must agree)",
+    )
+    parser.add_argument(
+        "--delivery-limit",
+        type=int,
+        default=None,
+        metavar="N",
+        help="dead-letter a message after N deliveries that did not finish (its worker or child died); "
+        "default $CLOCKWORK_DELIVERY_LIMIT or 3",
+    )
+    parser.add_argument(
+        "--dedupe-window",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="skip a task id this worker finished within SECONDS (opt-in, per worker; default off)",
+    )
+    parser.add_argument(
+        "--broker-heartbeat",
+        type=int,
+        default=None,
+        metavar="SECONDS",
+        help="AMQP heartbeat to ask the broker for (default: the settings' heartbeat_s, 30; 0: off)",
+    )
+    parser.add_argument(
+        "--consumer-timeout",
+        type=float,
+        default=DEFAULT_CONSUMER_TIMEOUT_S,
+        metavar="SECONDS",
+        help="the broker's consumer_timeout (default 1800, RabbitMQ's); warns at start-up about task "
+        "time limits it would cut short; 0 skips the check",
+    )
     return parser.parse_args(argv)
 
 
@@ -84,6 +121,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = settings.with_options(broker_url=args.broker)
     elif not os.environ.get("CLOCKWORK_BROKER_URL"):
         settings = settings.with_options(broker_url=DEFAULT_BROKER_URL)
+    if args.quorum_queues is not None:
+        settings = settings.with_options(quorum_queues=split_names(args.quorum_queues))
+    if args.delivery_limit is not None:
+        settings = settings.with_options(delivery_limit=args.delivery_limit)
     queues = tuple(q.strip() for q in (args.queues or settings.default_queue).split(",") if q.strip())
     hostname = expand_hostname(args.hostname)
     if args.statedb is None:
@@ -107,6 +148,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         mingle=not args.without_mingle,
         autoscale=args.autoscale,
         autoscale_keepalive_s=args.autoscale_keepalive,
+        dedupe_window_s=args.dedupe_window,
+        broker_heartbeat_s=args.broker_heartbeat,
+        consumer_timeout_s=args.consumer_timeout or None,
     )
     app = load_app(args.app)
     return _run(WorkerService(config, app).run())

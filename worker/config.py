@@ -4,22 +4,32 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from broker_svc.settings import Settings
 
 __all__ = [
+    "DEFAULT_CONSUMER_TIMEOUT_S",
     "DEFAULT_HOSTNAME",
     "WorkerConfig",
     "default_state_path",
     "expand_hostname",
     "parse_autoscale",
     "prefetch_for",
+    "time_limits_over_consumer_timeout",
 ]
 
 # Celery's default node name, so scripts that address ``celery@host`` keep working.
 DEFAULT_HOSTNAME = "celery@%h"
+
+# RabbitMQ's own default ``consumer_timeout`` (30 min): a delivery held unacked longer gets its
+# channel closed with a 406. The worker cannot read the broker's value, so it is told it.
+DEFAULT_CONSUMER_TIMEOUT_S = 1800.0
+
+# The broker enforces consumer_timeout on a 60 s tick: a limit within this of it is not safe.
+CONSUMER_TIMEOUT_TICK_S = 60.0
 
 
 def expand_hostname(template: str, host: str | None = None) -> str:
@@ -85,7 +95,9 @@ class WorkerConfig:
             children). Tasks are acked after they ran, so running ones count: with 1, a worker holds
             no task it cannot start now, and a busy worker hoards nothing.
         shutdown_timeout_s: how long running tasks may finish after SIGTERM.
-        max_child_deaths: how often a message may kill a child before it is dead-lettered.
+        dedupe_window_s: skip a task id this worker finished within this many seconds (opt-in
+            dedupe, per worker; ``worker.deliveries.DedupeWindow``). None: at-least-once, every
+            delivery runs. The delivery limit is ``settings.delivery_limit``.
         time_limit_s: hard time limit for tasks that set none (the task's and the call's win).
         soft_time_limit_s: soft time limit for tasks that set none.
         state_path: the state file of the revoked set (None: kept in memory only).
@@ -97,6 +109,11 @@ class WorkerConfig:
             the pool starts at (``min``, at least 1). None: the pool keeps ``concurrency`` children.
         autoscale_keepalive_s: how long a child the pool did not need stays before the autoscaler
             retires it.
+        broker_heartbeat_s: the AMQP heartbeat the worker asks for (None: ``settings.heartbeat_s``;
+            0 turns heartbeats off). A worker frozen for over twice this loses its connection,
+            and the broker requeues what it held.
+        consumer_timeout_s: the broker's ``consumer_timeout`` (RabbitMQ's default is 30 min), for
+            the start-up check of task time limits against it. None: no check.
     """
 
     app_spec: str
@@ -106,7 +123,7 @@ class WorkerConfig:
     concurrency: int = field(default_factory=lambda: os.cpu_count() or 1)
     prefetch_multiplier: int = 1
     shutdown_timeout_s: float = 30.0
-    max_child_deaths: int = 3
+    dedupe_window_s: float | None = None
     time_limit_s: float | None = None
     soft_time_limit_s: float | None = None
     state_path: Path | None = None
@@ -116,6 +133,8 @@ class WorkerConfig:
     namespace: str = "celery"
     autoscale: tuple[int, int] | None = None
     autoscale_keepalive_s: float = 30.0
+    broker_heartbeat_s: int | None = None
+    consumer_timeout_s: float | None = DEFAULT_CONSUMER_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -124,8 +143,14 @@ class WorkerConfig:
             raise ValueError(f"prefetch_multiplier must be at least 1, got {self.prefetch_multiplier}")
         if not self.queues or not all(self.queues):
             raise ValueError("give at least one non-empty queue name (-Q a,b)")
+        if self.dedupe_window_s is not None and not self.dedupe_window_s > 0:
+            raise ValueError(f"dedupe_window_s must be positive, got {self.dedupe_window_s}")
         if not self.heartbeat_s > 0:
             raise ValueError(f"heartbeat_s must be positive, got {self.heartbeat_s}")
+        if self.broker_heartbeat_s is not None and self.broker_heartbeat_s < 0:
+            raise ValueError(f"broker_heartbeat_s must be 0 (off) or positive, got {self.broker_heartbeat_s}")
+        if self.consumer_timeout_s is not None and not self.consumer_timeout_s > 0:
+            raise ValueError(f"consumer_timeout_s must be positive, got {self.consumer_timeout_s}")
         if "@" not in self.hostname:
             raise ValueError(f"hostname must look like name@host, got {self.hostname!r}")
         if self.autoscale is not None:
@@ -146,3 +171,26 @@ class WorkerConfig:
         """basic.qos prefetch per consumer (global=False) at start; resizing the pool changes it."""
         maximum = self.autoscale[0] if self.autoscale is not None else None
         return prefetch_for(self.concurrency, multiplier=self.prefetch_multiplier, autoscale_max=maximum)
+
+
+def time_limits_over_consumer_timeout(
+    limits: Mapping[str, float | None], *, consumer_timeout_s: float | None
+) -> dict[str, float]:
+    """The task time limits the broker's ``consumer_timeout`` would cut short: ``{task: limit}``.
+
+    A delivery stays unacked while its task runs, so a task allowed to run past the timeout gets
+    its channel closed by the broker (406) and is redelivered. The broker checks on a 60 s tick,
+    so a limit within 60 s of the timeout is reported too. Tasks without a limit are not listed:
+    they are unbounded either way.
+
+    Args:
+        limits: each task's effective hard time limit in seconds (None: none).
+        consumer_timeout_s: the broker's consumer timeout; None disables the check.
+
+    Returns:
+        The offending tasks and their limits.
+    """
+    if consumer_timeout_s is None:
+        return {}
+    bound = consumer_timeout_s - CONSUMER_TIMEOUT_TICK_S
+    return {name: limit for name, limit in sorted(limits.items()) if limit is not None and limit >= bound}

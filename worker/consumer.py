@@ -6,10 +6,12 @@ import asyncio
 import datetime as dt
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Final
 
 import aio_pika
 import aio_pika.abc
+import aiormq.abc
 import structlog
 from structlog.contextvars import bind_contextvars
 
@@ -22,6 +24,7 @@ from broker_svc.outcome import Outcome, wire_exception
 from broker_svc.settings import Settings
 from broker_svc.states import State
 from broker_svc.topology import DELAY_HOLD_WINDOW_S
+from worker.deliveries import DedupeWindow, delivery_count
 from worker.eta import EtaScheduler
 from worker.events import EventDispatcher
 from worker.outcomes import OutcomeHandler, reply_type, settle
@@ -38,6 +41,20 @@ __all__ = ["RATE_RESERVED_HEADER", "TaskConsumer"]
 RATE_RESERVED_HEADER: Final = "x-clockwork-rate-reserved"
 
 log = structlog.get_logger(__name__)
+
+# How many finished task ids to remember for redeliveries whose ack was lost (~100 bytes each).
+_DONE_REMEMBERED = 10_000
+# The pause before a delivery whose handling failed is handed back to the broker.
+_HAND_BACK_DELAY_S = 0.5
+
+
+@dataclass(slots=True)
+class _Run:
+    """A task running in a child: its delivery, and its outcome for a redelivered copy to await."""
+
+    message: aio_pika.abc.AbstractIncomingMessage
+    outcome: asyncio.Future[JobOutcome]
+    joined: bool = False
 
 
 class TaskConsumer:
@@ -57,12 +74,12 @@ class TaskConsumer:
         settings: Settings,
         hostname: str,
         concurrency: int,
-        max_child_deaths: int,
         eta: EtaScheduler,
         events: EventDispatcher,
         revoked: RevokedSet,
         limits: RateLimits,
         default_time_limits: tuple[float | None, float | None] = (None, None),
+        dedupe_window_s: float | None = None,
     ) -> None:
         self._app = app
         self._pool = pool
@@ -72,7 +89,6 @@ class TaskConsumer:
         self._hostname = hostname
         self._accept = codec.accept_set(settings.accept_content)
         self._slots = FairSlots(concurrency)
-        self._max_child_deaths = max_child_deaths
         self._default_limits = default_time_limits
         self._eta = eta
         self._events = events
@@ -85,11 +101,21 @@ class TaskConsumer:
         self._signums: dict[str, int] = {}
         self.received = 0
         self._outcomes = OutcomeHandler(
-            app=app, replies=replies, eta=eta, events=events, max_child_deaths=max_child_deaths
+            app=app,
+            replies=replies,
+            eta=eta,
+            events=events,
+            delivery_limit=settings.delivery_limit,
+            dedupe=DedupeWindow(ttl_s=dedupe_window_s) if dedupe_window_s else None,
         )
-        self._reserved: set[asyncio.Task[Any]] = set()
+        # Deliveries waiting for a child: the handler task → its delivery.
+        self._reserved: dict[asyncio.Task[Any], aio_pika.abc.AbstractIncomingMessage] = {}
         self._handlers: set[asyncio.Task[Any]] = set()
         self._stopping = False
+        # Tasks running in children now, by id: a redelivered copy of one waits for it.
+        self._runs: dict[str, _Run] = {}
+        # Tasks done here, oldest first → the channel their ack went out on (None: it could not).
+        self._done: dict[str, aiormq.abc.AbstractChannel | None] = {}
 
     @property
     def processed(self) -> int:
@@ -140,6 +166,12 @@ class TaskConsumer:
         """The aio-pika consumer callback for one queue."""
 
         async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            # aiormq cancels a channel's consumer tasks when the channel closes. The handling of a
+            # delivery must outlive that: its child runs on, a redelivery of it waits for its
+            # outcome, and what it did is remembered. So it runs in a task of its own.
+            await asyncio.shield(asyncio.create_task(deliver(message)))
+
+        async def deliver(message: aio_pika.abc.AbstractIncomingMessage) -> None:
             task = asyncio.current_task()
             if task is not None:
                 self._handlers.add(task)
@@ -149,12 +181,26 @@ class TaskConsumer:
                 # Typically the connection went away mid-publish. Never leave a delivery held:
                 # hand it back (it runs again: at-least-once) and keep consuming.
                 log.exception("delivery_failed", queue=queue)
+                # The publishing connection may still be reconnecting while this one is back:
+                # handed back at once, the delivery would come straight back and fail again.
+                await asyncio.sleep(_HAND_BACK_DELAY_S)
                 await settle(message.nack(requeue=True))
             finally:
                 if task is not None:
                     self._handlers.discard(task)
 
         return on_message
+
+    def drop_stale_reserved(self) -> int:
+        """Give up the deliveries waiting for a child whose channel is gone; returns how many.
+
+        The broker requeued them when the channel closed and delivers them again: run here as
+        well, each would be a duplicate whose ack carries a stale tag.
+        """
+        stale = [task for task, message in self._reserved.items() if _channel_gone(message)]
+        for task in stale:
+            task.cancel()
+        return len(stale)
 
     async def stop(self, *, timeout_s: float) -> None:
         """Hand back reserved deliveries and wait up to ``timeout_s`` for running ones."""
@@ -190,7 +236,13 @@ class TaskConsumer:
             return
         self._clock.adjust(request.clock)
         bind_contextvars(task_name=request.display_name, attempt=request.retries + 1)
-        await self._handle_task(message, queue, request)
+        # Delivery accounting (worker.deliveries): the delivery limit, classic redelivery counts, dedupe.
+        if not await self._outcomes.admit(message, queue, request):
+            return
+        try:
+            await self._handle_task(message, queue, request)
+        finally:
+            self._outcomes.release(request)
 
     async def _refuse(
         self, message: aio_pika.abc.AbstractIncomingMessage, queue: str, *, reason: str, error: str
@@ -246,18 +298,18 @@ class TaskConsumer:
             await self._events.send("task-rejected", uuid=request.id, requeue=False)
             await settle(message.ack())
             return
+        redelivered = delivery_count(message.headers, redelivered=message.redelivered) >= 1
+        if redelivered and self._done_but_unacked(request.id):
+            log.info("task_redelivery_already_done")
+            await settle(message.ack())
+            return
         if request.id in self._revoked:
             await self._revoked_skip(message, request, expired=False)
             return
         if request.expires is not None and request.expires <= dt.datetime.now(dt.UTC):
             await self._revoked_skip(message, request, expired=True)
             return
-        tracked = Tracked(request, {
-            "exchange": message.exchange,
-            "routing_key": message.routing_key,
-            "priority": message.priority,
-            "redelivered": message.redelivered,
-        })  # fmt: skip
+        tracked = Tracked(request, _delivery_info(message))
         if request.eta is not None:
             self._state.scheduled_tasks[request.id] = tracked
             try:
@@ -288,6 +340,29 @@ class TaskConsumer:
             return  # handed back to the broker (shutdown), or revoked while it waited
         signum = self._signums.pop(request.id, None)
         await self._outcomes.finish(message, queue, request, outcome, stopping=self._stopping, signum=signum)
+        if not self._stopping:
+            self._remember_done(request.id, message)
+
+    def _remember_done(self, task_id: str, message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        # Everything a run leads to (result, retry, dead letter) has gone out by now; only the ack
+        # may be lost, with its channel. The broker then redelivers the task.
+        try:
+            self._done[task_id] = message.channel
+        except aio_pika.exceptions.ChannelInvalidStateError:
+            self._done[task_id] = None
+        if len(self._done) > _DONE_REMEMBERED:
+            del self._done[next(iter(self._done))]
+
+    def _done_but_unacked(self, task_id: str) -> bool:
+        # A redelivery of a task done here on a channel that has closed since: the broker never
+        # got that ack (an acked message is not redelivered), so ack this copy, do not run it again.
+        if task_id not in self._done:
+            return False
+        channel = self._done[task_id]
+        if channel is not None and not channel.is_closed:
+            return False  # acked on a live channel: a second message with the same id, run it
+        del self._done[task_id]
+        return True
 
     async def _rate_limited(
         self, message: aio_pika.abc.AbstractIncomingMessage, queue: str, request: TaskMessage
@@ -313,19 +388,28 @@ class TaskConsumer:
         self, tracked: Tracked, message: aio_pika.abc.AbstractIncomingMessage, queue: str
     ) -> JobOutcome | None:
         request = tracked.request
+        run = self._runs.get(request.id)
+        if run is not None and _channel_gone(run.message):
+            # Our own delivery of this task came back (its channel closed while it ran, after
+            # consumer_timeout or a lost connection): wait for that run rather than start a
+            # second one, then settle this copy with its outcome.
+            return await self._join(run, message)
         task = asyncio.current_task()
         assert task is not None
-        self._reserved.add(task)
+        self._reserved[task] = message
         self._state.reserved_tasks[request.id] = tracked
         try:
             await self._slots.acquire(queue)
         except asyncio.CancelledError:
             # Reserved but never started: the broker gets it back for another worker.
-            await settle(message.nack(requeue=True))
-            log.info("task_requeued_on_shutdown")
+            if _channel_gone(message):
+                log.info("task_dropped_channel_gone")  # requeued by the broker already
+            else:
+                await settle(message.nack(requeue=True))
+                log.info("task_requeued_on_shutdown")
             return None
         finally:
-            self._reserved.discard(task)
+            self._reserved.pop(task, None)
             self._state.reserved_tasks.pop(request.id, None)
         try:
             if request.id in self._revoked:  # revoked while it waited for a child
@@ -344,12 +428,39 @@ class TaskConsumer:
             self._state.start(tracked)
             if self._events.task_events:
                 await self._events.send("task-started", uuid=request.id)
+            run = _Run(message, asyncio.get_running_loop().create_future())
+            self._runs[request.id] = run
             try:
-                return await self._pool.run(job)
+                outcome = await self._pool.run(job)
+            except BaseException as exc:
+                if run.joined and not isinstance(exc, asyncio.CancelledError):
+                    run.outcome.set_exception(exc)
+                else:
+                    run.outcome.cancel()
+                raise
             finally:
+                if self._runs.get(request.id) is run:
+                    del self._runs[request.id]
                 self._state.active_tasks.pop(request.id, None)
+            run.outcome.set_result(outcome)
+            if run.joined:
+                log.info("task_settled_by_redelivery")  # the redelivered copy publishes and acks
+                return None
+            return outcome
         finally:
             self._slots.release()
+
+    async def _join(self, run: _Run, message: aio_pika.abc.AbstractIncomingMessage) -> JobOutcome | None:
+        run.joined = True
+        log.info("task_redelivery_joined_run")
+        try:
+            return await asyncio.shield(run.outcome)
+        except asyncio.CancelledError:
+            if not run.outcome.cancelled():
+                raise  # this handler itself was cancelled
+            # The run was cut short (shutdown): this copy goes back to the broker unstarted.
+            await settle(message.nack(requeue=True))
+            return None
 
     def _time_limits(self, request: TaskMessage) -> tuple[float | None, float | None]:
         # The call's limits win, then the task's own, then the worker's defaults (as Celery).
@@ -377,10 +488,27 @@ class TaskConsumer:
             "origin": request.origin,
             "ignore_result": request.ignore_result,
             "timelimit": list(request.timelimit),
-            "delivery_info": {
-                "exchange": message.exchange,
-                "routing_key": message.routing_key,
-                "priority": message.priority,
-                "redelivered": message.redelivered,
-            },
+            "delivery_info": _delivery_info(message),
         }
+
+
+def _delivery_info(message: aio_pika.abc.AbstractIncomingMessage) -> dict[str, Any]:
+    # ``redelivered`` also marks a copy the worker made of a redelivery (classic queues) or of a
+    # delivery whose child died: a repeat run is marked either way. ``delivery_count`` is how many
+    # earlier deliveries did not finish (worker.deliveries).
+    count = delivery_count(message.headers, redelivered=message.redelivered)
+    return {
+        "exchange": message.exchange,
+        "routing_key": message.routing_key,
+        "priority": message.priority,
+        "redelivered": message.redelivered or count > 0,
+        "delivery_count": count,
+    }
+
+
+def _channel_gone(message: aio_pika.abc.AbstractIncomingMessage) -> bool:
+    # A delivery belongs to the channel it came on; once that is closed its tag means nothing.
+    try:
+        return message.channel.is_closed
+    except aio_pika.exceptions.ChannelInvalidStateError:
+        return True

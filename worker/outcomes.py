@@ -16,18 +16,22 @@ from broker_svc.app import App
 from broker_svc.message import TaskMessage, parse_iso_datetime, safe_repr
 from broker_svc.outcome import CELERY_EXCEPTIONS_MODULE, Outcome, wire_exception
 from broker_svc.states import State
+from worker.deliveries import (
+    BROKER_COUNT_HEADER,
+    DELIVERIES_HEADER,
+    DELIVERY_LIMIT_REASON,
+    DedupeWindow,
+    carries_count,
+    delivery_count,
+)
 from worker.eta import EtaScheduler
 from worker.events import EventDispatcher
 from worker.pool import JobOutcome, JobStatus
 from worker.replies import ReplyPublisher
 
-__all__ = ["CHILD_DEATHS_HEADER", "OutcomeHandler", "describe_repr", "reply_type", "settle"]
+__all__ = ["OutcomeHandler", "describe_repr", "reply_type", "settle"]
 
 log = structlog.get_logger(__name__)
-
-# How often this message has killed the child running it; travels with the message, so the
-# count survives worker restarts (DESIGN §4).
-CHILD_DEATHS_HEADER: Final = "x-clockwork-child-deaths"
 
 _STATUS_TO_STATE: Final = {
     JobStatus.SUCCESS: State.SUCCESS,
@@ -47,7 +51,9 @@ class OutcomeHandler:
         replies: the confirm-mode publisher for results, dead letters and copies.
         eta: where retries are parked until due.
         events: where task-* events go.
-        max_child_deaths: how often a message may kill a child before it is dead-lettered.
+        delivery_limit: how many deliveries of one message may end without finishing (its child or
+            worker died) before the next is dead-lettered (``worker.deliveries``).
+        dedupe: finished task ids, to skip duplicate deliveries; None: at-least-once (the default).
     """
 
     def __init__(
@@ -57,17 +63,66 @@ class OutcomeHandler:
         replies: ReplyPublisher,
         eta: EtaScheduler,
         events: EventDispatcher,
-        max_child_deaths: int,
+        delivery_limit: int,
+        dedupe: DedupeWindow | None = None,
     ) -> None:
         self._app = app
         self._replies = replies
         self._eta = eta
         self._events = events
-        self._max_child_deaths = max_child_deaths
+        self._delivery_limit = delivery_limit
+        self._dedupe = dedupe
         # Each running task's chain of update publishes: updates, then the outcome, in order.
         self._updates: dict[str, asyncio.Future[None]] = {}
         self.processed = 0
         self.totals: collections.Counter[str] = collections.Counter()
+
+    async def admit(
+        self, message: aio_pika.abc.AbstractIncomingMessage, queue: str, request: TaskMessage
+    ) -> bool:
+        """Decide whether a decoded delivery may go on to run; settle it here if not.
+
+        A duplicate of a task finished (or running) here is acked unrun (with dedupe on). A message
+        whose earlier deliveries reached the delivery limit without finishing is dead-lettered with
+        a FAILURE for its client. A classic-queue redelivery is published again with its count
+        (the broker keeps none) and acked, so the count survives a worker that dies running it.
+        Pair every True with :meth:`release`.
+
+        Raises:
+            aio_pika.exceptions.AMQPError: a copy or dead letter was not confirmed (nothing acked).
+        """
+        dedupe = self._dedupe
+        if dedupe is not None and dedupe.seen((request.id, request.retries)):
+            dedupe.skipped += 1
+            log.info("task_duplicate_skipped")
+            await settle(message.ack())
+            return False
+        headers, redelivered = message.headers, message.redelivered
+        if redelivered or (headers and (DELIVERIES_HEADER in headers or BROKER_COUNT_HEADER in headers)):
+            count = delivery_count(headers, redelivered=redelivered)
+            if count > self._delivery_limit:
+                why = f"{count} deliveries did not finish (delivery_limit={self._delivery_limit})"
+                await self._delivery_limit_reached(message, queue, request, error=None, why=why)
+                return False
+            if not carries_count(headers, redelivered=redelivered):
+                await self._replies.republish(
+                    message, queue=queue, headers={DELIVERIES_HEADER: count}, drop=(BROKER_COUNT_HEADER,)
+                )
+                await settle(message.ack())
+                log.info("task_redelivery_counted", deliveries=count)
+                return False
+        if dedupe is not None:
+            dedupe.start((request.id, request.retries))
+        return True
+
+    def release(self, request: TaskMessage) -> None:
+        """The admitted delivery of ``request`` is settled, whatever became of it."""
+        if self._dedupe is not None:
+            self._dedupe.release((request.id, request.retries))
+
+    def _finished(self, request: TaskMessage) -> None:
+        if self._dedupe is not None:
+            self._dedupe.finished((request.id, request.retries))
 
     def update(self, request: TaskMessage, payload: dict[str, Any]) -> None:
         """A running task reported a state (``update_state``, STARTED): send it, in order."""
@@ -117,6 +172,7 @@ class OutcomeHandler:
             await asyncio.wait([pending_updates])  # progress first, then the outcome
         if outcome.status == JobStatus.RETRY:
             await self._retry(message, queue, request, outcome)
+            self._finished(request)
             return
         state = _STATUS_TO_STATE[outcome.status]
         if outcome.status == JobStatus.SUCCESS:
@@ -160,6 +216,7 @@ class OutcomeHandler:
                 error=f"failed after {request.retries} retries: {_describe(outcome.error)}",
             )
         await settle(message.ack())
+        self._finished(request)
 
     async def _retry(
         self,
@@ -192,19 +249,35 @@ class OutcomeHandler:
         request: TaskMessage,
         outcome: JobOutcome,
     ) -> None:
-        deaths = _int_header(message.headers, CHILD_DEATHS_HEADER) + 1
-        if deaths > self._max_child_deaths:
-            log.error("task_killed_its_child_too_often", deaths=deaths)
-            error = outcome.error or wire_exception(
-                "WorkerLostError", "child died", module="billiard.exceptions"
-            )
-            await self.reply(request, Outcome(task_id=request.id, status=State.FAILURE, result=error))
-            await self._replies.dead_letter(
-                message, queue=queue, reason="child_lost", error=f"the task killed its child {deaths} times"
-            )
-        else:
-            log.warning("task_child_lost_retrying", deaths=deaths, error=outcome.error)
-            await self._replies.republish(message, queue=queue, headers={CHILD_DEATHS_HEADER: deaths})
+        # The broker saw nothing fail (our connection is fine), so the count goes on a copy.
+        count = delivery_count(message.headers, redelivered=message.redelivered) + 1
+        if count > self._delivery_limit:
+            why = f"its child died; {count} deliveries did not finish (delivery_limit={self._delivery_limit})"
+            await self._delivery_limit_reached(message, queue, request, error=outcome.error, why=why)
+            return
+        log.warning("task_child_lost_retrying", deliveries=count, error=outcome.error)
+        await self._replies.republish(
+            message, queue=queue, headers={DELIVERIES_HEADER: count}, drop=(BROKER_COUNT_HEADER,)
+        )
+        await settle(message.ack())
+
+    async def _delivery_limit_reached(
+        self,
+        message: aio_pika.abc.AbstractIncomingMessage,
+        queue: str,
+        request: TaskMessage,
+        *,
+        error: dict[str, Any] | None,
+        why: str,
+    ) -> None:
+        # Celery's name for a task whose process died under it, so clients see what they know.
+        log.error("task_delivery_limit_reached", why=why)
+        failure = error or wire_exception("WorkerLostError", why, module="billiard.exceptions")
+        await self.reply(request, Outcome(task_id=request.id, status=State.FAILURE, result=failure))
+        await self._replies.dead_letter(message, queue=queue, reason=DELIVERY_LIMIT_REASON, error=why)
+        await self._events.send(
+            "task-failed", uuid=request.id, exception=describe_repr(failure), traceback=""
+        )
         await settle(message.ack())
 
     async def reply(self, request: TaskMessage, outcome: Outcome) -> None:
@@ -253,11 +326,6 @@ def reply_type(content_type: str | None) -> str:
     return content_type if content_type in (codec.MSGPACK, codec.JSON) else codec.JSON
 
 
-def _int_header(headers: dict[str, Any] | None, name: str) -> int:
-    value = (headers or {}).get(name)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
-
-
 async def settle(action: Any) -> None:
     """Await an ack or nack, tolerating a channel that is gone."""
     # After a reconnect the delivery's channel is gone: acking it would be a stale tag (406).
@@ -266,3 +334,10 @@ async def settle(action: Any) -> None:
         await action
     except (aio_pika.exceptions.ChannelInvalidStateError, aio_pika.exceptions.AMQPError) as exc:
         log.warning("settle_skipped_channel_gone", error=str(exc))
+    except asyncio.CancelledError:
+        # A channel that closes mid-ack cancels the ack's write instead of failing it; only a
+        # cancellation of this task itself goes on up.
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        log.warning("settle_skipped_channel_gone", error="cancelled with its channel")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Iterable
 from typing import Any
 
 import aio_pika
@@ -101,14 +102,27 @@ class ReplyPublisher:
         log.warning("task_dead_lettered", reason=reason, error=error[:200], queue=queue)
 
     async def republish(
-        self, message: aio_pika.abc.AbstractIncomingMessage, *, queue: str, headers: dict[str, Any]
+        self,
+        message: aio_pika.abc.AbstractIncomingMessage,
+        *,
+        queue: str,
+        headers: dict[str, Any],
+        drop: Iterable[str] = (),
     ) -> None:
         """Put a copy back on ``queue`` with changed headers; confirmed before return.
+
+        Args:
+            message: the delivery to copy.
+            queue: where the copy goes (through the default exchange).
+            headers: headers to set on the copy.
+            drop: headers the copy must not carry (e.g. a broker's count that restarts with it).
 
         Raises:
             aio_pika.exceptions.AMQPError: the broker did not take it (the caller must not ack).
         """
         merged = dict(message.headers or {})
+        for name in drop:
+            merged.pop(name, None)
         merged.update(headers)
         await self._publish(copy_message(message, merged), queue)
 

@@ -5,12 +5,16 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, cast
 
 import aio_pika
 import aio_pika.abc
+import aiormq
 import structlog
+from aiormq import spec
+from aiormq.exceptions import ChannelPreconditionFailed
 
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
@@ -18,9 +22,11 @@ from broker_svc.topology import dead_letter_queue, task_queue
 from control.broadcast import AsyncBroadcaster, declare_members_stream
 from control.declare import declare_queue
 from control.node import MailboxNode
+from control.signing import ControlSecurity
 from worker.amqp_compat import install_header_int_guard
 from worker.autoscale import Autoscaler, PoolSizer
-from worker.config import WorkerConfig
+from worker.config import WorkerConfig, time_limits_over_consumer_timeout
+from worker.connect import connect
 from worker.consumer import TaskConsumer
 from worker.eta import EtaScheduler
 from worker.events import EventDispatcher, Heart
@@ -32,17 +38,14 @@ from worker.replies import ReplyPublisher
 from worker.revocation import Revoker
 from worker.revoked import RevokedSet
 
-__all__ = ["WorkerService", "amqp_url"]
+__all__ = ["WorkerService"]
 
 log = structlog.get_logger(__name__)
 
-
-def amqp_url(config: WorkerConfig) -> str:
-    """The broker URL with the vhost spelled so aio-pika reads it as kombu does (``//`` is ``/``)."""
-    from urllib.parse import quote, urlsplit, urlunsplit
-
-    parts = urlsplit(config.settings.broker_url)
-    return urlunsplit(parts._replace(path="/" + quote(config.settings.virtual_host, safe="")))
+# How often the worker checks that it consumes every queue it should, and how long one may be
+# missing (aio-pika restores it meanwhile) before that is logged as an error.
+_CONSUMER_WATCH_S = 1.0
+_CONSUMER_MISSING_LOUD_S = 10.0
 
 
 class WorkerService:
@@ -72,6 +75,7 @@ class WorkerService:
         self._autoscaler: Autoscaler | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._mingle: Callable[[], Coroutine[Any, Any, None]] | None = None
+        self._consume_closed_at: float | None = None
 
     @property
     def clock(self) -> LamportClock:
@@ -90,30 +94,69 @@ class WorkerService:
         pool = ProcessPool(
             app_spec=config.app_spec, concurrency=config.concurrency, on_update=self._relay_update
         )
+        self._warn_time_limits()
         await pool.start()
-        connection = await aio_pika.connect_robust(
-            amqp_url(config),
-            client_properties={"connection_name": f"clockwork-worker {config.hostname}"},
-            timeout=config.settings.connect_timeout_s,
-        )
+        # Two connections: RabbitMQ blocks a connection that publishes during a memory or disk
+        # alarm, and a blocked connection is not read at all, so acks would stall with it. Task
+        # deliveries and their acks have a connection that never publishes; results, events,
+        # control replies and re-publishes have the other.
+        consuming = await self._connect("consume")
         try:
-            async with connection:
-                await self._serve(connection, pool)
+            publishing = await self._connect("publish")
+            async with consuming, publishing:
+                await self._serve(consuming, publishing, pool)
         finally:
+            await consuming.close()
             await pool.close(timeout_s=0)
         log.info("worker_stopped", hostname=config.hostname)
         return 0
 
-    async def _serve(self, connection: aio_pika.abc.AbstractRobustConnection, pool: ProcessPool) -> None:
+    async def _connect(self, role: str) -> aio_pika.abc.AbstractRobustConnection:
         config = self._config
-        consume_channel = await connection.channel(publisher_confirms=False)
+        # Failover, backoff while the broker is down, TLS (worker/connect.py).
+        return await connect(
+            config.settings,
+            connection_name=f"clockwork-worker {config.hostname} {role}",
+            heartbeat_s=config.broker_heartbeat_s,
+            stop=self._stop,
+        )
+
+    def _warn_time_limits(self) -> None:
+        # The worker cannot read the broker's consumer_timeout: it is told it (--consumer-timeout).
+        config = self._config
+        limits = {
+            name: task.time_limit or config.time_limit_s
+            for name, task in self._app.tasks.items()
+            if not name.startswith("celery.")
+        }
+        over = time_limits_over_consumer_timeout(limits, consumer_timeout_s=config.consumer_timeout_s)
+        for name, limit in over.items():
+            log.warning(
+                "time_limit_over_consumer_timeout",
+                task_name=name,
+                time_limit_s=limit,
+                consumer_timeout_s=config.consumer_timeout_s,
+                hint="the broker closes the channel of a delivery held past consumer_timeout "
+                "(checked every 60 s) and redelivers it: lower the limit or raise consumer_timeout",
+            )
+
+    async def _serve(
+        self,
+        consuming: aio_pika.abc.AbstractRobustConnection,
+        publishing: aio_pika.abc.AbstractRobustConnection,
+        pool: ProcessPool,
+    ) -> None:
+        config = self._config
+        consume_channel = await consuming.channel(publisher_confirms=False)
         await consume_channel.set_qos(prefetch_count=config.prefetch_count)  # per consumer
         self._consume_channel = consume_channel
-        publish_channel = await connection.channel(publisher_confirms=True)
+        await self._watch_consume_channel(consume_channel)
+        # Everything below publishes, or answers by publishing: the publishing connection.
+        publish_channel = await publishing.channel(publisher_confirms=True)
         replies = ReplyPublisher(
             publish_channel, clock=self._clock, persistent=config.settings.result_persistent
         )
-        events_channel = await connection.channel(publisher_confirms=False)
+        events_channel = await publishing.channel(publisher_confirms=False)
         events = EventDispatcher(
             events_channel, hostname=config.hostname, clock=self._clock, task_events=config.task_events
         )
@@ -123,7 +166,7 @@ class WorkerService:
             await declare_members_stream(events_channel, config.namespace)
         except aio_pika.exceptions.AMQPError as exc:
             log.error("members_stream_unavailable", error=str(exc))
-            events_channel = await connection.channel(publisher_confirms=False)
+            events_channel = await publishing.channel(publisher_confirms=False)
             events = EventDispatcher(
                 events_channel, hostname=config.hostname, clock=self._clock, task_events=config.task_events
             )
@@ -138,7 +181,7 @@ class WorkerService:
             settings=config.settings,
             hostname=config.hostname,
             concurrency=config.concurrency,
-            max_child_deaths=config.max_child_deaths,
+            dedupe_window_s=config.dedupe_window_s,
             eta=eta,
             events=events,
             revoked=self._revoked,
@@ -172,17 +215,22 @@ class WorkerService:
         # Every revoke we can know of is known before the first task is taken: the state file,
         # then the broker's log read up to now.
         revoker.load()
-        await revoker.follow_log(await connection.channel(publisher_confirms=False), publish_channel)
+        await revoker.follow_log(await consuming.channel(publisher_confirms=False), publish_channel)
         heart = Heart(events, lambda: (consumer.running_count, consumer.received), freq_s=config.heartbeat_s)
         self._heart = heart
-        await self._start_mailbox(connection, consumer, pool, revoker, events)
+        await self._start_mailbox(publishing, consumer, pool, revoker, events)
         if config.mingle:
-            broadcast_channel = await connection.channel(publisher_confirms=False)
-            broadcaster = AsyncBroadcaster(broadcast_channel, clock=self._clock, namespace=config.namespace)
+            broadcast_channel = await publishing.channel(publisher_confirms=False)
+            broadcaster = AsyncBroadcaster(
+                broadcast_channel,
+                clock=self._clock,
+                namespace=config.namespace,
+                security=ControlSecurity.from_settings(config.settings),
+            )
             await broadcaster.start()
 
             async def run_mingle() -> None:
-                members_channel = await connection.channel(publisher_confirms=False)
+                members_channel = await publishing.channel(publisher_confirms=False)
                 try:
                     await mingle(
                         broadcaster,
@@ -202,7 +250,8 @@ class WorkerService:
         await heart.start()
         if self._autoscaler is not None:
             await self._autoscaler.start()
-        connection.reconnect_callbacks.add(self._on_reconnect)
+        publishing.reconnect_callbacks.add(self._on_reconnect)
+        watch = asyncio.create_task(self._watch_consumers(), name="consumer-watch")
         log.info(
             "worker_ready",
             hostname=config.hostname,
@@ -224,6 +273,7 @@ class WorkerService:
             await pool.close(timeout_s=0)
             await heart.stop()
         finally:
+            watch.cancel()
             revoker.save()
 
     # -- what control commands change (worker.handlers.ServiceControls) ----------------------------
@@ -235,7 +285,8 @@ class WorkerService:
         if queue in self._consuming:
             return f"already consuming from {queue!r}"
         await declare_queue(channel, dead_letter_queue(queue))
-        declared = await declare_queue(channel, task_queue(queue))
+        queue_type = self._config.settings.queue_type(queue)  # as the clients declare it
+        declared = await declare_queue(channel, task_queue(queue, queue_type=queue_type))
         async with self._consumers_lock:
             tag = await declared.consume(consumer.for_queue(queue))
             self._consuming[queue] = (declared, tag)
@@ -302,6 +353,74 @@ class WorkerService:
                 task.add_done_callback(_log_failure)
                 task.add_done_callback(self._background.discard)
 
+    # -- the consume channel's faults (RELIABILITY.md R4-R7) ---------------------------------------
+
+    async def _watch_consume_channel(self, channel: aio_pika.abc.AbstractChannel) -> None:
+        channel.close_callbacks.add(self._on_consume_channel_closed)
+        if isinstance(channel, aio_pika.abc.AbstractRobustChannel):
+            channel.reopen_callbacks.add(self._on_consume_channel_reopened)
+        (await channel.get_underlay_channel()).on_consumer_cancel_callbacks.add(self._on_consumer_cancelled)
+
+    def _on_consume_channel_closed(self, _channel: Any, exc: BaseException | None) -> None:
+        # The broker closed the channel (406 after consumer_timeout, say) or the connection went.
+        # Either way it requeued every delivery we held: the ones still waiting for a child are
+        # dropped here (another copy comes back), and no ack goes out with their stale tags.
+        self._consume_closed_at = time.monotonic()
+        timed_out = isinstance(exc, ChannelPreconditionFailed) and "timed out" in str(exc)
+        dropped = self._consumer.drop_stale_reserved() if self._consumer is not None else 0
+        (log.error if timed_out else log.warning)(
+            "consume_channel_closed",
+            reason=type(exc).__name__ if exc is not None else None,
+            error=str(exc) if exc is not None else None,
+            consumer_timeout=timed_out,
+            running=self._consumer.running_count if self._consumer is not None else 0,
+            dropped_reserved=dropped,
+        )
+
+    async def _on_consume_channel_reopened(self, channel: aio_pika.abc.AbstractRobustChannel | None) -> None:
+        if channel is not None:  # a new underlying channel: it needs our cancel hook again
+            underlay = await channel.get_underlay_channel()
+            underlay.on_consumer_cancel_callbacks.add(self._on_consumer_cancelled)
+        closed_at, self._consume_closed_at = self._consume_closed_at, None
+        down_s = round(time.monotonic() - closed_at, 3) if closed_at is not None else None
+        log.info("consume_channel_reopened", down_s=down_s, queues=list(self._consuming))
+
+    async def _watch_consumers(self) -> None:
+        # aio-pika restores consumers after a reconnect, a reopened channel or a broker-side cancel
+        # (a deleted queue is declared again); this makes a worker that is not consuming loud.
+        missing_since: float | None = None
+        reported_at = 0.0
+        while True:
+            await asyncio.sleep(_CONSUMER_WATCH_S)
+            missing = await self._missing_consumers()
+            now = time.monotonic()
+            if missing and missing_since is None:
+                missing_since = now
+            elif missing and missing_since is not None:
+                if now - missing_since >= _CONSUMER_MISSING_LOUD_S and now - reported_at >= 60.0:
+                    reported_at = now
+                    log.error("consumer_missing", queues=missing, for_s=round(now - missing_since, 1))
+            elif missing_since is not None:
+                log.info("consumer_restored", down_s=round(now - missing_since, 3))
+                missing_since, reported_at = None, 0.0
+
+    async def _missing_consumers(self) -> list[str]:
+        channel = self._consume_channel
+        if channel is None or self._consumers_lock.locked():
+            return []
+        if channel.is_closed:
+            return list(self._consuming)
+        try:
+            underlay = await asyncio.wait_for(channel.get_underlay_channel(), timeout=_CONSUMER_WATCH_S)
+        except (TimeoutError, aio_pika.exceptions.AMQPError, RuntimeError):
+            return list(self._consuming)
+        consumers = cast(aiormq.Channel, underlay).consumers
+        return [queue for queue, (_, tag) in self._consuming.items() if tag not in consumers]
+
+    def _on_consumer_cancelled(self, frame: spec.Basic.Cancel) -> None:
+        queue = next((q for q, (_, tag) in self._consuming.items() if tag == frame.consumer_tag), None)
+        log.warning("consumer_cancelled_by_broker", queue=queue, consumer_tag=frame.consumer_tag)
+
     async def _start_mailbox(
         self,
         connection: aio_pika.abc.AbstractRobustConnection,
@@ -334,6 +453,7 @@ class WorkerService:
             clock=self._clock,
             accept=config.settings.accept_content,
             namespace=config.namespace,
+            security=ControlSecurity.from_settings(config.settings),
         )
         try:
             await node.start()

@@ -122,8 +122,9 @@ def test_a_task_that_kills_its_child_is_retried_then_dead_lettered(
         result.get(timeout=60)
     assert getattr(info.value, "exc_type", "") == "WorkerLostError"
     dead = wait_for(lambda: drain(test_vhost_url, f"{queue}.dead"), timeout_s=20, message="no dead letter")
-    assert dead[0].headers["x-clockwork-reason"] == "child_lost"
-    assert dead[0].headers["x-clockwork-child-deaths"] == 3  # 1 run + 3 retries, then the DLQ
+    # One delivery limit for child and worker deaths (worker.deliveries): 1 run + 3 more, then the DLQ.
+    assert dead[0].headers["x-clockwork-reason"] == "delivery_limit"
+    assert dead[0].headers["x-clockwork-deliveries"] == 3
     assert worker.count("task_child_lost_retrying") == 3
     # The pool replaced its children: the worker still runs tasks.
     assert client.send_task("tests.integration.e2e_tasks.add", (1, 1), queue=queue).get(timeout=30) == 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 from broker_svc import App, Task
 from tests.reliability.journal import record_execution
@@ -41,8 +42,14 @@ def kill_child(self: Task) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _worker_pid() -> int:
+    # Children fork from the pool's forkserver, whose parent is the worker's main process.
+    stat = Path(f"/proc/{os.getppid()}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
 @app.task(bind=True, name="journal.kill_worker")
 def kill_worker(self: Task) -> None:
-    """A poison task that kills the whole worker (the pool's parent process)."""
+    """A poison task that SIGKILLs the whole worker: its main process, not just the forkserver."""
     _journal(self)
-    os.kill(os.getppid(), signal.SIGKILL)
+    os.kill(_worker_pid(), signal.SIGKILL)
