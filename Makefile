@@ -16,7 +16,7 @@ BROKER_FLAGS ?=
 WITH_BROKER := trap '$(BROKER) stop --state-dir $(STATE) --owner $$$$' EXIT; trap 'exit 130' INT TERM; \
 	url=$$($(BROKER) ensure --state-dir $(STATE) --owner $$$$ $(BROKER_FLAGS)) || exit $$?
 
-.PHONY: run test worker bench lint typecheck chromium clean
+.PHONY: run test worker bench reliability chaos lint typecheck chromium clean
 
 # File targets, so the environment is built once and reinstalled only when pyproject.toml changes.
 # pip (not python) marks a usable venv: without python3-venv, `venv` leaves a python but no pip.
@@ -54,6 +54,17 @@ worker: $(VENV)/.installed
 BENCH_FLAGS ?=
 bench: $(VENV)/.installed
 	@$(WITH_BROKER); CLOCKWORK_BROKER_URL="$$url" $(BIN)/python -m bench.compare $(BENCH_FLAGS)
+
+# The fault-injection matrix (tests/reliability: private nodes and a 3-node cluster, never the shared
+# broker), then its figures into RELIABILITY.md. `make test` runs it too, at the CI size (N = 1,000);
+# `make chaos` runs the nightly size (N = 10,000) and the larger rows.
+reliability: $(VENV)/.installed
+	@$(WITH_BROKER); AMQP_URL="$$url" $(BIN)/pytest tests/reliability; status=$$?; \
+	$(BIN)/python -m tests.reliability.summary; exit $$status
+
+chaos: $(VENV)/.installed
+	@$(WITH_BROKER); AMQP_URL="$$url" $(BIN)/pytest -m chaos tests/reliability; status=$$?; \
+	$(BIN)/python -m tests.reliability.summary; exit $$status
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
