@@ -31,6 +31,7 @@ from broker_svc.errors import (
     PublishNacked,
     Unroutable,
 )
+from broker_svc.message import RESENT_HEADER
 from broker_svc.pending import Delivery, PendingPublish, _ConfirmRate
 from broker_svc.settings import Settings, redact_url
 from broker_svc.topology import QueueSpec
@@ -581,10 +582,12 @@ class BrokerConnection:
                 self._declare(spec, on_done=self._drain)
                 return
             msg = pending.message
+            # A resend says so: the earlier send may have been enqueued, so this can be a duplicate.
+            headers = {**msg.headers, RESENT_HEADER: pending.attempts} if pending.attempts else msg.headers
             props = pika.BasicProperties(
                 content_type=msg.content_type,
                 content_encoding=msg.content_encoding,
-                headers=msg.headers,
+                headers=headers,
                 delivery_mode=msg.delivery_mode,
                 priority=msg.priority,
                 correlation_id=msg.correlation_id,

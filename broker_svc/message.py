@@ -15,6 +15,7 @@ from broker_svc.errors import InvalidTaskMessage
 
 __all__ = [
     "CLOCK_HEADER",
+    "RESENT_HEADER",
     "TaskMessage",
     "WireMessage",
     "decode_task",
@@ -24,6 +25,9 @@ __all__ = [
 ]
 
 CLOCK_HEADER: Final = "clock"
+# Set by our client on a message it sends again (lost connection, confirm timeout, nack): the
+# broker may have taken the earlier send too, so a worker marks the delivery ``redelivered``.
+RESENT_HEADER: Final = "x-clockwork-resent"
 _REPR_LIMIT: Final = 1024
 _INT32: Final = 2**31
 _EMPTY_EMBED: Final = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}

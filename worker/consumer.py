@@ -19,7 +19,7 @@ from broker_svc import codec
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
 from broker_svc.errors import MessageError
-from broker_svc.message import TaskMessage, decode_task, safe_repr
+from broker_svc.message import RESENT_HEADER, TaskMessage, decode_task, safe_repr
 from broker_svc.outcome import Outcome, wire_exception
 from broker_svc.settings import Settings
 from broker_svc.states import State
@@ -494,14 +494,16 @@ class TaskConsumer:
 
 def _delivery_info(message: aio_pika.abc.AbstractIncomingMessage) -> dict[str, Any]:
     # ``redelivered`` also marks a copy the worker made of a redelivery (classic queues) or of a
-    # delivery whose child died: a repeat run is marked either way. ``delivery_count`` is how many
-    # earlier deliveries did not finish (worker.deliveries).
+    # delivery whose child died, and a message our client sent again after a lost confirm: a
+    # repeat run is marked either way. ``delivery_count`` is how many earlier deliveries did not
+    # finish (worker.deliveries).
     count = delivery_count(message.headers, redelivered=message.redelivered)
+    resent = bool(message.headers and message.headers.get(RESENT_HEADER))
     return {
         "exchange": message.exchange,
         "routing_key": message.routing_key,
         "priority": message.priority,
-        "redelivered": message.redelivered or count > 0,
+        "redelivered": message.redelivered or count > 0 or resent,
         "delivery_count": count,
     }
 
