@@ -195,15 +195,7 @@ class AsyncBroadcaster:
     async def _on_reply(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
         headers = message.headers or {}
         if self._security.signing:  # a keyed worker trusts only keyed peers' hello replies
-            refusal = self._security.check(
-                "reply",
-                exchange=message.exchange or "",
-                body=message.body,
-                content_type=message.content_type,
-                content_encoding=message.content_encoding,
-                headers=headers,
-                user_id=message.user_id,
-            )
+            refusal = self._security.check_received("reply", message)
             if refusal is not None:
                 log.warning("control_reply_refused", reason=str(refusal), size=len(message.body))
                 return

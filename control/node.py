@@ -86,15 +86,7 @@ class MailboxNode:
 
     async def _handle(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
         headers = message.headers or {}
-        refusal = self._security.check(
-            "request",
-            exchange=message.exchange or "",
-            body=message.body,
-            content_type=message.content_type,
-            content_encoding=message.content_encoding,
-            headers=headers,
-            user_id=message.user_id,
-        )
+        refusal = self._security.check_received("request", message)
         if refusal is not None:
             self.refused += 1
             log.warning(

@@ -20,7 +20,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from enum import StrEnum
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, Protocol
 from urllib.parse import unquote, urlsplit
 
 from broker_svc.settings import Settings
@@ -34,6 +34,7 @@ __all__ = [
     "TIMESTAMP_HEADER",
     "ControlSecurity",
     "Kind",
+    "Received",
     "Refusal",
     "login_of",
 ]
@@ -48,6 +49,23 @@ _VERSION: Final = b"clockwork-control-v1"
 _MAX_NONCE: Final = 64
 
 Kind = Literal["request", "reply"]
+
+
+class Received(Protocol):
+    """What a check reads of a received message (an aio-pika ``IncomingMessage`` has it all)."""
+
+    @property
+    def exchange(self) -> str | None: ...
+    @property
+    def body(self) -> bytes: ...
+    @property
+    def content_type(self) -> str | None: ...
+    @property
+    def content_encoding(self) -> str | None: ...
+    @property
+    def headers(self) -> Mapping[str, Any]: ...
+    @property
+    def user_id(self) -> str | None: ...
 
 
 class Refusal(StrEnum):
@@ -163,6 +181,18 @@ class ControlSecurity:
         out[SIGNATURE_HEADER] = self._mac(kind, exchange, body, content_type, content_encoding, out)
         return out
 
+    def check_received(self, kind: Kind, message: Received) -> Refusal | None:
+        """:meth:`check` a received message."""
+        return self.check(
+            kind,
+            exchange=message.exchange or "",
+            body=message.body,
+            content_type=message.content_type,
+            content_encoding=message.content_encoding,
+            headers=message.headers or {},
+            user_id=message.user_id,
+        )
+
     def check(
         self,
         kind: Kind,
@@ -174,7 +204,7 @@ class ControlSecurity:
         headers: Mapping[str, Any],
         user_id: str | None,
     ) -> Refusal | None:
-        """None when the message may be acted on, else why not.
+        """None when the message may be acted on, else why not (see :meth:`check_received`).
 
         A message that passes has its nonce remembered: the same message again is ``REPLAYED``.
         The allow-list applies to requests only (replies come from workers, not operators).
