@@ -7,6 +7,8 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,6 +83,17 @@ class PrivateNode:
             base_dir=base_dir,
             rabbitmq_conf=rabbitmq_conf,
         )
+
+    @classmethod
+    @contextmanager
+    def started(cls, *, timeout_s: float = 90.0, rabbitmq_conf: str = "") -> Iterator[PrivateNode]:
+        """A new node on free ports, started; stopped and its files removed on the way out."""
+        node = cls.create(rabbitmq_conf=rabbitmq_conf)
+        try:
+            node.start(timeout_s=timeout_s)
+            yield node
+        finally:
+            node.stop()
 
     @property
     def url(self) -> str:

@@ -37,12 +37,8 @@ def fault_cluster(cluster: RabbitCluster) -> Iterator[RabbitCluster]:
 def private_node() -> Iterator[PrivateNode]:
     """One plain private RabbitMQ node for the session (for tests that break or reconfigure a broker)."""
     ensure_rabbitmq_installed()
-    node = PrivateNode.create()
     try:
-        node.start(timeout_s=90)
+        with PrivateNode.started() as node:
+            yield node
     except RabbitNodeError as exc:
         pytest.fail(f"the private RabbitMQ node could not start: {exc}", pytrace=False)
-    try:
-        yield node
-    finally:
-        node.stop()

@@ -33,12 +33,8 @@ CONFIRM_TIMEOUT_S = 2.0
 
 @pytest.fixture(scope="module")
 def node() -> Iterator[PrivateNode]:
-    broker = PrivateNode.create()
-    try:
-        broker.start()
+    with PrivateNode.started() as broker:
         yield broker
-    finally:
-        broker.stop()
 
 
 def _message(n: int, size: int = 0) -> TaskMessage:
@@ -272,12 +268,8 @@ def test_a_failover_list_skips_a_dead_broker_for_client_and_worker(node: Private
 
 @pytest.fixture
 def second_node() -> Iterator[PrivateNode]:
-    broker = PrivateNode.create()
-    try:
-        broker.start()
+    with PrivateNode.started() as broker:
         yield broker
-    finally:
-        broker.stop()
 
 
 def test_a_frozen_broker_times_out_confirms_and_the_client_fails_over_with_the_same_ids(

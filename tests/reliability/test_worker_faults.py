@@ -101,12 +101,8 @@ def queue(test_vhost_url: str) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def node() -> Iterator[PrivateNode]:
     """One private node for the faults that reconfigure or break the broker (started on first use)."""
-    private = PrivateNode.create(name_prefix="clockwork-faults")
-    try:
-        private.start()
+    with PrivateNode.started() as private:
         yield private
-    finally:
-        private.stop()
 
 
 # -- R1: SIGKILL mid-stream ------------------------------------------------------------------------
