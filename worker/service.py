@@ -5,26 +5,21 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 from collections.abc import Callable, Coroutine
-from typing import Any, cast
+from typing import Any
 
 import aio_pika
 import aio_pika.abc
-import aiormq
 import structlog
-from aiormq import spec
-from aiormq.exceptions import ChannelPreconditionFailed
 
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
-from broker_svc.topology import dead_letter_queue, task_queue
 from control.broadcast import AsyncBroadcaster, declare_members_stream
-from control.declare import declare_queue
 from control.node import MailboxNode
 from control.signing import ControlSecurity
 from worker.amqp_compat import install_header_int_guard
 from worker.autoscale import Autoscaler, PoolSizer
+from worker.channel_watch import ConsumeChannelWatch
 from worker.config import WorkerConfig, time_limits_over_consumer_timeout
 from worker.connect import connect
 from worker.consumer import TaskConsumer
@@ -33,6 +28,7 @@ from worker.events import EventDispatcher, Heart
 from worker.handlers import build_registry, register_pool_commands, register_rate_limit
 from worker.mingle import mingle
 from worker.pool import ProcessPool
+from worker.queue_consumers import QueueConsumers
 from worker.ratelimit import RateLimits
 from worker.replies import ReplyPublisher
 from worker.revocation import Revoker
@@ -41,11 +37,6 @@ from worker.revoked import RevokedSet
 __all__ = ["WorkerService"]
 
 log = structlog.get_logger(__name__)
-
-# How often the worker checks that it consumes every queue it should, and how long one may be
-# missing (aio-pika restores it meanwhile) before that is logged as an error.
-_CONSUMER_WATCH_S = 1.0
-_CONSUMER_MISSING_LOUD_S = 10.0
 
 
 class WorkerService:
@@ -66,16 +57,14 @@ class WorkerService:
         self._revoked = RevokedSet()
         self._limits = RateLimits.for_tasks(app.tasks)
         self._heart: Heart | None = None
-        self._consume_channel: aio_pika.abc.AbstractChannel | None = None
-        # Task queues consumed now: name → (queue, consumer tag).
-        self._consuming: dict[str, tuple[aio_pika.abc.AbstractQueue, str]] = {}
-        # Held while consumers are added, cancelled or re-subscribed (a new prefetch).
-        self._consumers_lock = asyncio.Lock()
+        # The task queues consumed, on the consume channel (worker.queue_consumers).
+        self._queues = QueueConsumers(settings=config.settings, consumer=lambda: self._consumer)
         self._sizer: PoolSizer | None = None
         self._autoscaler: Autoscaler | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._mingle: Callable[[], Coroutine[Any, Any, None]] | None = None
-        self._consume_closed_at: float | None = None
+        # The consume channel's faults and the consumer watchdog (RELIABILITY.md R4-R7).
+        self._channel_watch = ConsumeChannelWatch(self._queues, consumer=lambda: self._consumer)
 
     @property
     def clock(self) -> LamportClock:
@@ -149,8 +138,8 @@ class WorkerService:
         config = self._config
         consume_channel = await consuming.channel(publisher_confirms=False)
         await consume_channel.set_qos(prefetch_count=config.prefetch_count)  # per consumer
-        self._consume_channel = consume_channel
-        await self._watch_consume_channel(consume_channel)
+        self._queues.attach(consume_channel)
+        await self._channel_watch.attach(consume_channel)
         # Everything below publishes, or answers by publishing: the publishing connection.
         publish_channel = await publishing.channel(publisher_confirms=True)
         replies = ReplyPublisher(
@@ -251,7 +240,7 @@ class WorkerService:
         if self._autoscaler is not None:
             await self._autoscaler.start()
         publishing.reconnect_callbacks.add(self._on_reconnect)
-        watch = asyncio.create_task(self._watch_consumers(), name="consumer-watch")
+        watch = asyncio.create_task(self._channel_watch.watch_consumers(), name="consumer-watch")
         log.info(
             "worker_ready",
             hostname=config.hostname,
@@ -267,7 +256,7 @@ class WorkerService:
             log.info("worker_stopping", in_flight=consumer.in_flight, timeout_s=config.shutdown_timeout_s)
             if self._autoscaler is not None:
                 await self._autoscaler.stop()
-            for name in list(self._consuming):
+            for name in self._queues.consuming():
                 await self.cancel_consumer(name)
             await consumer.stop(timeout_s=config.shutdown_timeout_s)
             await pool.close(timeout_s=0)
@@ -280,59 +269,19 @@ class WorkerService:
 
     async def add_consumer(self, queue: str) -> str:
         """Declare ``queue`` (as Celery does) and consume it."""
-        channel, consumer = self._consume_channel, self._consumer
-        assert channel is not None and consumer is not None
-        if queue in self._consuming:
-            return f"already consuming from {queue!r}"
-        await declare_queue(channel, dead_letter_queue(queue))
-        queue_type = self._config.settings.queue_type(queue)  # as the clients declare it
-        declared = await declare_queue(channel, task_queue(queue, queue_type=queue_type))
-        async with self._consumers_lock:
-            tag = await declared.consume(consumer.for_queue(queue))
-            self._consuming[queue] = (declared, tag)
-        log.info("consumer_added", queue=queue)
-        return f"add consumer {queue}"
+        return await self._queues.add(queue)
 
     async def cancel_consumer(self, queue: str) -> str:
         """Stop consuming ``queue``; deliveries already taken still run."""
-        async with self._consumers_lock:
-            entry = self._consuming.pop(queue, None)
-            if entry is None:
-                return f"not consuming from {queue}"
-            declared, tag = entry
-            try:
-                await declared.cancel(tag)
-            except aio_pika.exceptions.AMQPError as exc:
-                log.warning("consumer_cancel_failed", queue=queue, error=str(exc))
-        log.info("consumer_cancelled", queue=queue)
-        return f"no longer consuming from {queue}"
+        return await self._queues.cancel(queue)
 
     async def set_prefetch(self, count: int) -> None:
-        """Give every task-queue consumer a per-consumer prefetch of ``count`` (never a global QoS).
-
-        basic.qos binds only consumers created after it, so each queue is consumed anew, then its
-        old consumer cancelled. Deliveries the old one took stay ours and are acked on this channel
-        as usual; the broker no longer counts them against the new consumer, so until they finish
-        the worker may hold them on top of the new prefetch.
-        """
-        channel, consumer = self._consume_channel, self._consumer
-        assert channel is not None and consumer is not None
-        async with self._consumers_lock:
-            try:
-                await channel.set_qos(prefetch_count=count)  # per consumer (global=False)
-                for queue, (declared, old_tag) in list(self._consuming.items()):
-                    tag = await declared.consume(consumer.for_queue(queue))
-                    self._consuming[queue] = (declared, tag)
-                    await declared.cancel(old_tag)
-            except (aio_pika.exceptions.AMQPError, aio_pika.exceptions.ChannelInvalidStateError) as exc:
-                # The robust channel restores the new QoS, then the consumers, once it reconnects.
-                log.warning("prefetch_change_failed", prefetch=count, error=str(exc))
-                return
-        log.info("prefetch_changed", prefetch=count, queues=list(self._consuming))
+        """Give every task-queue consumer a per-consumer prefetch of ``count`` (never a global QoS)."""
+        await self._queues.set_prefetch(count)
 
     def consuming(self) -> list[str]:
         """The task queues consumed now."""
-        return list(self._consuming)
+        return self._queues.consuming()
 
     async def heartbeat(self) -> None:
         """Send a worker-heartbeat now."""
@@ -352,74 +301,6 @@ class WorkerService:
                 self._background.add(task)
                 task.add_done_callback(_log_failure)
                 task.add_done_callback(self._background.discard)
-
-    # -- the consume channel's faults (RELIABILITY.md R4-R7) ---------------------------------------
-
-    async def _watch_consume_channel(self, channel: aio_pika.abc.AbstractChannel) -> None:
-        channel.close_callbacks.add(self._on_consume_channel_closed)
-        if isinstance(channel, aio_pika.abc.AbstractRobustChannel):
-            channel.reopen_callbacks.add(self._on_consume_channel_reopened)
-        (await channel.get_underlay_channel()).on_consumer_cancel_callbacks.add(self._on_consumer_cancelled)
-
-    def _on_consume_channel_closed(self, _channel: Any, exc: BaseException | None) -> None:
-        # The broker closed the channel (406 after consumer_timeout, say) or the connection went.
-        # Either way it requeued every delivery we held: the ones still waiting for a child are
-        # dropped here (another copy comes back), and no ack goes out with their stale tags.
-        self._consume_closed_at = time.monotonic()
-        timed_out = isinstance(exc, ChannelPreconditionFailed) and "timed out" in str(exc)
-        dropped = self._consumer.drop_stale_reserved() if self._consumer is not None else 0
-        (log.error if timed_out else log.warning)(
-            "consume_channel_closed",
-            reason=type(exc).__name__ if exc is not None else None,
-            error=str(exc) if exc is not None else None,
-            consumer_timeout=timed_out,
-            running=self._consumer.running_count if self._consumer is not None else 0,
-            dropped_reserved=dropped,
-        )
-
-    async def _on_consume_channel_reopened(self, channel: aio_pika.abc.AbstractRobustChannel | None) -> None:
-        if channel is not None:  # a new underlying channel: it needs our cancel hook again
-            underlay = await channel.get_underlay_channel()
-            underlay.on_consumer_cancel_callbacks.add(self._on_consumer_cancelled)
-        closed_at, self._consume_closed_at = self._consume_closed_at, None
-        down_s = round(time.monotonic() - closed_at, 3) if closed_at is not None else None
-        log.info("consume_channel_reopened", down_s=down_s, queues=list(self._consuming))
-
-    async def _watch_consumers(self) -> None:
-        # aio-pika restores consumers after a reconnect, a reopened channel or a broker-side cancel
-        # (a deleted queue is declared again); this makes a worker that is not consuming loud.
-        missing_since: float | None = None
-        reported_at = 0.0
-        while True:
-            await asyncio.sleep(_CONSUMER_WATCH_S)
-            missing = await self._missing_consumers()
-            now = time.monotonic()
-            if missing and missing_since is None:
-                missing_since = now
-            elif missing and missing_since is not None:
-                if now - missing_since >= _CONSUMER_MISSING_LOUD_S and now - reported_at >= 60.0:
-                    reported_at = now
-                    log.error("consumer_missing", queues=missing, for_s=round(now - missing_since, 1))
-            elif missing_since is not None:
-                log.info("consumer_restored", down_s=round(now - missing_since, 3))
-                missing_since, reported_at = None, 0.0
-
-    async def _missing_consumers(self) -> list[str]:
-        channel = self._consume_channel
-        if channel is None or self._consumers_lock.locked():
-            return []
-        if channel.is_closed:
-            return list(self._consuming)
-        try:
-            underlay = await asyncio.wait_for(channel.get_underlay_channel(), timeout=_CONSUMER_WATCH_S)
-        except (TimeoutError, aio_pika.exceptions.AMQPError, RuntimeError):
-            return list(self._consuming)
-        consumers = cast(aiormq.Channel, underlay).consumers
-        return [queue for queue, (_, tag) in self._consuming.items() if tag not in consumers]
-
-    def _on_consumer_cancelled(self, frame: spec.Basic.Cancel) -> None:
-        queue = next((q for q, (_, tag) in self._consuming.items() if tag == frame.consumer_tag), None)
-        log.warning("consumer_cancelled_by_broker", queue=queue, consumer_tag=frame.consumer_tag)
 
     async def _start_mailbox(
         self,
