@@ -2,15 +2,13 @@
 
 Callers on any thread hand messages over and return at once; the I/O thread publishes them with
 publisher confirms (pipelined, never one round trip per message), tracks each confirm, republishes
-what a lost connection left unconfirmed, and delivers consumed messages to callbacks. This is the
-only module that imports pika, so pika's exceptions are translated here.
+what a lost connection left unconfirmed, and delivers consumed messages to callbacks. Where each
+message is lives in ``outbox.py``; pika's parameters in ``parameters.py`` and the reading of its
+failures in ``failures.py``. pika's exceptions are translated here and in the control client.
 """
 
 from __future__ import annotations
 
-import collections
-import re
-import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -22,29 +20,23 @@ import pika.frame
 import pika.spec
 import structlog
 
+from broker_svc.channel import Consumer, declare, delivery_handler, message_properties
 from broker_svc.errors import (
     BrokerBlocked,
     BrokerSvcError,
     BrokerUnavailable,
-    MessageTooLarge,
     PublishError,
     PublishNacked,
     Unroutable,
 )
-from broker_svc.message import RESENT_HEADER
-from broker_svc.pending import Delivery, PendingPublish, _ConfirmRate
+from broker_svc.failures import describe_connect_error, is_permanent, max_message_size
+from broker_svc.outbox import Outbox
+from broker_svc.parameters import connection_parameters
+from broker_svc.pending import PendingPublish, _ConfirmRate
 from broker_svc.settings import Settings, redact_url
 from broker_svc.topology import QueueSpec
 
-__all__ = [
-    "BrokerConnection",
-    "Consumer",
-    "Delivery",
-    "PendingPublish",
-    "all_connection_parameters",
-    "connection_parameters",
-    "describe_connect_error",
-]
+__all__ = ["BrokerConnection"]
 
 log = structlog.get_logger(__name__)
 
@@ -57,119 +49,6 @@ _CLOSE_GRACE_S = 1.0
 # while the queue had no leader, even once it has one, and a fresh channel is acked at once.
 _NACK_PAUSE_START_S = 0.25
 _NACK_PAUSE_MAX_S = 2.0
-
-
-# An OpenSSL error as text: with TLS 1.3 the server's refusal of our certificate arrives after the
-# handshake, so pika reports it as a lost stream whose message holds the alert.
-_TLS_ERROR_TEXT = re.compile(r"\[SSL: ([A-Z0-9_]+)\] ([^(']+?) \(_ssl")
-# RabbitMQ's text when a message is over its ``max_message_size`` (406 on the channel).
-_MAX_SIZE_TEXT = re.compile(r"larger than configured max size (\d+)")
-
-
-def _causes(error: BaseException | str) -> list[BaseException | str]:
-    """``error`` and the exceptions pika wrapped in it (a connection workflow keeps them in args)."""
-    found: list[BaseException | str] = [error]
-    index = 0
-    while index < len(found):
-        item = found[index]
-        index += 1
-        if isinstance(item, BaseException):
-            # pika's connection workflow keeps a list (``exceptions``), each phase one (``exception``).
-            wrapped = [*item.args, *getattr(item, "exceptions", ()), getattr(item, "exception", None)]
-            found.extend(a for a in wrapped if isinstance(a, BaseException) and a not in found)
-            if item.__cause__ is not None and item.__cause__ not in found:
-                found.append(item.__cause__)
-    return found
-
-
-def _is_permanent(error: BaseException | str) -> bool:
-    """Wrong credentials, vhost or TLS setup: retrying the same way cannot succeed."""
-    for cause in _causes(error):
-        if isinstance(
-            cause, pika.exceptions.ProbableAuthenticationError | pika.exceptions.ProbableAccessDeniedError
-        ):
-            return True
-        if isinstance(cause, pika.exceptions.ConnectionClosedByBroker) and cause.reply_code in (403, 530):
-            return True
-        if isinstance(cause, ssl.SSLError) and not isinstance(cause, ssl.SSLEOFError):
-            return True  # certificate refused, on either side
-    return _tls_alert(error) is not None
-
-
-def _tls_alert(error: BaseException | str) -> str | None:
-    """The OpenSSL reason (``tlsv13 alert certificate required``) a failure's text carries, if any."""
-    for cause in _causes(error):
-        text = cause if isinstance(cause, str) else f"{cause!s} {cause!r}"
-        found = _TLS_ERROR_TEXT.search(text)
-        if found and ("ALERT" in found.group(1) or "VERIFY" in found.group(1)):
-            return found.group(2).strip()
-    return None
-
-
-def describe_connect_error(error: BaseException | str) -> str:
-    """One readable line for a failed connection attempt: the innermost cause pika wrapped."""
-    causes = _causes(error)
-    for cause in reversed(causes):
-        if isinstance(cause, ssl.SSLError) and not isinstance(cause, ssl.SSLEOFError):
-            return f"TLS handshake failed: {cause}"
-    alert = _tls_alert(error)
-    if alert is not None:
-        return f"TLS handshake failed: {alert}"
-    inner = causes[-1]
-    if isinstance(inner, BaseException):
-        return f"{type(inner).__name__}: {inner}"
-    return str(inner)
-
-
-Consumer = Callable[[Delivery], None]
-
-
-def connection_parameters(
-    settings: Settings, *, connection_name: str, url: str | None = None
-) -> pika.URLParameters:
-    """pika's parameters for one connection attempt to a broker ``settings`` name.
-
-    The vhost comes from ``Settings.virtual_host``, heartbeat and timeouts from their settings,
-    TLS from ``Settings.tls_context``; the connection makes one attempt, as each caller retries
-    (and fails over) in its own way.
-
-    Args:
-        settings: the broker URL(s), TLS options and the connection timeouts.
-        connection_name: the name shown by ``rabbitmqctl list_connections``.
-        url: which of ``settings.broker_urls`` to connect to (default: the first).
-
-    Raises:
-        ValueError: pika rejects the URL (a bad port or query parameter).
-        ConfigurationError: the TLS files cannot be loaded.
-    """
-    url = url or settings.broker_urls[0]
-    params = pika.URLParameters(url)
-    params.virtual_host = settings.virtual_host  # pika reads "//" as vhost ""
-    params.heartbeat = settings.heartbeat_s
-    params.socket_timeout = settings.connect_timeout_s
-    params.stack_timeout = settings.connect_timeout_s * 2
-    # Blocked connections (resource alarms) are timed per publish by BrokerConnection, which keeps
-    # the connection so publishing resumes when the alarm clears; the control client uses this.
-    params.blocked_connection_timeout = settings.confirm_timeout_s
-    params.connection_attempts = 1
-    params.client_properties = {"connection_name": connection_name, "product": "clockwork"}
-    context = settings.tls_context(url)
-    if context is not None:
-        params.ssl_options = pika.SSLOptions(context)
-    return params
-
-
-def all_connection_parameters(settings: Settings, *, connection_name: str) -> list[pika.URLParameters]:
-    """Parameters for every URL of ``settings.broker_urls``, in failover order.
-
-    Raises:
-        ValueError: pika rejects a URL.
-        ConfigurationError: the TLS files cannot be loaded.
-    """
-    return [
-        connection_parameters(settings, connection_name=connection_name, url=url)
-        for url in settings.broker_urls
-    ]
 
 
 class BrokerConnection:
@@ -195,18 +74,13 @@ class BrokerConnection:
         self._url_index = 0  # the URL the next attempt goes to (failover order)
         self._opened = False  # whether the current attempt got as far as an open connection
         self._blocked_since: float | None = None  # a resource alarm blocks the connection
-        self._outbox: collections.deque[PendingPublish] = collections.deque()
-        self._retry: collections.deque[PendingPublish] = collections.deque()
-        self._unconfirmed: dict[int, PendingPublish] = {}
+        self._outbox = Outbox()
         self._returned: set[tuple[str | None, str]] = set()
         self._declared: set[str] = set()
         self._warned_unroutable: set[str] = set()
         self._declaring: str | None = None
         self._next_tag = 1
         self._lock = threading.Lock()
-        self._space = threading.Condition(self._lock)
-        self._space_waiters = 0
-        self._wake_pending = False
         self._stopping = False
         self._ready = threading.Event()
         self._conn: pika.SelectConnection | None = None
@@ -235,11 +109,7 @@ class BrokerConnection:
     @property
     def pending_count(self) -> int:
         """Messages handed over and not yet settled."""
-        with self._lock:
-            return self._pending_locked()
-
-    def _pending_locked(self) -> int:
-        return len(self._outbox) + len(self._retry) + len(self._unconfirmed)
+        return len(self._outbox)
 
     def publish(self, pending: PendingPublish) -> None:
         """Hand a message to the I/O thread; returns without waiting for the broker.
@@ -255,26 +125,12 @@ class BrokerConnection:
         Raises:
             BrokerUnavailable: the connection was closed.
         """
-        with self._lock:
-            # Backpressure: a producer faster than the broker waits here instead of growing the
-            # outbox without bound. Confirms and failures make room.
-            limit = max(self._settings.max_unconfirmed, len(items))
-            while not self._stopping and self._pending_locked() + len(items) > limit:
-                self._space_waiters += 1
-                try:
-                    self._space.wait(1.0)
-                finally:
-                    self._space_waiters -= 1
-            if self._stopping:
-                raise BrokerUnavailable("the connection is closed")
-            now = time.monotonic()
-            for pending in items:
-                if not pending.attempts:
-                    pending.sent_at = now  # handed over: a blocked connection times it from here
-            self._outbox.extend(items)
-            wake = not self._wake_pending and self._ready.is_set()
-            if wake:
-                self._wake_pending = True
+        wake = self._outbox.put(
+            items,
+            max_pending=self._settings.max_unconfirmed,
+            closing=lambda: self._stopping,
+            ready=self._ready,
+        )
         if not self._started:
             self.start()
         if wake:
@@ -319,7 +175,7 @@ class BrokerConnection:
         if started:
             self._call_soon(self._shutdown)
             self._thread.join(timeout)
-        self._fail_all(BrokerUnavailable("the connection was closed before the broker confirmed"))
+        self._outbox.fail_all(BrokerUnavailable("the connection was closed before the broker confirmed"))
 
     # -- I/O thread ------------------------------------------------------------------------------
 
@@ -345,7 +201,7 @@ class BrokerConnection:
             if self._down_since is None:
                 self._down_since = time.monotonic()
             if time.monotonic() - self._down_since > self._settings.reconnect_window_s:
-                self._fail_all(
+                self._outbox.fail_all(
                     BrokerUnavailable(
                         f"no connection to {self._settings.safe_broker_url} for "
                         f"{self._settings.reconnect_window_s} s"
@@ -366,7 +222,7 @@ class BrokerConnection:
                 backoff = _BACKOFF_START_S  # it was up for a while: retry quickly
             time.sleep(backoff)  # reconnect backoff on the I/O thread; no caller waits on it
             backoff = min(backoff * 2, _BACKOFF_MAX_S)
-        self._fail_all(BrokerUnavailable("the connection was closed before the broker confirmed"))
+        self._outbox.fail_all(BrokerUnavailable("the connection was closed before the broker confirmed"))
 
     def _run_connection(self) -> None:
         url = self._urls[self._url_index]
@@ -384,7 +240,7 @@ class BrokerConnection:
         except Exception as exc:
             log.warning("broker_connect_failed", url=redact_url(url), error=describe_connect_error(exc))
             if isinstance(exc, BrokerSvcError):  # the TLS files: no retry fixes them
-                self._fail_all(BrokerUnavailable(f"cannot connect to {redact_url(url)}: {exc}"))
+                self._outbox.fail_all(BrokerUnavailable(f"cannot connect to {redact_url(url)}: {exc}"))
             return
         conn.add_on_connection_blocked_callback(self._on_blocked)
         conn.add_on_connection_unblocked_callback(self._on_unblocked)
@@ -399,10 +255,10 @@ class BrokerConnection:
         url = redact_url(self._urls[self._url_index])
         reason = describe_connect_error(error)
         log.warning("broker_connect_failed", url=url, error=reason)
-        if _is_permanent(error):
+        if is_permanent(error):
             # Wrong credentials, vhost or certificates will not fix themselves: fail what waits
             # now, keep trying in the background for what comes later.
-            self._fail_all(BrokerUnavailable(f"broker {url} refused the connection: {reason}"))
+            self._outbox.fail_all(BrokerUnavailable(f"broker {url} refused the connection: {reason}"))
         conn.ioloop.stop()
 
     def _on_open(self, conn: pika.SelectConnection) -> None:
@@ -427,18 +283,7 @@ class BrokerConnection:
         stop being tracked, as the broker may still take them when the alarm clears.
         """
         cutoff = time.monotonic() - self._settings.confirm_timeout_s
-        with self._lock:
-            expired = [p for p in (*self._outbox, *self._retry) if p.sent_at < cutoff]
-            if expired:
-                gone = {id(p) for p in expired}
-                for queue in (self._outbox, self._retry):
-                    kept = [p for p in queue if id(p) not in gone]
-                    queue.clear()
-                    queue.extend(kept)
-            for tag in [t for t, p in self._unconfirmed.items() if p.sent_at < cutoff]:
-                expired.append(self._unconfirmed.pop(tag))
-            if expired:
-                self._space.notify_all()
+        expired = self._outbox.expire(cutoff)
         error = BrokerBlocked(
             f"the broker blocked publishing (memory or disk alarm) for over "
             f"{self._settings.confirm_timeout_s} s"
@@ -467,97 +312,43 @@ class BrokerConnection:
             spec, callback = remaining[0]
 
             def consume() -> None:
-                channel.basic_consume(spec.name, self._deliver(callback), auto_ack=True)
+                channel.basic_consume(
+                    spec.name, delivery_handler(callback, connection_name=self._name), auto_ack=True
+                )
                 self._start_consumers(remaining[1:])
 
             self._declare(spec, on_done=consume)
             return
         self._down_since = None
-        with self._lock:
-            # What a lost connection left unconfirmed goes out first, in its original order.
-            self._outbox.extendleft(reversed(self._retry))
-            self._retry.clear()
-            self._wake_pending = True
+        self._outbox.requeue_retries()  # what a lost connection left unconfirmed goes out first
         self._ready.set()
         log.debug("broker_connected", connection=self._name)
         self._drain()
         self._schedule_tick()
 
-    def _deliver(self, callback: Consumer) -> Callable[..., None]:
-        def on_message(
-            _ch: pika.channel.Channel,
-            method: pika.spec.Basic.Deliver,
-            props: pika.spec.BasicProperties,
-            body: bytes,
-        ) -> None:
-            delivery = Delivery(
-                body=body,
-                content_type=props.content_type,
-                correlation_id=props.correlation_id,
-                headers=props.headers or {},
-                routing_key=method.routing_key,
-                redelivered=bool(method.redelivered),
-            )
-            try:
-                callback(delivery)
-            except Exception:
-                log.exception("consumer_callback_failed", connection=self._name)
-
-        return on_message
-
     def _declare(self, spec: QueueSpec, on_done: Callable[[], None] | None = None) -> None:
-        """Declare a queue (and its exchange and binding); ``on_done`` runs after the bind-ok.
-
-        pika holds RPCs back while another is in flight but sends publishes at once, so a publish
-        must wait for ``on_done`` rather than rely on channel ordering.
-        """
+        """Declare a queue (and its exchange and binding); ``on_done`` runs after the bind-ok."""
         channel = self._channel
         if channel is None:
             return
-        exchange = spec.exchange
         self._declaring = spec.name
 
-        def bound(_frame: pika.frame.Method | None = None) -> None:
+        def bound() -> None:
             self._declared.add(spec.name)
             self._declaring = None
             if on_done is not None:
                 on_done()
 
-        def declare_queue(_frame: pika.frame.Method | None = None) -> None:
-            channel.queue_declare(
-                spec.name,
-                durable=spec.durable,
-                exclusive=spec.exclusive,
-                auto_delete=spec.auto_delete,
-                arguments=spec.arguments or None,
-                callback=bind if exchange is not None else bound,
-            )
-
-        def bind(_frame: pika.frame.Method) -> None:
-            assert exchange is not None
-            channel.queue_bind(spec.name, exchange.name, routing_key=spec.routing_key, callback=bound)
-
-        if exchange is not None:
-            channel.exchange_declare(
-                exchange.name,
-                exchange_type=exchange.type,
-                durable=exchange.durable,
-                auto_delete=exchange.auto_delete,
-                callback=declare_queue,
-            )
-        else:
-            declare_queue()
+        declare(channel, spec, on_bound=bound)
 
     def _drain(self) -> None:
         channel = self._channel
-        with self._lock:
-            self._wake_pending = False
-            if channel is None or not channel.is_open or self._blocked_since is not None:
-                return  # a blocked connection takes nothing more: what waits can still fail cleanly
-            batch = list(self._outbox)
-            self._outbox.clear()
-            oldest = next(iter(self._unconfirmed.values()), None)  # lowest tag: sent first
-            ahead = len(self._unconfirmed)
+        # A blocked connection takes nothing more: what waits can still fail cleanly.
+        can_send = channel is not None and channel.is_open and self._blocked_since is None
+        taken = self._outbox.take(can_send=can_send)
+        if taken is None or channel is None:
+            return
+        batch, oldest, ahead = taken
         now = time.monotonic()
         wall = time.time()
         # A message sent now reaches its queue only after everything sent before it (a bulk send
@@ -577,42 +368,31 @@ class BrokerConnection:
             if spec is not None:
                 # Hold this and every later message (order matters) until the queue exists; the
                 # next drain declares this message's next queue, if it has one.
-                with self._lock:
-                    self._outbox.extendleft(reversed(batch[index:]))
+                self._outbox.put_back(batch[index:])
                 self._declare(spec, on_done=self._drain)
                 return
-            msg = pending.message
-            # A resend says so: the earlier send may have been enqueued, so this can be a duplicate.
-            headers = {**msg.headers, RESENT_HEADER: pending.attempts} if pending.attempts else msg.headers
-            props = pika.BasicProperties(
-                content_type=msg.content_type,
-                content_encoding=msg.content_encoding,
-                headers=headers,
-                delivery_mode=msg.delivery_mode,
-                priority=msg.priority,
-                correlation_id=msg.correlation_id,
-                reply_to=msg.reply_to,
-                expiration=msg.expiration,
-            )
+            props = message_properties(pending)
             try:
                 channel.basic_publish(
-                    pending.exchange, pending.routing_key, msg.body, props, mandatory=pending.mandatory
+                    pending.exchange,
+                    pending.routing_key,
+                    pending.message.body,
+                    props,
+                    mandatory=pending.mandatory,
                 )
             except (ValueError, TypeError) as exc:
                 pending.settle(PublishError(f"message cannot be encoded by the AMQP client: {exc}"))
                 continue
             except (pika.exceptions.AMQPError, OSError) as exc:
                 # The connection is going away; these go out again once it is back.
-                with self._lock:
-                    self._outbox.extendleft(reversed(batch[index:]))
+                self._outbox.put_back(batch[index:])
                 log.warning("publish_failed", error=str(exc))
                 return
             pending.attempts += 1
             pending.sent_at = now
             if pending.first_sent_at == 0.0:
                 pending.first_sent_at = now
-            with self._lock:
-                self._unconfirmed[self._next_tag] = pending
+            self._outbox.track(self._next_tag, pending)
             self._next_tag += 1
 
     def _on_return(
@@ -635,20 +415,7 @@ class BrokerConnection:
         method = frame.method
         tag: int = method.delivery_tag
         nacked = isinstance(method, pika.spec.Basic.Nack)
-        with self._lock:
-            if method.multiple:
-                # Tags grow with insertion order, so the settled ones are a prefix: O(settled).
-                tags = []
-                for t in self._unconfirmed:
-                    if t > tag:
-                        break
-                    tags.append(t)
-            else:
-                tags = [tag] if tag in self._unconfirmed else []
-            settled = [self._unconfirmed.pop(t) for t in tags]
-            backlog = bool(self._unconfirmed)
-            if self._space_waiters:
-                self._space.notify_all()
+        settled, backlog = self._outbox.confirm(tag, multiple=bool(method.multiple))
         self._confirm_rate.confirmed(len(settled), now=time.monotonic(), backlog=backlog)
         for pending in settled:
             key = (pending.message.correlation_id, pending.routing_key)
@@ -669,8 +436,7 @@ class BrokerConnection:
         if pending.attempts >= self._settings.publish_attempts and spent_s > self._settings.confirm_timeout_s:
             pending.settle(PublishNacked(f"the broker refused the message (nack) for {spent_s:.1f} s"))
             return
-        with self._lock:
-            self._retry.append(pending)
+        self._outbox.retry_later(pending)
         conn = self._conn
         if self._reopening or conn is None or not conn.is_open:
             return
@@ -701,9 +467,7 @@ class BrokerConnection:
             self._expire_blocked()
             self._schedule_tick()
             return
-        with self._lock:
-            first = next(iter(self._unconfirmed.values()), None)  # lowest tag: sent first
-            oldest = first.sent_at if first is not None else None
+        oldest = self._outbox.oldest_sent_at()
         if oldest is not None and time.monotonic() - oldest > self._settings.confirm_timeout_s:
             log.warning("confirm_timeout", timeout_s=self._settings.confirm_timeout_s)
             conn.close(reply_code=320, reply_text="confirm timeout")
@@ -724,13 +488,13 @@ class BrokerConnection:
         # over on a fresh connection so the confirm sequence begins at 1 again.
         self._channel = None
         declaring, self._declaring = self._declaring, None
-        limit = _max_size(reason)
+        limit = max_message_size(reason)
         if limit is not None:
-            self._fail_oversized(limit, reason)
+            self._outbox.fail_oversized(limit, reason)
         if declaring is not None and isinstance(reason, pika.exceptions.ChannelClosedByBroker):
             # The broker refused the declaration itself (406 different arguments, 403 access):
             # retrying cannot help, so the messages for that queue fail now, with the reason.
-            self._fail_where(
+            self._outbox.fail_where(
                 lambda p: any(spec.name == declaring for spec in p.declare),
                 PublishError(f"the broker refused to declare queue {declaring!r}: {reason}"),
             )
@@ -745,16 +509,13 @@ class BrokerConnection:
         self._channel = None
         self._reopening = False
         self._blocked_since = None
-        with self._lock:
-            lost = [self._unconfirmed[t] for t in sorted(self._unconfirmed)]
-            self._unconfirmed.clear()
-            self._returned.clear()
+        lost = self._outbox.take_unconfirmed()
+        self._returned.clear()
         for pending in lost:
             if pending.attempts >= self._settings.publish_attempts:
                 pending.settle(BrokerUnavailable(f"connection lost before confirm: {reason}"))
             else:
-                with self._lock:
-                    self._retry.append(pending)
+                self._outbox.retry_later(pending)
         if not self._stopping:
             log.warning("broker_connection_lost", connection=self._name, reason=str(reason))
         conn.ioloop.stop()
@@ -765,43 +526,3 @@ class BrokerConnection:
             conn.close()
         elif conn is not None:
             conn.ioloop.stop()
-
-    def _fail_where(self, matches: Callable[[PendingPublish], bool], error: BrokerSvcError) -> None:
-        with self._lock:
-            failing = [p for p in self._outbox if matches(p)]
-            kept = [p for p in self._outbox if not matches(p)]
-            self._outbox.clear()
-            self._outbox.extend(kept)
-            self._space.notify_all()
-        for pending in failing:
-            pending.settle(error)
-
-    def _fail_oversized(self, limit: int, reason: BaseException) -> None:
-        # The broker closed the channel for one message over its max_message_size: that one (and
-        # any other that big) fails; the rest go out again on the next channel, never lost.
-        with self._lock:
-            too_big = [t for t, p in self._unconfirmed.items() if len(p.message.body) > limit]
-            failing = [self._unconfirmed.pop(t) for t in too_big]
-        self._fail_where(lambda p: len(p.message.body) > limit, MessageTooLarge(f"broker refused: {reason}"))
-        for pending in failing:
-            pending.settle(
-                MessageTooLarge(f"the broker refused a body of {len(pending.message.body)} bytes: {reason}")
-            )
-
-    def _fail_all(self, error: BrokerSvcError) -> None:
-        with self._lock:
-            items = [*self._outbox, *self._retry, *self._unconfirmed.values()]
-            self._outbox.clear()
-            self._retry.clear()
-            self._unconfirmed.clear()
-            self._space.notify_all()
-        for pending in items:
-            pending.settle(error)
-
-
-def _max_size(reason: BaseException) -> int | None:
-    """The broker's ``max_message_size`` when it closed a channel for a message over it."""
-    if not isinstance(reason, pika.exceptions.ChannelClosedByBroker) or reason.reply_code != 406:
-        return None
-    found = _MAX_SIZE_TEXT.search(str(reason.reply_text))
-    return int(found.group(1)) if found else None

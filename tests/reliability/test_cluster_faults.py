@@ -23,7 +23,7 @@ import pika.exceptions
 import pytest
 
 from broker_svc import LamportClock, Publisher, PublishError, Settings, TaskMessage
-from broker_svc.connection import PendingPublish
+from broker_svc.pending import PendingPublish
 from broker_svc.settings import ConfirmMode
 from broker_svc.topology import task_queue
 from tests.infra.cluster import RabbitCluster
