@@ -1,7 +1,7 @@
 """The blocking control client (pika): broadcast mailbox requests, collect replies, log revokes.
 
-One ``pika.BlockingConnection`` per client object. A client is **not thread-safe**: use one per
-thread (``control.api.Control`` keeps one per thread for you).
+One ``pika.BlockingConnection`` per client object, kept by ``control.connection``. A client is
+**not thread-safe**: use one per thread (``control.api.Control`` keeps one per thread for you).
 """
 
 from __future__ import annotations
@@ -22,32 +22,17 @@ from pika.adapters.blocking_connection import BlockingChannel as Channel
 
 from broker_svc import codec
 from broker_svc.clock import LamportClock
-from broker_svc.connection import all_connection_parameters, describe_connect_error
-from broker_svc.errors import BrokerUnavailable, MessageError
+from broker_svc.errors import MessageError
 from broker_svc.settings import Settings
-from broker_svc.topology import (
-    DEFAULT_EXCHANGE,
-    DEFAULT_NAMESPACE,
-    control_reply_queue,
-    members_stream,
-    pidbox_exchange,
-    revocation_log,
-)
+from broker_svc.topology import DEFAULT_NAMESPACE, pidbox_exchange
 from control.collect import ReplyCollector
+from control.connection import ControlConnection
 from control.members import Membership
-from control.protocol import (
-    CLOCK_HEADER,
-    EXPIRES_HEADER,
-    ControlRequest,
-    Matcher,
-    ReplyAddress,
-    flatten_replies,
-)
+from control.protocol import CLOCK_HEADER, EXPIRES_HEADER, ControlRequest, Matcher, flatten_replies
 from control.results import BroadcastResult, CallOptions, InspectReply, RevokeResult
-from control.revocations import CONTENT_TYPE as REVOKE_CONTENT_TYPE
 from control.revocations import LOGGED_HEADER, RevokeEntry
 from control.signing import ControlSecurity
-from control.streams import MembersFeed, declare_exchange, declare_queue, describe_error, follow_events
+from control.streams import follow_events
 
 __all__ = ["BroadcastResult", "ControlClient", "InspectReply", "RevokeResult"]
 
@@ -99,13 +84,16 @@ class ControlClient:
         self.membership = Membership()
         self.security = ControlSecurity.from_settings(settings)
         self._serializer = serializer
-        self._conn: pika.BlockingConnection | None = None
-        self._channel: Channel | None = None
-        self._reply_to: ReplyAddress | None = None
-        self._members: MembersFeed | None = None
-        self._log_channel: Channel | None = None
+        self._connection = ControlConnection(
+            settings,
+            namespace=namespace,
+            hostname=self.hostname,
+            membership=self.membership,
+            clock=self.clock,
+            user_id=self.security.user_id,
+            on_reply=self._on_reply,
+        )
         self._collector: ReplyCollector | None = None
-        self._members_warned = False
 
     def __enter__(self) -> ControlClient:
         return self
@@ -117,16 +105,7 @@ class ControlClient:
 
     def close(self) -> None:
         """Close the connection (the reply queue and any event queue go with it)."""
-        conn, self._conn = self._conn, None
-        members, self._members = self._members, None
-        self._channel = self._log_channel = None
-        if conn is not None and conn.is_open:
-            try:
-                if members is not None:
-                    members.close()
-                conn.close()
-            except (pika.exceptions.AMQPError, OSError) as exc:
-                log.debug("control_close_failed", error=str(exc))
+        self._connection.close()
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -162,8 +141,9 @@ class ControlClient:
         """
         started = time.monotonic()
         names = _destination(destination)
-        _, channel = self._ensure_open()
-        assert self._reply_to is not None
+        _, channel = self._connection.ensure_open()
+        reply_to, members = self._connection.reply_to, self._connection.members
+        assert reply_to is not None
         ticket = ControlRequest.new_ticket() if reply else None
         request = ControlRequest(
             method=method,
@@ -172,7 +152,7 @@ class ControlClient:
             pattern=pattern if names is None else None,
             matcher=matcher if names is None and pattern is not None else None,
             ticket=ticket,
-            reply_to=self._reply_to if reply else None,
+            reply_to=reply_to if reply else None,
         )
         collector: ReplyCollector | None = None
         if ticket is not None:
@@ -183,8 +163,8 @@ class ControlClient:
                 timeout_s=timeout_s,
                 now=started,
             )
-            if names is None and self._members is not None:
-                self._members.mark()  # learn who is alive while the replies come in
+            if names is None and members is not None:
+                members.mark()  # learn who is alive while the replies come in
         self._publish(channel, request, timeout_s=timeout_s, extra=headers)
         if collector is None:
             return BroadcastResult([], frozenset(), frozenset(), None, time.monotonic() - started)
@@ -239,7 +219,7 @@ class ControlClient:
             BrokerUnavailable: the broker cannot be reached, or the connection was lost.
         """
         entry = RevokeEntry.new(task_ids, terminate=terminate, signal=signal, hostname=self.hostname)
-        logged = self._log_revoke(entry)
+        logged = self._connection.log_revoke(entry)
         result = self.broadcast(
             "revoke",
             {"task_id": list(entry.task_ids), "terminate": terminate, "signal": signal},
@@ -262,7 +242,7 @@ class ControlClient:
         Raises:
             BrokerUnavailable: the broker cannot be reached, or the connection was lost.
         """
-        conn, _ = self._ensure_open()
+        conn, _ = self._connection.ensure_open()
         events = follow_events(
             conn,
             routing_key=routing_key,
@@ -273,59 +253,7 @@ class ControlClient:
         try:
             yield from events
         except (pika.exceptions.AMQPError, OSError) as exc:
-            raise self._unavailable(exc) from exc
-
-    # -- connection ------------------------------------------------------------------------------
-
-    def _ensure_open(self) -> tuple[pika.BlockingConnection, Channel]:
-        conn, channel = self._conn, self._channel
-        if conn is not None and channel is not None and conn.is_open and channel.is_open:
-            try:
-                # An idle blocking connection misses heartbeats and may have been closed by the
-                # broker meanwhile; this notices it, and we reconnect.
-                conn.process_data_events(time_limit=0)
-                return conn, channel
-            except (pika.exceptions.AMQPError, OSError) as exc:
-                log.info("control_reconnecting", url=self.settings.safe_broker_url, error=str(exc))
-        self.close()
-        return self._connect()
-
-    def _connect(self) -> tuple[pika.BlockingConnection, Channel]:
-        # pika tries each URL of a failover list in turn, once.
-        params = all_connection_parameters(self.settings, connection_name=f"clockwork-ctl {self.hostname}")
-        try:
-            conn = pika.BlockingConnection(params)
-        except (pika.exceptions.AMQPError, OSError) as exc:
-            raise BrokerUnavailable(
-                f"broker {self.settings.safe_broker_url}: {describe_connect_error(exc)}"
-            ) from exc
-        try:
-            channel = conn.channel()
-            # Both exchanges exist before the first request, whether or not a worker runs.
-            declare_exchange(channel, pidbox_exchange(self.namespace))
-            spec = control_reply_queue(self.namespace)
-            declare_queue(channel, spec, bind=True)
-            channel.basic_consume(spec.name, self._on_reply, auto_ack=True, exclusive=True)
-        except (pika.exceptions.AMQPError, OSError) as exc:
-            if conn.is_open:
-                conn.close()
-            raise self._unavailable(exc) from exc
-        self._conn, self._channel = conn, channel
-        assert spec.exchange is not None
-        self._reply_to = ReplyAddress(spec.exchange.name, spec.routing_key)
-        try:
-            self._members = MembersFeed.start(
-                conn, self.namespace, self.membership, self.clock, max_body_bytes=self.settings.max_body_bytes
-            )
-        except pika.exceptions.ChannelClosed as exc:
-            if not self._members_warned:  # once per client, not once per reconnect
-                self._members_warned = True
-                stream = members_stream(self.namespace).name
-                log.warning("members_stream_unavailable", stream=stream, error=describe_error(exc))
-        return conn, channel
-
-    def _unavailable(self, exc: BaseException) -> BrokerUnavailable:
-        return BrokerUnavailable(f"broker {self.settings.safe_broker_url}: {describe_error(exc)}")
+            raise self._connection.unavailable(exc) from exc
 
     # -- replies ---------------------------------------------------------------------------------
 
@@ -355,14 +283,15 @@ class ControlClient:
         try:
             channel.basic_publish(exchange, "", body, properties)
         except (pika.exceptions.AMQPError, OSError) as exc:
-            raise self._unavailable(exc) from exc
+            raise self._connection.unavailable(exc) from exc
 
     def _wait(self, collector: ReplyCollector, request: ControlRequest) -> None:
-        conn = self._conn
+        conn = self._connection.conn
         assert conn is not None
         while True:
             now = time.monotonic()
-            if request.destination is None and self._members is not None and self._members.caught_up:
+            members = self._connection.members
+            if request.destination is None and members is not None and members.caught_up:
                 alive = self.membership.alive(time.time())
                 collector.expect(node for node in alive if request.is_for(node))
             if collector.done(now):
@@ -371,7 +300,7 @@ class ControlClient:
                 # Returns early when a reply or a stream message arrives.
                 conn.process_data_events(time_limit=min(_TICK_S, max(collector.deadline - now, 0.0)))
             except (pika.exceptions.AMQPError, OSError) as exc:
-                raise self._unavailable(exc) from exc
+                raise self._connection.unavailable(exc) from exc
 
     def _on_reply(
         self, _ch: Channel, method: pika.spec.Basic.Deliver, props: pika.spec.BasicProperties, body: bytes
@@ -402,40 +331,6 @@ class ControlClient:
             log.warning("control_reply_undecodable", error=str(exc), size=len(body))
             return
         collector.offer(headers, value)
-
-    # -- the revocation log ----------------------------------------------------------------------
-
-    def _log_revoke(self, entry: RevokeEntry) -> bool:
-        conn, _ = self._ensure_open()
-        spec = revocation_log(self.namespace)
-        properties = pika.BasicProperties(
-            content_type=REVOKE_CONTENT_TYPE,
-            delivery_mode=2,
-            headers={CLOCK_HEADER: self.clock.forward()},
-            user_id=self.security.user_id,
-        )
-        try:
-            channel = self._log_channel
-            if channel is None or not channel.is_open:
-                channel = conn.channel()
-                declare_queue(channel, spec, bind=False)
-                channel.confirm_delivery()
-                self._log_channel = channel
-            # With confirms on, this returns once the broker has the entry on disk.
-            channel.basic_publish(DEFAULT_EXCHANGE, spec.name, entry.encode(), properties, mandatory=True)
-        except (
-            pika.exceptions.ChannelClosed,
-            pika.exceptions.NackError,
-            pika.exceptions.UnroutableError,
-        ) as exc:
-            self._log_channel = None
-            log.warning(
-                "revoke_not_logged", stream=spec.name, task_ids=len(entry.task_ids), error=describe_error(exc)
-            )
-            return False
-        except (pika.exceptions.AMQPError, OSError) as exc:
-            raise self._unavailable(exc) from exc
-        return True
 
 
 def _destination(destination: str | Sequence[str] | None) -> tuple[str, ...] | None:

@@ -127,7 +127,7 @@ def test_the_app_closes_its_control_connection(vhost_url: str, node: WorkerProce
     control.ping(destination=[node.name], timeout=3)
     [client] = control._clients
     app.close()
-    assert client._conn is None
+    assert client._connection.conn is None
 
 
 # -- early return, membership and the timeout ------------------------------------------------------------
@@ -264,6 +264,6 @@ def test_an_unreachable_broker_is_a_clear_error_without_the_password():
 
 def test_the_client_reconnects_after_its_connection_is_lost(client: ControlClient, node: WorkerProcess):
     assert client.inspect("ping", destination=[node.name], timeout_s=5)
-    assert client._conn is not None
-    client._conn.close()  # as if the broker had dropped an idle connection
+    assert client._connection.conn is not None
+    client._connection.conn.close()  # as if the broker had dropped an idle connection
     assert client.inspect("ping", destination=[node.name], timeout_s=5) == {node.name: {"ok": "pong"}}
