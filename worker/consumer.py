@@ -20,7 +20,7 @@ from broker_svc.errors import MessageError
 from broker_svc.message import TaskMessage, decode_task, safe_repr
 from broker_svc.settings import Settings
 from broker_svc.topology import DELAY_HOLD_WINDOW_S
-from worker.deliveries import DedupeWindow, delivery_count
+from worker.deliveries import DedupeWindow
 from worker.eta import EtaScheduler
 from worker.events import EventDispatcher
 from worker.job_request import delivery_info, request_context, time_limits
@@ -237,8 +237,8 @@ class TaskConsumer:
         if request.task not in self._app.tasks:
             await self._rejections.unregistered(message, queue, request)
             return
-        redelivered = delivery_count(message.headers, redelivered=message.redelivered) >= 1
-        if redelivered and self._redeliveries.done_but_unacked(request.id):
+        delivery = delivery_info(message)
+        if delivery["delivery_count"] >= 1 and self._redeliveries.done_but_unacked(request.id):
             log.info("task_redelivery_already_done")
             await settle(message.ack())
             return
@@ -248,7 +248,7 @@ class TaskConsumer:
         if request.expires is not None and request.expires <= dt.datetime.now(dt.UTC):
             await self._rejections.skip_revoked(message, request, expired=True)
             return
-        tracked = Tracked(request, delivery_info(message))
+        tracked = Tracked(request, delivery)
         if request.eta is not None:
             self._state.scheduled_tasks[request.id] = tracked
             try:
@@ -344,7 +344,7 @@ class TaskConsumer:
                 task_name=request.task,
                 args=request.args,
                 kwargs=request.kwargs,
-                request=request_context(request, message, hostname=self._hostname),
+                request=request_context(request, tracked.delivery, hostname=self._hostname),
                 hard_time_limit_s=hard,
                 soft_time_limit_s=soft,
             )

@@ -50,10 +50,8 @@ def time_limits(
     return hard, soft
 
 
-def request_context(
-    request: TaskMessage, message: aio_pika.abc.AbstractIncomingMessage, *, hostname: str
-) -> dict[str, Any]:
-    """The ``task.request`` context a child sees for ``request`` delivered as ``message``."""
+def request_context(request: TaskMessage, delivery: dict[str, Any], *, hostname: str) -> dict[str, Any]:
+    """The ``task.request`` context a child sees for ``request`` (``delivery``: its delivery_info)."""
     return {
         "id": request.id,
         "retries": request.retries,
@@ -68,7 +66,7 @@ def request_context(
         "origin": request.origin,
         "ignore_result": request.ignore_result,
         "timelimit": list(request.timelimit),
-        "delivery_info": delivery_info(message),
+        "delivery_info": delivery,
     }
 
 
