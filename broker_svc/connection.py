@@ -442,14 +442,16 @@ class BrokerConnection:
             return
         self._reopening = True
         log.warning("publish_nacked_reopening", connection=self._name, pause_s=self._nack_pause_s)
-        conn.ioloop.call_later(self._nack_pause_s, lambda: self._reopen(conn))
+        conn.ioloop.call_later(self._nack_pause_s, lambda: self._reopen(conn, "reopen after nack"))
         self._nack_pause_s = min(self._nack_pause_s * 2, _NACK_PAUSE_MAX_S)
 
-    def _reopen(self, conn: pika.SelectConnection) -> None:
+    def _reopen(self, conn: pika.SelectConnection, why: str) -> None:
         # The whole connection, not just the channel: the confirm sequence restarts at 1 and
         # unconfirmed messages are republished by the usual path (``_on_closed``).
         if conn.is_open:
-            conn.close(reply_code=320, reply_text="reopen after nack")
+            conn.close(reply_code=320, reply_text=why)
+            # pika waits for the broker's close-ok without a limit, and a frozen or partitioned
+            # broker never sends it: drop the socket if it has not come soon.
             conn.ioloop.call_later(_CLOSE_GRACE_S, lambda: self._abort(conn))
 
     def _schedule_tick(self) -> None:
@@ -470,10 +472,7 @@ class BrokerConnection:
         oldest = self._outbox.oldest_sent_at()
         if oldest is not None and time.monotonic() - oldest > self._settings.confirm_timeout_s:
             log.warning("confirm_timeout", timeout_s=self._settings.confirm_timeout_s)
-            conn.close(reply_code=320, reply_text="confirm timeout")
-            # pika waits for the broker's close-ok without a limit, and a frozen or partitioned
-            # broker never sends it: drop the socket if it has not come soon.
-            conn.ioloop.call_later(_CLOSE_GRACE_S, lambda: self._abort(conn))
+            self._reopen(conn, "confirm timeout")
             return
         self._schedule_tick()
 
