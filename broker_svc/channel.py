@@ -16,11 +16,12 @@ import pika.frame
 import pika.spec
 import structlog
 
+from broker_svc.amqp_fields import encode_properties
 from broker_svc.message import RESENT_HEADER
 from broker_svc.pending import Delivery, PendingPublish
 from broker_svc.topology import QueueSpec
 
-__all__ = ["Consumer", "declare", "delivery_handler", "message_properties"]
+__all__ = ["Consumer", "EncodedProperties", "declare", "delivery_handler", "message_properties"]
 
 log = structlog.get_logger(__name__)
 
@@ -64,20 +65,40 @@ def declare(channel: pika.channel.Channel, spec: QueueSpec, on_bound: Callable[[
         declare_queue()
 
 
+class EncodedProperties(pika.BasicProperties):  # type: ignore[misc]  # pika is untyped here
+    """Properties encoded already (``broker_svc.amqp_fields``): what pika's content header takes
+    from its properties is ``INDEX`` and ``encode()``, and only this is given."""
+
+    def __init__(self, encoded: bytes) -> None:  # no super().__init__: there are no fields to set
+        self._encoded = encoded
+
+    def encode(self) -> list[bytes]:
+        return [self._encoded]
+
+    def __repr__(self) -> str:
+        return f"<EncodedProperties {len(self._encoded)} bytes>"
+
+
 def message_properties(pending: PendingPublish) -> pika.BasicProperties:
-    """The AMQP properties ``pending`` goes out with (this send's, as a resend is marked)."""
+    """The AMQP properties ``pending`` goes out with (this send's, as a resend is marked).
+
+    Raises:
+        TypeError, ValueError: a header or property AMQP cannot carry (``amqp_fields``).
+    """
     msg = pending.message
     # A resend says so: the earlier send may have been enqueued, so this can be a duplicate.
     headers = {**msg.headers, RESENT_HEADER: pending.attempts} if pending.attempts else msg.headers
-    return pika.BasicProperties(
-        content_type=msg.content_type,
-        content_encoding=msg.content_encoding,
-        headers=headers,
-        delivery_mode=msg.delivery_mode,
-        priority=msg.priority,
-        correlation_id=msg.correlation_id,
-        reply_to=msg.reply_to,
-        expiration=msg.expiration,
+    return EncodedProperties(
+        encode_properties(
+            content_type=msg.content_type,
+            content_encoding=msg.content_encoding,
+            headers=headers,
+            delivery_mode=msg.delivery_mode,
+            priority=msg.priority,
+            correlation_id=msg.correlation_id,
+            reply_to=msg.reply_to,
+            expiration=msg.expiration,
+        )
     )
 
 
