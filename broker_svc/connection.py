@@ -30,6 +30,7 @@ from broker_svc.errors import (
     Unroutable,
 )
 from broker_svc.failures import describe_connect_error, is_permanent, max_message_size
+from broker_svc.gathering import GatheringConnection
 from broker_svc.outbox import Outbox
 from broker_svc.parameters import connection_parameters
 from broker_svc.pending import PendingPublish, _ConfirmRate
@@ -83,7 +84,7 @@ class BrokerConnection:
         self._lock = threading.Lock()
         self._stopping = False
         self._ready = threading.Event()
-        self._conn: pika.SelectConnection | None = None
+        self._conn: GatheringConnection | None = None
         self._channel: pika.channel.Channel | None = None
         self._down_since: float | None = None
         self._confirm_rate = _ConfirmRate()
@@ -231,7 +232,7 @@ class BrokerConnection:
             # We time blocked publishes ourselves and keep the connection, so publishing resumes
             # as soon as the alarm clears (pika's timeout would drop it and republish into it).
             params.blocked_connection_timeout = None
-            conn = pika.SelectConnection(
+            conn = GatheringConnection(
                 params,
                 on_open_callback=self._on_open,
                 on_open_error_callback=self._on_open_error,
@@ -342,6 +343,13 @@ class BrokerConnection:
         declare(channel, spec, on_bound=bound)
 
     def _drain(self) -> None:
+        conn = self._conn
+        if conn is None:
+            return
+        with conn.gathered():  # the batch goes to the socket in a few large writes
+            self._send_taken()
+
+    def _send_taken(self) -> None:
         channel = self._channel
         # A blocked connection takes nothing more: what waits can still fail cleanly.
         can_send = channel is not None and channel.is_open and self._blocked_since is None
@@ -371,8 +379,8 @@ class BrokerConnection:
                 self._outbox.put_back(batch[index:])
                 self._declare(spec, on_done=self._drain)
                 return
-            props = message_properties(pending)
             try:
+                props = message_properties(pending)
                 channel.basic_publish(
                     pending.exchange,
                     pending.routing_key,
