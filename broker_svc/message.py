@@ -5,13 +5,13 @@ from __future__ import annotations
 import datetime as dt
 import os
 import platform
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from broker_svc import codec
 from broker_svc.errors import InvalidTaskMessage
+from broker_svc.ids import uuid4_str
 
 __all__ = [
     "CLOCK_HEADER",
@@ -98,8 +98,8 @@ class TaskMessage:
 
     @staticmethod
     def new_id() -> str:
-        """A fresh task id (uuid4, as Celery)."""
-        return str(uuid.uuid4())
+        """A fresh task id (a random uuid4 string, as Celery's)."""
+        return uuid4_str()
 
     @property
     def display_name(self) -> str:
