@@ -3,11 +3,22 @@
 Both ceiling subjects (``bench.ceiling_pika``, ``bench.ceiling_aio_pika``) publish the bytes and
 headers our client sends for a no-op task (encoded once), with publisher confirms, pipelined up to
 ``CONFIRM_WINDOW`` unconfirmed; their "worker" is one process consuming with prefetch ``PREFETCH``
-and one ack per message, doing nothing else. They take part in enqueue, drain and end to end.
+and one ack per message, doing nothing else. They take part in enqueue, drain, end to end and the
+round trip.
+
+The round trip does the AMQP work of ours: the client declares a reply queue shaped as our
+client's (``result_queue``: durable, ``x-expires``; deleted after the measurement), consumes it
+without acks, and publishes our no-op call message (``reply_to`` set, persistent) with a fresh
+``correlation_id`` per call, then waits for the reply carrying it. The worker, for a message with
+a ``reply_to``, publishes the bytes of our worker's result for a no-op task (encoded once) to the
+default exchange on a second channel in confirm mode, ``mandatory``, with our worker's delivery
+mode for results, waits for that confirm and then acks the request, as our worker does. Messages
+without a ``reply_to`` (enqueue, drain, end to end) are only acked, as before.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -19,14 +30,21 @@ import pika
 
 from bench.driver import NotApplicable
 from bench.procs import running
-from bench.queues import RawMessage, declare_plain, publish_raw
+from bench.queues import RawMessage, declare_plain, delete, publish_raw
 from bench.scenarios import Produced, Shape, Task
 from bench.spine import NOOP
-from broker_svc.message import TaskMessage, WireMessage, encode_task
+from broker_svc import codec
+from broker_svc.message import CLOCK_HEADER, TaskMessage, WireMessage, encode_task
+from broker_svc.outcome import Outcome
+from broker_svc.settings import Settings
+from broker_svc.states import State
+from broker_svc.topology import QueueSpec, result_queue
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIRM_WINDOW = 1000
 PREFETCH = 100
+CALL_TIMEOUT_S = 30.0  # one round trip, as ``bench.ours`` waits in ``get(timeout=30)``
+_DEFAULTS = Settings()
 
 
 def our_noop_message() -> WireMessage:
@@ -36,28 +54,65 @@ def our_noop_message() -> WireMessage:
     )
 
 
+def our_call_message(reply_to: str) -> WireMessage:
+    """One no-op task as our client encodes it for a call whose result it waits for."""
+    task_id = TaskMessage.new_id()
+    message = TaskMessage(id=task_id, task=NOOP, clock=1, reply_to=reply_to, correlation_id=task_id)
+    return encode_task(message, serializer="msgpack")
+
+
+def our_result_message() -> WireMessage:
+    """A no-op task's SUCCESS result as our worker publishes it to ``reply_to`` (``worker.replies``):
+    the request's content type (msgpack), the clock header, priority 0, our default delivery mode
+    for results (``Settings.result_persistent``); ``correlation_id`` is the request's."""
+    outcome = Outcome(task_id=TaskMessage.new_id(), status=State.SUCCESS)
+    body, content_type, content_encoding = codec.encode(outcome.to_wire(), codec.MSGPACK)
+    return WireMessage(
+        body=body,
+        content_type=content_type,
+        content_encoding=content_encoding,
+        headers={CLOCK_HEADER: 1},
+        priority=0,
+        delivery_mode=2 if _DEFAULTS.result_persistent else 1,
+    )
+
+
+def reply_queue(queue: str) -> QueueSpec:
+    """The round trip's reply queue, shaped as our client's result queue."""
+    return result_queue(f"{queue}.reply", expires_s=_DEFAULTS.result_expires_s)
+
+
+def with_correlation_id(wire: WireMessage, correlation_id: str | None) -> WireMessage:
+    return dataclasses.replace(wire, correlation_id=correlation_id)
+
+
 def pika_properties(wire: WireMessage) -> pika.BasicProperties:
     return pika.BasicProperties(
         content_type=wire.content_type,
         content_encoding=wire.content_encoding,
         headers=wire.headers,
         correlation_id=wire.correlation_id,
+        reply_to=wire.reply_to,
         priority=wire.priority,
         delivery_mode=wire.delivery_mode,
     )
 
 
 Producer = Callable[[str, str, int, WireMessage], Produced]
+# ``(url, queue, reply_queue, calls)``: the timed calls' durations in ms, after ``WARMUP_CALLS``.
+RoundTrip = Callable[[str, str, QueueSpec, int], list[float]]
 
 
 class RawSubject:
     """A ``bench.scenarios.Subject`` around one AMQP library: ``module`` runs its consumer
-    (``python -m <module> consume --broker URL --queue Q``) and ``producer`` publishes."""
+    (``python -m <module> consume --broker URL --queue Q``), ``producer`` publishes and
+    ``round_trip`` makes the calls."""
 
-    def __init__(self, url: str, *, module: str, producer: Producer) -> None:
+    def __init__(self, url: str, *, module: str, producer: Producer, round_trip: RoundTrip) -> None:
         self._url = url
         self._module = module
         self._producer = producer
+        self._round_trip = round_trip
 
     @contextmanager
     def worker(self, queue: str, shape: Shape) -> Iterator[Popen[bytes]]:
@@ -80,4 +135,8 @@ class RawSubject:
         return self._producer(self._url, queue, count, our_noop_message())
 
     def round_trip(self, queue: str, calls: int) -> list[float]:
-        raise NotApplicable("the ceiling has no results")
+        replies = reply_queue(queue)
+        try:
+            return self._round_trip(self._url, queue, replies, calls)
+        finally:
+            delete(self._url, [replies.name])  # bench.compare deletes the task queue

@@ -1,7 +1,14 @@
 """The ceiling with raw aio-pika: ``python -m bench.ceiling_aio_pika SCENARIO ...`` (or ``consume``).
 
-Publishing keeps up to ``CONFIRM_WINDOW`` confirms awaited at once; consuming acks each message.
-Both run on uvloop when it is installed, as our worker does.
+Publishing keeps up to ``CONFIRM_WINDOW`` confirms awaited at once; consuming acks each message,
+first answering one with a ``reply_to`` on a second channel in confirm mode (the reply's confirm
+awaited before the ack, as our worker does). Everything runs on uvloop when it is installed, as
+our worker does.
+
+The round trip's client has one channel in confirm mode that publishes each call and consumes the
+reply queue (no acks). Confirms are pipelined as our client's: each call's publish is a task of
+its own and the call waits only for its reply; confirms are collected as they come (a nack fails
+the measurement) and all are awaited after the last call.
 """
 
 from __future__ import annotations
@@ -10,15 +17,27 @@ import argparse
 import asyncio
 import sys
 import time
+from collections import deque
 from collections.abc import Coroutine
 from typing import Any
 
 import aio_pika
+import aio_pika.abc
 
 from bench import driver
-from bench.ceiling import CONFIRM_WINDOW, PREFETCH, RawSubject
-from bench.scenarios import Produced
+from bench.ceiling import (
+    CALL_TIMEOUT_S,
+    CONFIRM_WINDOW,
+    PREFETCH,
+    RawSubject,
+    our_call_message,
+    our_result_message,
+    with_correlation_id,
+)
+from bench.scenarios import WARMUP_CALLS, Produced
+from broker_svc.ids import uuid4_str
 from broker_svc.message import WireMessage
+from broker_svc.topology import QueueSpec
 
 SYSTEM = "aio-pika"
 
@@ -30,8 +49,9 @@ def _message(wire: WireMessage) -> aio_pika.Message:
         content_type=wire.content_type,
         content_encoding=wire.content_encoding,
         correlation_id=wire.correlation_id,
+        reply_to=wire.reply_to,
         priority=wire.priority,
-        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        delivery_mode=aio_pika.DeliveryMode(wire.delivery_mode),
     )
 
 
@@ -59,14 +79,66 @@ async def _produce(url: str, queue: str, count: int, wire: WireMessage) -> Produ
         return Produced(started, handed, time.perf_counter())
 
 
+async def _round_trip(url: str, queue: str, replies: QueueSpec, calls: int) -> list[float]:
+    wire = our_call_message(replies.name)
+    loop = asyncio.get_running_loop()
+    waiting: dict[str, asyncio.Future[None]] = {}
+
+    async def on_reply(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        future = waiting.pop(message.correlation_id or "", None)
+        if future is not None and not future.done():
+            future.set_result(None)
+
+    connection = await aio_pika.connect(url)
+    async with connection:
+        channel = await connection.channel(publisher_confirms=True)
+        await channel.declare_queue(queue, durable=True)
+        reply_queue = await channel.declare_queue(
+            replies.name, durable=replies.durable, arguments=replies.arguments
+        )
+        await reply_queue.consume(on_reply, no_ack=True)
+        exchange = channel.default_exchange
+        unconfirmed: deque[asyncio.Task[Any]] = deque()
+        samples = []
+        try:
+            for i in range(WARMUP_CALLS + calls):
+                correlation_id = uuid4_str()
+                reply = waiting[correlation_id] = loop.create_future()
+                started = time.perf_counter()
+                message = _message(with_correlation_id(wire, correlation_id))
+                unconfirmed.append(asyncio.create_task(exchange.publish(message, routing_key=queue)))
+                try:
+                    async with asyncio.timeout(CALL_TIMEOUT_S):
+                        await reply
+                except TimeoutError:
+                    raise TimeoutError(f"no reply to call {i} within {CALL_TIMEOUT_S} s") from None
+                if i >= WARMUP_CALLS:
+                    samples.append((time.perf_counter() - started) * 1000)
+                while unconfirmed and unconfirmed[0].done():
+                    unconfirmed.popleft().result()  # raises a nack (DeliveryError)
+            async with asyncio.timeout(CALL_TIMEOUT_S):
+                await asyncio.gather(*unconfirmed)
+        finally:
+            for task in unconfirmed:
+                task.cancel()
+        return samples
+
+
 async def _consume(url: str, queue: str) -> None:
+    reply = our_result_message()
     connection = await aio_pika.connect(url)
     async with connection:
         channel = await connection.channel()
+        # Our worker publishes results on a confirm-mode channel of its own and awaits the confirm.
+        replies = (await connection.channel(publisher_confirms=True)).default_exchange
         await channel.set_qos(prefetch_count=PREFETCH)
         declared = await channel.declare_queue(queue, durable=True)
         async with declared.iterator() as messages:
             async for message in messages:
+                if message.reply_to:
+                    answer = _message(with_correlation_id(reply, message.correlation_id))
+                    # Returns once confirmed; an unroutable reply (client gone) comes back, dropped.
+                    await replies.publish(answer, routing_key=message.reply_to)
                 await message.ack()
 
 
@@ -83,6 +155,17 @@ def produce(url: str, queue: str, count: int, wire: WireMessage) -> Produced:
     return produced
 
 
+def round_trip(url: str, queue: str, replies: QueueSpec, calls: int) -> list[float]:
+    """``WARMUP_CALLS`` then ``calls`` calls in a row: publish, wait for the reply; each in ms.
+
+    Raises:
+        TimeoutError: a reply did not come within ``CALL_TIMEOUT_S``.
+        aio_pika.exceptions.DeliveryError: the broker refused a call.
+    """
+    samples: list[float] = _run(_round_trip(url, queue, replies, calls))
+    return samples
+
+
 def main() -> int:
     if sys.argv[1:2] == ["consume"]:
         parser = argparse.ArgumentParser(prog="python -m bench.ceiling_aio_pika consume")
@@ -92,7 +175,10 @@ def main() -> int:
         _run(_consume(args.broker, args.queue))  # until SIGTERM's default action ends it
         return 0
     return driver.main(
-        SYSTEM, lambda job: RawSubject(job.broker_url, module="bench.ceiling_aio_pika", producer=produce)
+        SYSTEM,
+        lambda job: RawSubject(
+            job.broker_url, module="bench.ceiling_aio_pika", producer=produce, round_trip=round_trip
+        ),
     )
 
 

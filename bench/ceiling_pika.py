@@ -1,7 +1,15 @@
 """The ceiling with raw pika: ``python -m bench.ceiling_pika SCENARIO ...`` (or ``consume``, its worker).
 
 Publishing uses a ``SelectConnection`` (``BlockingConnection`` waits for each confirm), keeping
-up to ``CONFIRM_WINDOW`` messages unconfirmed; consuming uses a ``BlockingConnection``.
+up to ``CONFIRM_WINDOW`` messages unconfirmed; consuming uses a ``BlockingConnection``, which
+answers a message with a ``reply_to`` on a second channel in confirm mode (each reply's confirm
+awaited before the ack, as our worker does).
+
+The round trip's client is a ``BlockingConnection`` too, with one channel that publishes each call
+and consumes the reply queue (no acks). That channel is *not* in confirm mode: in
+``BlockingConnection`` confirm mode makes ``basic_publish`` wait for the broker's confirm, a wait
+our client's pipelined confirms do not have, so the raw pika round trip skips confirms altogether
+(slightly less work than ours; the aio-pika ceiling keeps them, pipelined).
 """
 
 from __future__ import annotations
@@ -11,15 +19,27 @@ import sys
 import time
 
 import pika
+import pika.exceptions
 from pika.adapters.blocking_connection import BlockingChannel
 from pika.channel import Channel
 from pika.frame import Method
 from pika.spec import Basic, BasicProperties
 
 from bench import driver
-from bench.ceiling import CONFIRM_WINDOW, PREFETCH, RawSubject, pika_properties
-from bench.scenarios import Produced
+from bench.ceiling import (
+    CALL_TIMEOUT_S,
+    CONFIRM_WINDOW,
+    PREFETCH,
+    RawSubject,
+    our_call_message,
+    our_result_message,
+    pika_properties,
+    with_correlation_id,
+)
+from bench.scenarios import WARMUP_CALLS, Produced
+from broker_svc.ids import uuid4_str
 from broker_svc.message import WireMessage
+from broker_svc.topology import QueueSpec
 
 SYSTEM = "pika"
 
@@ -93,14 +113,66 @@ def produce(url: str, queue: str, count: int, wire: WireMessage) -> Produced:
     return _PipelinedPublisher(url, queue, count, wire).run()
 
 
+def round_trip(url: str, queue: str, replies: QueueSpec, calls: int) -> list[float]:
+    """``WARMUP_CALLS`` then ``calls`` calls in a row: publish, wait for the reply; each in ms.
+
+    Raises:
+        TimeoutError: a reply did not come within ``CALL_TIMEOUT_S``.
+    """
+    wire = our_call_message(replies.name)
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        channel = connection.channel()
+        channel.queue_declare(queue, durable=True)
+        channel.queue_declare(replies.name, durable=replies.durable, arguments=replies.arguments)
+        arrived: set[str] = set()
+
+        def on_reply(
+            _ch: BlockingChannel, _method: Basic.Deliver, props: BasicProperties, _body: bytes
+        ) -> None:
+            if props.correlation_id is not None:
+                arrived.add(props.correlation_id)
+
+        channel.basic_consume(replies.name, on_reply, auto_ack=True)
+        samples = []
+        for i in range(WARMUP_CALLS + calls):
+            correlation_id = uuid4_str()
+            started = time.perf_counter()
+            properties = pika_properties(with_correlation_id(wire, correlation_id))
+            channel.basic_publish("", queue, wire.body, properties, mandatory=True)
+            deadline = started + CALL_TIMEOUT_S
+            while correlation_id not in arrived:
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    raise TimeoutError(f"no reply to call {i} within {CALL_TIMEOUT_S} s")
+                connection.process_data_events(time_limit=remaining)
+            arrived.discard(correlation_id)
+            if i >= WARMUP_CALLS:
+                samples.append((time.perf_counter() - started) * 1000)
+        return samples
+    finally:
+        if connection.is_open:
+            connection.close()
+
+
 def consume(url: str, queue: str) -> None:
-    """Ack every message of ``queue`` until killed (SIGTERM's default action ends it)."""
+    """Ack every message of ``queue`` until killed (SIGTERM's default action ends it); first
+    answer one with a ``reply_to`` (the round trip), confirmed."""
+    reply = our_result_message()
     connection = pika.BlockingConnection(pika.URLParameters(url))
     channel = connection.channel()
+    replies = connection.channel()
+    replies.confirm_delivery()  # basic_publish returns once confirmed, as our worker waits
     channel.basic_qos(prefetch_count=PREFETCH)
     channel.queue_declare(queue, durable=True)
 
-    def on_message(ch: BlockingChannel, method: Basic.Deliver, _props: BasicProperties, _body: bytes) -> None:
+    def on_message(ch: BlockingChannel, method: Basic.Deliver, props: BasicProperties, _body: bytes) -> None:
+        if props.reply_to:
+            properties = pika_properties(with_correlation_id(reply, props.correlation_id))
+            try:
+                replies.basic_publish("", props.reply_to, reply.body, properties, mandatory=True)
+            except pika.exceptions.UnroutableError:
+                pass  # its client and reply queue are gone: dropped, as our worker does
         ch.basic_ack(method.delivery_tag)
 
     channel.basic_consume(queue, on_message)
@@ -116,7 +188,10 @@ def main() -> int:
         consume(args.broker, args.queue)
         return 0
     return driver.main(
-        SYSTEM, lambda job: RawSubject(job.broker_url, module="bench.ceiling_pika", producer=produce)
+        SYSTEM,
+        lambda job: RawSubject(
+            job.broker_url, module="bench.ceiling_pika", producer=produce, round_trip=round_trip
+        ),
     )
 
 
