@@ -1,8 +1,8 @@
 """Clockwork as a benchmark subject (project venv): ``python -m bench.ours SCENARIO ...``.
 
-Workers are ``python -m worker`` started by ``bench.spine.worker`` (which waits for its
-``worker_ready`` line), at INFO as every system, without mingle (a start-up cost only) and without
-a state file (Celery's default); the client is ``broker_svc.App`` with its default pipelined confirms.
+Workers are ``python -m worker`` logging at INFO to a file as every system (``bench.procs.running``),
+without mingle (a start-up cost only) and without a state file (Celery's default); the client is
+``broker_svc.App`` with its default pipelined confirms.
 """
 
 from __future__ import annotations
@@ -12,16 +12,19 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from subprocess import Popen
 
 from bench import control, driver
 from bench.driver import Job, Results
+from bench.procs import running
 from bench.scenarios import SLEEP_S, WARMUP_CALLS, Produced, Shape, Task
-from bench.spine import NOOP, worker
+from bench.spine import NOOP
 from broker_svc import App, Settings
 from broker_svc.logging import configure_logging
 from broker_svc.task import Signature
 
+ROOT = Path(__file__).resolve().parent.parent
 SYSTEM = "clockwork"
 TIMED = "bench.tasks.timed"
 WIDE_PROCESSES = 16  # the pool is processes only: 16 on 2 cores is already memory-heavy (~16 x 25 MiB)
@@ -40,8 +43,15 @@ class Clockwork:
 
     @contextmanager
     def worker(self, queue: str, shape: Shape) -> Iterator[Popen[bytes]]:
+        # Its log goes to a file, as the peers' do (bench.procs.running): through a pipe, every
+        # line would also wake the process reading it, a cost no peer pays. The scenarios wait
+        # for its consumer on the queue, so no ``worker_ready`` line is needed.
         concurrency = 2 if shape is Shape.PAIR else self._wide
-        with worker(self._url, queue, concurrency, name=f"bench-{queue}@%h") as proc:
+        cmd = [
+            sys.executable, "-m", "worker", "-A", "bench.tasks:app", "-c", str(concurrency), "-Q", queue,
+            "-b", self._url, "-l", "info", "-n", f"bench-{queue}@%h", *WORKER_ARGS.split(),
+        ]  # fmt: skip
+        with running(cmd, env=dict(os.environ), cwd=ROOT) as proc:
             yield proc
 
     def consumers(self, shape: Shape) -> int:
@@ -101,7 +111,7 @@ def _p50(figure: object) -> float:
 
 def main() -> int:
     configure_logging("warning")
-    # bench.spine.worker appends these to every worker it starts.
+    # bench.spine.worker (the control scenario's workers) appends these to every worker it starts.
     os.environ["BENCH_WORKER_ARGS"] = WORKER_ARGS
     return driver.main(
         SYSTEM, lambda job: Clockwork(job.broker_url, wide=job.wide), {"control": control_plane}

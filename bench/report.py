@@ -141,8 +141,8 @@ def settings_text(sizes: Mapping[str, int], wide: Mapping[str, int]) -> str:
     """The exact settings of every system, for the section under the table."""
     return f"""\
 - **Everyone**: the local RabbitMQ, a vhost of the run's own, a fresh queue per measurement
-  (deleted after it); workers log at INFO (Clockwork and Celery write lines per task there,
-  Dramatiq does not); persistent messages; ack after the task ran. Figures are read from the
+  (deleted after it); workers log at INFO to a temporary file (Clockwork and Celery write lines
+  per task there, Dramatiq does not); persistent messages; ack after the task ran. Figures are read from the
   broker's side the same way for all (passive `queue.declare` every 10 ms): *drain* is the
   deliveries between the first one and the moment no message is left ready, over that time (in
   steady state deliveries and completions match; the prefetch at either end is at most a few
