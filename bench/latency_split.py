@@ -1,0 +1,171 @@
+"""Where a round trip's time goes: our client and a raw pika client, each against our worker and a
+raw pika echo worker, alternating in one run.
+
+Usage: ``python -m bench.latency_split [--broker URL] [--calls 500] [--rounds 3]`` (or ``echo``, its
+raw worker). Prints one JSON line per pairing and round, then the medians as a table.
+
+The echo worker is one pika process that answers each call with our result message for the call's
+task id (encoded per call, a few microseconds), then acks; the raw client publishes our call message
+(a fresh task id per call, as our client makes) and reads the reply queue without acks. Set against
+each other, the four pairings split our round trip's excess over raw pika's into the client's part
+and the worker's part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from subprocess import Popen
+
+import pika
+from pika.adapters.blocking_connection import BlockingChannel
+from pika.spec import Basic, BasicProperties
+
+from bench.ceiling import CALL_TIMEOUT_S, PREFETCH, ROOT, our_call_message, pika_properties, reply_queue
+from bench.control import vhost
+from bench.ours import Clockwork
+from bench.procs import running
+from bench.queues import Depth, delete, probe
+from bench.scenarios import WARMUP_CALLS, Shape
+from bench.stats import latency_ms
+from broker_svc import codec
+from broker_svc.ids import uuid4_str
+from broker_svc.logging import configure_logging
+from broker_svc.message import CLOCK_HEADER
+from broker_svc.outcome import Outcome
+from broker_svc.states import State
+
+CLIENTS = ("ours", "pika")
+WORKERS = ("ours", "pika")
+
+
+def echo(url: str, queue: str) -> None:
+    """Answer every call on ``queue`` with a SUCCESS result for its task id, then ack it."""
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    channel = connection.channel()
+    channel.basic_qos(prefetch_count=PREFETCH)
+    channel.queue_declare(queue, durable=True)
+
+    def on_call(ch: BlockingChannel, method: Basic.Deliver, props: BasicProperties, _body: bytes) -> None:
+        task_id = str((props.headers or {}).get("id", props.correlation_id))
+        body, content_type, content_encoding = codec.encode(
+            Outcome(task_id=task_id, status=State.SUCCESS).to_wire(), codec.MSGPACK
+        )
+        reply = BasicProperties(
+            content_type=content_type,
+            content_encoding=content_encoding,
+            headers={CLOCK_HEADER: 1},
+            correlation_id=props.correlation_id,
+            priority=0,
+            delivery_mode=1,
+        )
+        ch.basic_publish("", props.reply_to, body, reply)
+        ch.basic_ack(method.delivery_tag)
+
+    channel.basic_consume(queue, on_call)
+    channel.start_consuming()
+
+
+def pika_client(url: str, queue: str, calls: int) -> list[float]:
+    """``WARMUP_CALLS`` then ``calls`` calls in a row with a raw pika ``BlockingConnection``, in ms."""
+    replies = reply_queue(queue)
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        channel = connection.channel()
+        channel.queue_declare(replies.name, durable=replies.durable, arguments=replies.arguments)
+        arrived: set[str] = set()
+
+        def on_reply(_ch: BlockingChannel, _m: Basic.Deliver, props: BasicProperties, _body: bytes) -> None:
+            arrived.add(str(props.correlation_id))
+
+        channel.basic_consume(replies.name, on_reply, auto_ack=True)
+        samples = []
+        for i in range(WARMUP_CALLS + calls):
+            started = time.perf_counter()
+            wire = our_call_message(replies.name)  # a fresh task id, encoded as our client does
+            channel.basic_publish("", queue, wire.body, pika_properties(wire))
+            deadline = started + CALL_TIMEOUT_S
+            while wire.correlation_id not in arrived:
+                if time.perf_counter() > deadline:
+                    raise TimeoutError(f"no reply to call {i} within {CALL_TIMEOUT_S} s")
+                connection.process_data_events(time_limit=deadline - time.perf_counter())
+            if i >= WARMUP_CALLS:
+                samples.append((time.perf_counter() - started) * 1000)
+        return samples
+    finally:
+        if connection.is_open:
+            connection.close()
+        delete(url, [replies.name])
+
+
+@contextmanager
+def _worker(kind: str, url: str, queue: str) -> Iterator[Popen[bytes]]:
+    if kind == "ours":
+        with Clockwork(url).worker(queue, Shape.PAIR) as proc:
+            yield proc
+        return
+    cmd = [sys.executable, "-m", "bench.latency_split", "echo", "--broker", url, "--queue", queue]
+    with running(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT) as proc:
+        yield proc
+
+
+def _consuming(depth: Depth) -> bool:
+    return depth.consumers >= 1
+
+
+def measure(url: str, client: str, worker: str, calls: int) -> dict[str, float]:
+    """One pairing on a fresh queue: p50/p99 of ``calls`` round trips."""
+    queue = f"split-{client}-{worker}-{uuid4_str()[:8]}"
+    call: Callable[[str, str, int], list[float]] = (
+        pika_client if client == "pika" else lambda u, q, n: Clockwork(u).round_trip(q, n)
+    )
+    try:
+        with probe(url) as queue_probe, _worker(worker, url, queue) as proc:
+            queue_probe.wait(
+                queue, _consuming, timeout_s=120, what="worker start", alive=lambda: proc.poll() is None
+            )
+            return latency_ms(call(url, queue, calls))
+    finally:
+        delete(url, [queue, f"{queue}.reply"])
+
+
+def main() -> int:
+    if sys.argv[1:2] == ["echo"]:
+        parser = argparse.ArgumentParser(prog="python -m bench.latency_split echo")
+        parser.add_argument("--broker", required=True)
+        parser.add_argument("--queue", required=True)
+        args = parser.parse_args(sys.argv[2:])
+        echo(args.broker, args.queue)
+        return 0
+    parser = argparse.ArgumentParser(prog="python -m bench.latency_split", description=__doc__)
+    parser.add_argument(
+        "--broker", default=os.environ.get("CLOCKWORK_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
+    )
+    parser.add_argument("--calls", type=int, default=500)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    configure_logging("warning")
+    p50s: dict[tuple[str, str], list[float]] = {}
+    with vhost(args.broker) as url:
+        for round_no, (client, worker) in itertools.product(
+            range(args.rounds), itertools.product(CLIENTS, WORKERS)
+        ):
+            figures = measure(url, client, worker, args.calls)
+            p50s.setdefault((client, worker), []).append(figures["p50_ms"])
+            print(json.dumps({"round": round_no, "client": client, "worker": worker, **figures}), flush=True)
+    print("\n| client \\ worker | ours | raw pika echo |\n|---|---|---|")
+    for client in CLIENTS:
+        cells = [f"{statistics.median(p50s[(client, worker)]):.2f} ms" for worker in WORKERS]
+        print(f"| {'ours' if client == 'ours' else 'raw pika'} | {' | '.join(cells)} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
