@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
 from broker_svc.errors import (
@@ -24,7 +26,6 @@ from broker_svc.errors import (
     Unroutable,
 )
 from broker_svc.message import TaskMessage
-from broker_svc.publisher import Publisher
 from broker_svc.result import AsyncResult
 from broker_svc.settings import Settings
 from broker_svc.states import State
@@ -61,3 +62,16 @@ __all__ = [
     "TaskRevokedError",
     "Unroutable",
 ]
+
+
+if TYPE_CHECKING:
+    from broker_svc.publisher import Publisher
+
+
+def __getattr__(name: str) -> Any:
+    # Publisher brings pika in: loaded on first use, so a worker importing an app does not pay for it.
+    if name == "Publisher":
+        from broker_svc.publisher import Publisher
+
+        return Publisher
+    raise AttributeError(f"module 'broker_svc' has no attribute {name!r}")

@@ -9,7 +9,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
 import structlog
 
@@ -18,7 +18,6 @@ from broker_svc.clock import LamportClock
 from broker_svc.errors import BrokerSvcError, ConfigurationError, NotRegistered
 from broker_svc.message import TaskMessage
 from broker_svc.pending import PendingPublish
-from broker_svc.publisher import Publisher
 from broker_svc.result import AsyncResult, ResultStore
 from broker_svc.settings import Settings
 from broker_svc.task import (
@@ -30,6 +29,11 @@ from broker_svc.task import (
     current_request,
 )
 from broker_svc.topology import new_reply_queue_name, result_queue
+
+if TYPE_CHECKING:
+    # Imported when the app first publishes: a worker, its forkserver and its children import the
+    # app to run its tasks and need no pika (about 4 MiB each) unless a task sends one.
+    from broker_svc.publisher import Publisher
 
 __all__ = ["App"]
 
@@ -253,6 +257,8 @@ class App:
         publisher = self._publisher
         if publisher is not None:
             return publisher
+        from broker_svc.publisher import Publisher  # lazy: see the TYPE_CHECKING import
+
         with self._lock:
             if self._publisher is None:
                 spec = result_queue(self._reply_queue, expires_s=self.settings.result_expires_s)
