@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from control.api import Control, Inspect
-from control.client import BroadcastResult, ControlClient, InspectReply, RevokeResult
-from control.collect import ReplyCollector
-from control.members import Membership
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from control.api import Control, Inspect
+    from control.client import BroadcastResult, ControlClient, InspectReply, RevokeResult
+    from control.collect import ReplyCollector
+    from control.members import Membership
 
 __all__ = [
     # the Celery-shaped facade (``app.control``)
@@ -20,3 +24,25 @@ __all__ = [
     "Membership",
     "ReplyCollector",
 ]
+
+# Loaded on first use: the worker imports the mailbox node (aio-pika) from this package and needs
+# none of the blocking client (pika) unless a task uses ``app.control``.
+_EXPORTS = {
+    "Control": "control.api",
+    "Inspect": "control.api",
+    "BroadcastResult": "control.client",
+    "ControlClient": "control.client",
+    "InspectReply": "control.client",
+    "RevokeResult": "control.client",
+    "Membership": "control.members",
+    "ReplyCollector": "control.collect",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'control' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
