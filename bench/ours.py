@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from subprocess import Popen
@@ -34,9 +34,10 @@ WORKER_ARGS = "--without-mingle --statedb none"
 class Clockwork:
     """The ``bench.scenarios.Subject`` for our worker and client."""
 
-    def __init__(self, url: str, *, wide: int = 0) -> None:
+    def __init__(self, url: str, *, wide: int = 0, extra_worker_args: Sequence[str] = ()) -> None:
         self._url = url
         self._wide = wide or WIDE_PROCESSES
+        self._extra_worker_args = tuple(extra_worker_args)
 
     def _app(self) -> App:
         return App("bench-compare", settings=Settings(broker_url=self._url))
@@ -50,6 +51,7 @@ class Clockwork:
         cmd = [
             sys.executable, "-m", "worker", "-A", "bench.tasks:app", "-c", str(concurrency), "-Q", queue,
             "-b", self._url, "-l", "info", "-n", f"bench-{queue}@%h", *WORKER_ARGS.split(),
+            *self._extra_worker_args,  # later options win: bench.cpu_split's -l warning, say
         ]  # fmt: skip
         with running(cmd, env=dict(os.environ), cwd=ROOT) as proc:
             yield proc
