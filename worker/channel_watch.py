@@ -67,7 +67,9 @@ class ConsumeChannelWatch:
         timed_out = isinstance(exc, ChannelPreconditionFailed) and "timed out" in str(exc)
         consumer = self._consumer()
         dropped = consumer.drop_stale_reserved() if consumer is not None else 0
-        (log.error if timed_out else log.warning)(
+        # Closed by us (shutdown): aio-pika reports that as a CancelledError, and it is no fault.
+        ours = exc is None or isinstance(exc, asyncio.CancelledError)
+        (log.error if timed_out else log.info if ours else log.warning)(
             "consume_channel_closed",
             reason=type(exc).__name__ if exc is not None else None,
             error=str(exc) if exc is not None else None,
