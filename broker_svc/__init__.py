@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
@@ -25,6 +25,7 @@ from broker_svc.errors import (
     TaskRevokedError,
     Unroutable,
 )
+from broker_svc.lazy_exports import lazy_exports
 from broker_svc.message import TaskMessage
 from broker_svc.result import AsyncResult
 from broker_svc.settings import Settings
@@ -68,10 +69,5 @@ if TYPE_CHECKING:
     from broker_svc.publisher import Publisher
 
 
-def __getattr__(name: str) -> Any:
-    # Publisher brings pika in: loaded on first use, so a worker importing an app does not pay for it.
-    if name == "Publisher":
-        from broker_svc.publisher import Publisher
-
-        return Publisher
-    raise AttributeError(f"module 'broker_svc' has no attribute {name!r}")
+# Publisher brings pika in: loaded on first use, so a worker importing an app does not pay for it.
+__getattr__ = lazy_exports(__name__, {"Publisher": "broker_svc.publisher"})

@@ -1,0 +1,32 @@
+"""Pool children stay lean: importing what they run loads no AMQP client and no control plane."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import broker_svc
+import control
+import worker
+
+
+def test_a_pool_child_imports_neither_amqp_client_nor_the_control_plane() -> None:
+    # What the forkserver preloads (worker.pool): the child module and the app's module.
+    heavy = ("pika", "aio_pika", "aiormq", "control", "worker.service")
+    probe = f"import sys, worker.child, examples.tasks; print(sorted(set({heavy!r}) & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_every_lazy_export_resolves() -> None:
+    for package in (broker_svc, control, worker):
+        for name in package.__all__:
+            assert getattr(package, name) is not None, (package.__name__, name)
+
+
+def test_an_unknown_name_is_an_attribute_error() -> None:
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        _ = worker.nope
