@@ -113,13 +113,19 @@ def produce(url: str, queue: str, count: int, wire: WireMessage) -> Produced:
     return _PipelinedPublisher(url, queue, count, wire).run()
 
 
-def round_trip(url: str, queue: str, replies: QueueSpec, calls: int) -> list[float]:
+def round_trip(
+    url: str, queue: str, replies: QueueSpec, calls: int, *, fresh_ids: bool = False
+) -> list[float]:
     """``WARMUP_CALLS`` then ``calls`` calls in a row: publish, wait for the reply; each in ms.
+
+    The ceiling sends our call message encoded once, with a fresh ``correlation_id`` per call.
+    With ``fresh_ids`` each call is encoded in the timed part for a task id of its own, as our
+    client does, so that our worker can answer it too (``bench.latency_split``).
 
     Raises:
         TimeoutError: a reply did not come within ``CALL_TIMEOUT_S``.
     """
-    wire = our_call_message(replies.name)
+    once = our_call_message(replies.name)
     connection = pika.BlockingConnection(pika.URLParameters(url))
     try:
         channel = connection.channel()
@@ -136,10 +142,14 @@ def round_trip(url: str, queue: str, replies: QueueSpec, calls: int) -> list[flo
         channel.basic_consume(replies.name, on_reply, auto_ack=True)
         samples = []
         for i in range(WARMUP_CALLS + calls):
-            correlation_id = uuid4_str()
             started = time.perf_counter()
-            properties = pika_properties(with_correlation_id(wire, correlation_id))
-            channel.basic_publish("", queue, wire.body, properties, mandatory=True)
+            if fresh_ids:
+                wire = our_call_message(replies.name)
+                correlation_id = str(wire.correlation_id)
+            else:
+                correlation_id = uuid4_str()
+                wire = with_correlation_id(once, correlation_id)
+            channel.basic_publish("", queue, wire.body, pika_properties(wire), mandatory=True)
             deadline = started + CALL_TIMEOUT_S
             while correlation_id not in arrived:
                 remaining = deadline - time.perf_counter()

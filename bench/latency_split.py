@@ -19,7 +19,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from subprocess import Popen
@@ -28,12 +27,13 @@ import pika
 from pika.adapters.blocking_connection import BlockingChannel
 from pika.spec import Basic, BasicProperties
 
-from bench.ceiling import CALL_TIMEOUT_S, PREFETCH, ROOT, our_call_message, pika_properties, reply_queue
+from bench import ceiling_pika
+from bench.ceiling import PREFETCH, ROOT, reply_queue
 from bench.control import vhost
 from bench.ours import Clockwork
 from bench.procs import running
 from bench.queues import Depth, delete, probe
-from bench.scenarios import WARMUP_CALLS, Shape
+from bench.scenarios import Shape
 from bench.stats import latency_ms
 from broker_svc import codec
 from broker_svc.ids import uuid4_str
@@ -74,34 +74,11 @@ def echo(url: str, queue: str) -> None:
 
 
 def pika_client(url: str, queue: str, calls: int) -> list[float]:
-    """``WARMUP_CALLS`` then ``calls`` calls in a row with a raw pika ``BlockingConnection``, in ms."""
+    """The raw pika client of ``bench.ceiling_pika``, with a reply queue of its own."""
     replies = reply_queue(queue)
-    connection = pika.BlockingConnection(pika.URLParameters(url))
     try:
-        channel = connection.channel()
-        channel.queue_declare(replies.name, durable=replies.durable, arguments=replies.arguments)
-        arrived: set[str] = set()
-
-        def on_reply(_ch: BlockingChannel, _m: Basic.Deliver, props: BasicProperties, _body: bytes) -> None:
-            arrived.add(str(props.correlation_id))
-
-        channel.basic_consume(replies.name, on_reply, auto_ack=True)
-        samples = []
-        for i in range(WARMUP_CALLS + calls):
-            started = time.perf_counter()
-            wire = our_call_message(replies.name)  # a fresh task id, encoded as our client does
-            channel.basic_publish("", queue, wire.body, pika_properties(wire))
-            deadline = started + CALL_TIMEOUT_S
-            while wire.correlation_id not in arrived:
-                if time.perf_counter() > deadline:
-                    raise TimeoutError(f"no reply to call {i} within {CALL_TIMEOUT_S} s")
-                connection.process_data_events(time_limit=deadline - time.perf_counter())
-            if i >= WARMUP_CALLS:
-                samples.append((time.perf_counter() - started) * 1000)
-        return samples
+        return ceiling_pika.round_trip(url, queue, replies, calls, fresh_ids=True)
     finally:
-        if connection.is_open:
-            connection.close()
         delete(url, [replies.name])
 
 
