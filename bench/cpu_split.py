@@ -1,11 +1,11 @@
 """Where a drain's CPU goes: per task, in each process of our worker's tree and in RabbitMQ.
 
 Usage: ``python -m bench.cpu_split [--broker URL] [--tasks 20000] [--rounds 3] [-- WORKER ARGS]``,
-e.g. ``-- -l warning`` or ``-- --prefetch-multiplier 4`` to see what a worker option costs. Fills a
-fresh queue with no-op tasks, starts a ``-c 2`` worker on it (its log in a temporary file, as in
-``bench.compare``), and reads user + system CPU time from ``/proc`` for every process of the
-worker's tree and for the broker's ``beam.smp`` while the worker drains the queue. Prints one JSON
-line per round: tasks/s and microseconds of CPU per task for each process.
+e.g. ``-- -l warning`` or ``-- --prefetch-multiplier 4`` to see what a worker option costs. In a
+vhost of its own, fills a fresh queue with no-op tasks, starts a ``-c 2`` worker on it (its log in
+a temporary file, as in ``bench.compare``), and reads user + system CPU time from ``/proc`` for
+every process of the worker's tree and for the broker's ``beam.smp`` while the worker drains the
+queue. Prints one JSON line per round: tasks/s and microseconds of CPU per task for each process.
 
 The broker's figure is only meaningful on a machine where nothing else uses that broker.
 """
@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 
+from bench.control import vhost
 from bench.ours import Clockwork
 from bench.procs import tree
 from bench.queues import Depth, delete, probe
@@ -115,8 +116,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(own)
     configure_logging("warning")
-    for _ in range(args.rounds):
-        print(json.dumps(one_round(args.broker, args.tasks, worker_args)), flush=True)
+    # A vhost of its own: the worker declares dead-letter queues, exchanges and control streams
+    # beside the task queue, and deleting the vhost takes them all away.
+    with vhost(args.broker) as url:
+        for _ in range(args.rounds):
+            print(json.dumps(one_round(url, args.tasks, worker_args)), flush=True)
     return 0
 
 
