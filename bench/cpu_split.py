@@ -21,23 +21,11 @@ import time
 
 from bench.control import vhost
 from bench.ours import Clockwork
-from bench.procs import tree
+from bench.procs import cpu_seconds, parent_of, tree
 from bench.queues import Depth, delete, probe
 from bench.scenarios import Shape, Task
 from broker_svc.ids import uuid4_str
 from broker_svc.logging import configure_logging
-
-_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of one process (0 once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
 
 
 def role(pid: int, root: int) -> str:
@@ -52,16 +40,8 @@ def role(pid: int, root: int) -> str:
     if "resource_tracker" in text:
         return "resource-tracker"
     if "forkserver" in text:  # the forkserver is the main process's child, pool children are its
-        return "forkserver" if _parent(pid) == root else "child"
+        return "forkserver" if parent_of(pid) == root else "child"
     return "other"
-
-
-def _parent(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return int(stat.read().rsplit(")", 1)[1].split()[1])
-    except OSError:
-        return None
 
 
 def broker_pid() -> int | None:
@@ -86,19 +66,19 @@ def one_round(url: str, tasks: int, worker_args: list[str]) -> dict[str, object]
 
             queue_probe.wait(queue, lambda d: d.ready < tasks, timeout_s=120, what="start", alive=alive)
             pids = tree(proc.pid)
-            before = {pid: cpu_s(pid) for pid in pids}
-            broker_before = cpu_s(broker) if broker else 0.0
+            before = {pid: cpu_seconds(pid) for pid in pids}
+            broker_before = cpu_seconds(broker) if broker else 0.0
             started = time.perf_counter()
             left = queue_probe.depth(queue).ready
             queue_probe.wait(queue, _drained, timeout_s=300, what="drain", alive=alive)
             seconds = time.perf_counter() - started
             done = left  # the tasks drained while the CPU was being counted
             per_task = {
-                f"{role(pid, proc.pid)}[{pid}]": round((cpu_s(pid) - before[pid]) / done * 1e6, 1)
+                f"{role(pid, proc.pid)}[{pid}]": round((cpu_seconds(pid) - before[pid]) / done * 1e6, 1)
                 for pid in pids
             }
             if broker:
-                per_task["rabbitmq"] = round((cpu_s(broker) - broker_before) / done * 1e6, 1)
+                per_task["rabbitmq"] = round((cpu_seconds(broker) - broker_before) / done * 1e6, 1)
         return {"tasks_per_s": round(done / seconds, 1), "cpu_us_per_task": per_task, "tasks": done}
     finally:
         delete(url, [queue])

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _PROC = Path("/proc")
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,9 +36,16 @@ def _stat(pid: int) -> list[str] | None:
     return stat.rsplit(")", 1)[1].split()
 
 
-def _parent_of(pid: int) -> int | None:
+def parent_of(pid: int) -> int | None:
+    """The parent of ``pid`` (None once it is gone)."""
     fields = _stat(pid)
     return None if fields is None else int(fields[1])
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds ``pid`` has used (0 once it is gone)."""
+    fields = _stat(pid)
+    return 0.0 if fields is None else (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
 
 
 def _alive(pid: int) -> bool:
@@ -50,7 +58,7 @@ def tree(root: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for entry in _PROC.iterdir():
         if entry.name.isdigit():
-            parent = _parent_of(int(entry.name))
+            parent = parent_of(int(entry.name))
             if parent is not None:
                 children.setdefault(parent, []).append(int(entry.name))
     found, todo = [], [root]
