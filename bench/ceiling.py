@@ -61,11 +61,14 @@ def our_call_message(reply_to: str) -> WireMessage:
     return encode_task(message, serializer="msgpack")
 
 
-def our_result_message() -> WireMessage:
+def our_result_message(task_id: str | None = None) -> WireMessage:
     """A no-op task's SUCCESS result as our worker publishes it to ``reply_to`` (``worker.replies``):
     the request's content type (msgpack), the clock header, priority 0, our default delivery mode
-    for results (``Settings.result_persistent``); ``correlation_id`` is the request's."""
-    outcome = Outcome(task_id=TaskMessage.new_id(), status=State.SUCCESS)
+    for results (``Settings.result_persistent``); ``correlation_id`` is the request's.
+
+    For ``task_id``, or a new one where the reply's body does not matter (the ceiling).
+    """
+    outcome = Outcome(task_id=task_id or TaskMessage.new_id(), status=State.SUCCESS)
     body, content_type, content_encoding = codec.encode(outcome.to_wire(), codec.MSGPACK)
     return WireMessage(
         body=body,

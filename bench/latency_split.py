@@ -28,19 +28,22 @@ from pika.adapters.blocking_connection import BlockingChannel
 from pika.spec import Basic, BasicProperties
 
 from bench import ceiling_pika
-from bench.ceiling import PREFETCH, ROOT, reply_queue
+from bench.ceiling import (
+    PREFETCH,
+    ROOT,
+    our_result_message,
+    pika_properties,
+    reply_queue,
+    with_correlation_id,
+)
 from bench.control import vhost
 from bench.ours import Clockwork
 from bench.procs import running
 from bench.queues import Depth, delete, probe
 from bench.scenarios import Shape
 from bench.stats import latency_ms
-from broker_svc import codec
 from broker_svc.ids import uuid4_str
 from broker_svc.logging import configure_logging
-from broker_svc.message import CLOCK_HEADER
-from broker_svc.outcome import Outcome
-from broker_svc.states import State
 
 CLIENTS = ("ours", "pika")
 WORKERS = ("ours", "pika")
@@ -55,18 +58,8 @@ def echo(url: str, queue: str) -> None:
 
     def on_call(ch: BlockingChannel, method: Basic.Deliver, props: BasicProperties, _body: bytes) -> None:
         task_id = str((props.headers or {}).get("id", props.correlation_id))
-        body, content_type, content_encoding = codec.encode(
-            Outcome(task_id=task_id, status=State.SUCCESS).to_wire(), codec.MSGPACK
-        )
-        reply = BasicProperties(
-            content_type=content_type,
-            content_encoding=content_encoding,
-            headers={CLOCK_HEADER: 1},
-            correlation_id=props.correlation_id,
-            priority=0,
-            delivery_mode=1,
-        )
-        ch.basic_publish("", props.reply_to, body, reply)
+        reply = with_correlation_id(our_result_message(task_id), props.correlation_id)
+        ch.basic_publish("", props.reply_to, reply.body, pika_properties(reply))
         ch.basic_ack(method.delivery_tag)
 
     channel.basic_consume(queue, on_call)
@@ -74,12 +67,8 @@ def echo(url: str, queue: str) -> None:
 
 
 def pika_client(url: str, queue: str, calls: int) -> list[float]:
-    """The raw pika client of ``bench.ceiling_pika``, with a reply queue of its own."""
-    replies = reply_queue(queue)
-    try:
-        return ceiling_pika.round_trip(url, queue, replies, calls, fresh_ids=True)
-    finally:
-        delete(url, [replies.name])
+    """The raw pika client of ``bench.ceiling_pika``; ``measure`` deletes its reply queue."""
+    return ceiling_pika.round_trip(url, queue, reply_queue(queue), calls, fresh_ids=True)
 
 
 @contextmanager
@@ -110,7 +99,7 @@ def measure(url: str, client: str, worker: str, calls: int) -> dict[str, float]:
             )
             return latency_ms(call(url, queue, calls))
     finally:
-        delete(url, [queue, f"{queue}.reply"])
+        delete(url, [queue, reply_queue(queue).name])
 
 
 def main() -> int:
