@@ -131,28 +131,23 @@ def _value(value: Any) -> bytes:
     encode = _BY_TYPE.get(type(value))
     if encode is not None:
         return encode(value)
-    return _value_of_subtype(value)
-
-
-def _value_of_subtype(value: Any) -> bytes:
-    # pika's isinstance order, for subclasses (an str enum, a bool is an int ...).
-    if isinstance(value, str):
-        return _long_string(b"S", value.encode())
-    if isinstance(value, bytes):
-        return _long_string(b"x", value)
-    if isinstance(value, bool):
-        return _BOOL.pack(b"t", int(value))
-    if isinstance(value, int):
-        return _int(value)
-    if isinstance(value, decimal.Decimal):
-        return _decimal(value)
-    if isinstance(value, dt.datetime):
-        return _timestamp(value)
-    if isinstance(value, dict):
-        return b"F" + encode_table(value)
-    if isinstance(value, list):
-        return _array(value)
+    # A subclass (an str enum, an int flag ...): pika's isinstance order decides.
+    for kind, encode in _BY_SUBTYPE:
+        if isinstance(value, kind):
+            return encode(value)
     raise TypeError(f"an AMQP header value cannot be a {type(value).__name__}: {value!r:.60}")
+
+
+def _str(value: str) -> bytes:
+    return _long_string(b"S", value.encode())
+
+
+def _bytes(value: bytes) -> bytes:
+    return _long_string(b"x", value)
+
+
+def _bool(value: bool) -> bytes:
+    return _BOOL.pack(b"t", int(value))
 
 
 def _int(value: int) -> bytes:
@@ -181,14 +176,26 @@ def _array(values: list[Any]) -> bytes:
     return _long_string(b"A", b"".join(_value(item) for item in values))
 
 
-_BY_TYPE: Final[dict[type, Callable[[Any], bytes]]] = {
-    str: lambda value: _long_string(b"S", value.encode()),
-    bytes: lambda value: _long_string(b"x", value),
-    bool: lambda value: _BOOL.pack(b"t", int(value)),
-    int: _int,
-    type(None): lambda _value: _VOID,
-    dict: lambda value: b"F" + encode_table(value),
-    list: _array,
-}
+def _nested_table(value: Mapping[str, Any]) -> bytes:
+    return b"F" + encode_table(value)
+
+
+def _void(_value: None) -> bytes:
+    return _VOID
+
+
+# In pika's isinstance order: a bool is an int, so it comes first.
+_BY_SUBTYPE: Final[tuple[tuple[type, Callable[[Any], bytes]], ...]] = (
+    (str, _str),
+    (bytes, _bytes),
+    (bool, _bool),
+    (int, _int),
+    (decimal.Decimal, _decimal),
+    (dt.datetime, _timestamp),
+    (dict, _nested_table),
+    (list, _array),
+)
+# An exact type is found by one lookup (None has no subclass, so it is only here).
+_BY_TYPE: Final[dict[type, Callable[[Any], bytes]]] = {**dict(_BY_SUBTYPE), type(None): _void}
 # Scalars whose encoded entry may be kept (hashable, and equal only when encoded the same).
 _CACHEABLE: Final = frozenset({str, bool, int, type(None)})
