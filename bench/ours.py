@@ -19,7 +19,7 @@ from bench import control, driver
 from bench.driver import Job, Results
 from bench.procs import running
 from bench.scenarios import SLEEP_S, WARMUP_CALLS, Produced, Shape, Task
-from bench.spine import NOOP
+from bench.spine import NOOP, worker_command
 from broker_svc import App, Settings
 from broker_svc.logging import configure_logging
 from broker_svc.task import Signature
@@ -48,11 +48,9 @@ class Clockwork:
         # line would also wake the process reading it, a cost no peer pays. The scenarios wait
         # for its consumer on the queue, so no ``worker_ready`` line is needed.
         concurrency = 2 if shape is Shape.PAIR else self._wide
-        cmd = [
-            sys.executable, "-m", "worker", "-A", "bench.tasks:app", "-c", str(concurrency), "-Q", queue,
-            "-b", self._url, "-l", "info", "-n", f"bench-{queue}@%h", *WORKER_ARGS.split(),
-            *self._extra_worker_args,  # later options win: bench.cpu_split's -l warning, say
-        ]  # fmt: skip
+        # Later options win: bench.cpu_split's -l warning, say.
+        extra = [*WORKER_ARGS.split(), *self._extra_worker_args]
+        cmd = worker_command(self._url, queue, concurrency, extra=extra)
         with running(cmd, env=dict(os.environ), cwd=ROOT) as proc:
             yield proc
 

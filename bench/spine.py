@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import pika
@@ -26,6 +26,17 @@ from broker_svc.task import Signature
 NOOP = "bench.tasks.noop"
 
 
+def worker_command(
+    url: str, queue: str, concurrency: int, *, name: str | None = None, extra: Sequence[str] = ()
+) -> list[str]:
+    """The ``python -m worker`` command line of a benchmark worker at INFO; ``extra`` comes last
+    (later options win)."""
+    return [
+        sys.executable, "-m", "worker", "-A", "bench.tasks:app", "-c", str(concurrency), "-Q", queue,
+        "-b", url, "-l", "info", "-n", name or f"bench-{queue}@%h", *extra,
+    ]  # fmt: skip
+
+
 @contextmanager
 def worker(
     url: str, queue: str, concurrency: int = 2, *, name: str | None = None, lines: list[bytes] | None = None
@@ -35,24 +46,9 @@ def worker(
     ``lines`` collects what it logged up to then (for figures the worker logs itself).
     """
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "worker",
-            "-A",
-            "bench.tasks:app",
-            "-c",
-            str(concurrency),
-            "-Q",
-            queue,
-            "-b",
-            url,
-            "-l",
-            "info",
-            "-n",
-            name or f"bench-{queue}@%h",
-            *os.environ.get("BENCH_WORKER_ARGS", "").split(),
-        ],  # fmt: skip
+        worker_command(
+            url, queue, concurrency, name=name, extra=os.environ.get("BENCH_WORKER_ARGS", "").split()
+        ),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
