@@ -18,6 +18,7 @@ without a ``reply_to`` (enqueue, drain, end to end) are only acked, as before.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import sys
@@ -99,6 +100,18 @@ def pika_properties(wire: WireMessage) -> pika.BasicProperties:
         priority=wire.priority,
         delivery_mode=wire.delivery_mode,
     )
+
+
+def raw_worker_args(module: str, subcommand: str) -> tuple[str, str] | None:
+    """``(broker, queue)`` when this process is ``python -m <module> <subcommand> --broker URL
+    --queue Q`` (a raw worker, started by ``RawSubject.worker`` or ``bench.latency_split``)."""
+    if sys.argv[1:2] != [subcommand]:
+        return None
+    parser = argparse.ArgumentParser(prog=f"python -m {module} {subcommand}")
+    parser.add_argument("--broker", required=True)
+    parser.add_argument("--queue", required=True)
+    args = parser.parse_args(sys.argv[2:])
+    return args.broker, args.queue
 
 
 Producer = Callable[[str, str, int, WireMessage], Produced]

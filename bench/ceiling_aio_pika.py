@@ -13,7 +13,6 @@ the measurement) and all are awaited after the last call.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 import time
@@ -32,6 +31,7 @@ from bench.ceiling import (
     RawSubject,
     our_call_message,
     our_result_message,
+    raw_worker_args,
     with_correlation_id,
 )
 from bench.scenarios import WARMUP_CALLS, Produced
@@ -167,12 +167,9 @@ def round_trip(url: str, queue: str, replies: QueueSpec, calls: int) -> list[flo
 
 
 def main() -> int:
-    if sys.argv[1:2] == ["consume"]:
-        parser = argparse.ArgumentParser(prog="python -m bench.ceiling_aio_pika consume")
-        parser.add_argument("--broker", required=True)
-        parser.add_argument("--queue", required=True)
-        args = parser.parse_args(sys.argv[2:])
-        _run(_consume(args.broker, args.queue))  # until SIGTERM's default action ends it
+    raw = raw_worker_args("bench.ceiling_aio_pika", "consume")
+    if raw is not None:
+        _run(_consume(*raw))  # until SIGTERM's default action ends it
         return 0
     return driver.main(
         SYSTEM,

@@ -14,7 +14,6 @@ our client's pipelined confirms do not have, so the raw pika round trip skips co
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
@@ -34,6 +33,7 @@ from bench.ceiling import (
     our_call_message,
     our_result_message,
     pika_properties,
+    raw_worker_args,
     with_correlation_id,
 )
 from bench.scenarios import WARMUP_CALLS, Produced
@@ -190,12 +190,9 @@ def consume(url: str, queue: str) -> None:
 
 
 def main() -> int:
-    if sys.argv[1:2] == ["consume"]:
-        parser = argparse.ArgumentParser(prog="python -m bench.ceiling_pika consume")
-        parser.add_argument("--broker", required=True)
-        parser.add_argument("--queue", required=True)
-        args = parser.parse_args(sys.argv[2:])
-        consume(args.broker, args.queue)
+    raw = raw_worker_args("bench.ceiling_pika", "consume")
+    if raw is not None:
+        consume(*raw)
         return 0
     return driver.main(
         SYSTEM,

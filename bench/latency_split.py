@@ -33,6 +33,7 @@ from bench.ceiling import (
     ROOT,
     our_result_message,
     pika_properties,
+    raw_worker_args,
     reply_queue,
     with_correlation_id,
 )
@@ -103,12 +104,9 @@ def measure(url: str, client: str, worker: str, calls: int) -> dict[str, float]:
 
 
 def main() -> int:
-    if sys.argv[1:2] == ["echo"]:
-        parser = argparse.ArgumentParser(prog="python -m bench.latency_split echo")
-        parser.add_argument("--broker", required=True)
-        parser.add_argument("--queue", required=True)
-        args = parser.parse_args(sys.argv[2:])
-        echo(args.broker, args.queue)
+    raw = raw_worker_args("bench.latency_split", "echo")
+    if raw is not None:
+        echo(*raw)
         return 0
     parser = argparse.ArgumentParser(prog="python -m bench.latency_split", description=__doc__)
     parser.add_argument(
