@@ -34,12 +34,12 @@ from bench.procs import running
 from bench.queues import RawMessage, declare_plain, delete, publish_raw
 from bench.scenarios import Produced, Shape, Task
 from bench.spine import NOOP
-from broker_svc import codec
-from broker_svc.message import CLOCK_HEADER, TaskMessage, WireMessage, encode_task
-from broker_svc.outcome import Outcome
 from broker_svc.settings import Settings
 from broker_svc.states import State
 from broker_svc.topology import QueueSpec, result_queue
+from broker_svc.wire import codec
+from broker_svc.wire.result_message import Outcome
+from broker_svc.wire.task_message import CLOCK_HEADER, TaskMessage, WireMessage, encode_task
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIRM_WINDOW = 1000
@@ -63,7 +63,7 @@ def our_call_message(reply_to: str) -> WireMessage:
 
 
 def our_result_message(task_id: str | None = None) -> WireMessage:
-    """A no-op task's SUCCESS result as our worker publishes it to ``reply_to`` (``worker.replies``):
+    """A no-op task's SUCCESS result as our worker publishes it to ``reply_to`` (``worker.consume.publish``):
     the request's content type (msgpack), the clock header, priority 0, our default delivery mode
     for results (``Settings.result_persistent``); ``correlation_id`` is the request's.
 

@@ -37,9 +37,9 @@ from bench.ceiling import (
     with_correlation_id,
 )
 from bench.scenarios import WARMUP_CALLS, Produced
-from broker_svc.ids import uuid4_str
-from broker_svc.message import WireMessage
 from broker_svc.topology import QueueSpec
+from broker_svc.wire.ids import uuid4_str
+from broker_svc.wire.task_message import WireMessage
 
 SYSTEM = "pika"
 

@@ -29,7 +29,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from bench.spine import NOOP, parse_args, worker
 from broker_svc import App, Settings, TaskRevokedError
-from control.client import ControlClient
+from control.blocking.client import ControlClient
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -106,7 +106,9 @@ def ping_figures(url: str, workers: int, runs: int) -> dict[str, object]:
             client.inspect("ping", timeout_s=5.0)  # connect and learn the members first
             answered = len(client.inspect("ping", timeout_s=5.0))
             ours = _timed(lambda: client.inspect("ping", timeout_s=5.0), runs)
-        ctl = _cli([sys.executable, "-m", "control.cli", "-b", url, "--timeout", "5", "inspect", "ping"], 5)
+        ctl = _cli(
+            [sys.executable, "-m", "control.cli.main", "-b", url, "--timeout", "5", "inspect", "ping"], 5
+        )
     from celery import Celery
 
     with celery_workers(url, workers, queue):

@@ -24,8 +24,8 @@ from bench.ours import Clockwork
 from bench.procs import cpu_seconds, parent_of, tree
 from bench.queues import Depth, delete, probe
 from bench.scenarios import Shape, Task
-from broker_svc.ids import uuid4_str
 from broker_svc.logging import configure_logging
+from broker_svc.wire.ids import uuid4_str
 
 
 def role(pid: int, root: int) -> str:

@@ -43,8 +43,8 @@ from bench.procs import running
 from bench.queues import Depth, delete, probe
 from bench.scenarios import Shape
 from bench.stats import latency_ms
-from broker_svc.ids import uuid4_str
 from broker_svc.logging import configure_logging
+from broker_svc.wire.ids import uuid4_str
 
 CLIENTS = ("ours", "pika")
 WORKERS = ("ours", "pika")

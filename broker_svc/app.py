@@ -13,11 +13,9 @@ from typing import TYPE_CHECKING, Any, overload
 
 import structlog
 
-from broker_svc import codec
 from broker_svc.clock import LamportClock
+from broker_svc.connection.pending import PendingPublish
 from broker_svc.errors import BrokerSvcError, ConfigurationError, NotRegistered
-from broker_svc.message import TaskMessage
-from broker_svc.pending import PendingPublish
 from broker_svc.result import AsyncResult, ResultStore
 from broker_svc.settings import Settings
 from broker_svc.task import (
@@ -29,6 +27,8 @@ from broker_svc.task import (
     current_request,
 )
 from broker_svc.topology import new_reply_queue_name, result_queue
+from broker_svc.wire import codec
+from broker_svc.wire.task_message import TaskMessage
 
 if TYPE_CHECKING:
     # Imported when the app first publishes: a worker, its forkserver and its children import the

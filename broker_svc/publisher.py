@@ -10,14 +10,14 @@ from collections import deque
 from collections.abc import Sequence
 from types import TracebackType
 
-from broker_svc.channel import Consumer
 from broker_svc.clock import LamportClock
-from broker_svc.connection import BrokerConnection
+from broker_svc.connection.channel import Consumer
+from broker_svc.connection.io_thread import BrokerConnection
+from broker_svc.connection.pending import PendingPublish
 from broker_svc.errors import BrokerSvcError, MessageTooLarge, PublishError
-from broker_svc.message import TaskMessage, WireMessage, encode_task
-from broker_svc.pending import PendingPublish
 from broker_svc.settings import Settings
 from broker_svc.topology import DEFAULT_EXCHANGE, QueueSpec, QueueType, task_queue
+from broker_svc.wire.task_message import TaskMessage, WireMessage, encode_task
 
 __all__ = ["Publisher"]
 

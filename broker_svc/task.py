@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final
 import structlog
 
 from broker_svc.errors import MaxRetriesExceededError, Retry
-from broker_svc.rates import parse_rate
+from broker_svc.wire.rates import parse_rate
 
 if TYPE_CHECKING:
     from broker_svc.app import App

@@ -8,9 +8,9 @@ from broker_svc.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from control.api import Control, Inspect
-    from control.client import BroadcastResult, ControlClient, InspectReply, RevokeResult
-    from control.collect import ReplyCollector
-    from control.members import Membership
+    from control.blocking.client import BroadcastResult, ControlClient, InspectReply, RevokeResult
+    from control.protocol.collector import ReplyCollector
+    from control.protocol.membership import Membership
 
 __all__ = [
     # the Celery-shaped facade (``app.control``)
@@ -31,12 +31,12 @@ __all__ = [
 _EXPORTS = {
     "Control": "control.api",
     "Inspect": "control.api",
-    "BroadcastResult": "control.client",
-    "ControlClient": "control.client",
-    "InspectReply": "control.client",
-    "RevokeResult": "control.client",
-    "Membership": "control.members",
-    "ReplyCollector": "control.collect",
+    "BroadcastResult": "control.blocking.client",
+    "ControlClient": "control.blocking.client",
+    "InspectReply": "control.blocking.client",
+    "RevokeResult": "control.blocking.client",
+    "Membership": "control.protocol.membership",
+    "ReplyCollector": "control.protocol.collector",
 }
 
 

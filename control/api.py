@@ -11,8 +11,8 @@ import structlog
 from broker_svc.clock import LamportClock
 from broker_svc.errors import BrokerSvcError
 from broker_svc.settings import Settings
-from control.client import BroadcastResult, ControlClient
-from control.protocol import Matcher, flatten_replies
+from control.blocking.client import BroadcastResult, ControlClient
+from control.protocol.request import Matcher, flatten_replies
 
 if TYPE_CHECKING:
     from broker_svc.app import App

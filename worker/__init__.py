@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
 __all__ = ["WorkerConfig", "WorkerService"]
 
-# Loaded on first use: the pool's forkserver and children import ``worker.child`` and ``worker.ipc``
+# Loaded on first use: the pool's forkserver and children import ``worker.pool.child`` and ``worker.pool.ipc``
 # only, and would otherwise load the whole service (aio-pika, the control plane, pika) with this
 # package, about 15 MiB in each of those processes.
 _EXPORTS = {"WorkerConfig": "worker.config", "WorkerService": "worker.service"}

@@ -14,25 +14,25 @@ import structlog
 
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
-from control.broadcast import AsyncBroadcaster, declare_members_stream
-from control.node import MailboxNode
-from control.signing import ControlSecurity
-from worker.amqp_compat import install_header_int_guard
-from worker.autoscale import Autoscaler, PoolSizer
-from worker.channel_watch import ConsumeChannelWatch
+from control.aio.broadcaster import AsyncBroadcaster, declare_members_stream
+from control.aio.node import MailboxNode
+from control.protocol.signing import ControlSecurity
+from worker.amqp.channel_watch import ConsumeChannelWatch
+from worker.amqp.connection import connect
+from worker.amqp.header_ints import install_header_int_guard
+from worker.amqp.subscriptions import QueueConsumers
 from worker.config import WorkerConfig, time_limits_over_consumer_timeout
-from worker.connect import connect
-from worker.consumer import TaskConsumer
-from worker.eta import EtaScheduler
+from worker.consume.consumer import TaskConsumer
+from worker.consume.eta import EtaScheduler
+from worker.consume.publish import ReplyPublisher
+from worker.consume.rate_limits import RateLimits
 from worker.events import EventDispatcher, Heart
-from worker.handlers import build_registry, register_pool_commands, register_rate_limit
-from worker.mingle import mingle
-from worker.pool import ProcessPool
-from worker.queue_consumers import QueueConsumers
-from worker.ratelimit import RateLimits
-from worker.replies import ReplyPublisher
-from worker.revocation import Revoker
-from worker.revoked import RevokedSet
+from worker.pool.autoscale import Autoscaler, PoolSizer
+from worker.pool.pool import ProcessPool
+from worker.remote.commands import build_registry, register_pool_commands, register_rate_limit
+from worker.remote.mingle import mingle
+from worker.remote.revoked_set import RevokedSet
+from worker.remote.revoker import Revoker
 
 __all__ = ["WorkerService"]
 
@@ -57,7 +57,7 @@ class WorkerService:
         self._revoked = RevokedSet()
         self._limits = RateLimits.for_tasks(app.tasks)
         self._heart: Heart | None = None
-        # The task queues consumed, on the consume channel (worker.queue_consumers).
+        # The task queues consumed, on the consume channel (worker.amqp.subscriptions).
         self._queues = QueueConsumers(settings=config.settings, consumer=lambda: self._consumer)
         self._sizer: PoolSizer | None = None
         self._autoscaler: Autoscaler | None = None
@@ -102,7 +102,7 @@ class WorkerService:
 
     async def _connect(self, role: str) -> aio_pika.abc.AbstractRobustConnection:
         config = self._config
-        # Failover, backoff while the broker is down, TLS (worker/connect.py).
+        # Failover, backoff while the broker is down, TLS (worker/amqp/connection.py).
         return await connect(
             config.settings,
             connection_name=f"clockwork-worker {config.hostname} {role}",
@@ -265,7 +265,7 @@ class WorkerService:
             watch.cancel()
             revoker.save()
 
-    # -- what control commands change (worker.handlers.ServiceControls) ----------------------------
+    # -- what control commands change (worker.remote.commands.ServiceControls) ----------------------------
 
     async def add_consumer(self, queue: str) -> str:
         """Declare ``queue`` (as Celery does) and consume it."""

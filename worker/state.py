@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from broker_svc.message import TaskMessage, safe_repr
+from broker_svc.wire.task_message import TaskMessage, safe_repr
 
 __all__ = ["Tracked", "WorkerState"]
 

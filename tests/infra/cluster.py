@@ -42,7 +42,7 @@ from tests.infra.rabbitmq_tools import (
     ensure_rabbitmq_installed,
     require_script_dir,
 )
-from tests.waiting import poll
+from tests.support.waiting import poll
 
 __all__ = ["RabbitCluster", "shared_cluster"]
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from tests.infra.node_setup import pid_alive
 from tests.infra.private_node import PrivateNode
 from tests.infra.rabbitmq_tools import RabbitNodeError
-from tests.waiting import poll
+from tests.support.waiting import poll
 
 __all__ = ["ClusterFaults"]
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tests.infra.broker_probe import port_is_free
 from tests.infra.rabbitmq_tools import RabbitNodeError
-from tests.waiting import poll
+from tests.support.waiting import poll
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from tests.infra.rabbitmq_tools import (
     require_script_dir,
     run_rabbitmqctl,
 )
-from tests.waiting import poll
+from tests.support.waiting import poll
 
 log = logging.getLogger(__name__)
 

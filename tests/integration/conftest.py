@@ -5,9 +5,9 @@ from collections.abc import Iterator
 import pytest
 
 from broker_svc import App, Settings
-from tests.amqp import delete_queues
 from tests.infra.session_broker import SessionBroker
-from tests.workers import WorkerProcess, unique_queue
+from tests.support.amqp import delete_queues
+from tests.support.workers import WorkerProcess, unique_queue
 
 
 @pytest.fixture

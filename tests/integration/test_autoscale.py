@@ -18,9 +18,9 @@ import pytest
 from broker_svc import App, Settings, Signature
 from tests.infra.session_broker import SessionBroker
 from tests.integration.test_ctl import ctl, output
-from tests.waiting import wait_for
-from tests.workers import WorkerProcess
-from worker.autoscale import TICK_S
+from tests.support.waiting import wait_for
+from tests.support.workers import WorkerProcess
+from worker.pool.autoscale import TICK_S
 
 pytestmark = pytest.mark.timeout(90)
 

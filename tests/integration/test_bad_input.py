@@ -9,10 +9,11 @@ import time
 import msgpack
 import pytest
 
-from broker_svc import App, codec
-from tests.amqp import channel, delete_queues, drain, publish_raw
-from tests.waiting import wait_for
-from tests.workers import WorkerProcess
+from broker_svc import App
+from broker_svc.wire import codec
+from tests.support.amqp import channel, delete_queues, drain, publish_raw
+from tests.support.waiting import wait_for
+from tests.support.workers import WorkerProcess
 
 VALID_BODY = json.dumps([[1, 2], {}, {}]).encode()
 ADD = "tests.integration.e2e_tasks.add"
@@ -122,7 +123,7 @@ def test_a_task_that_kills_its_child_is_retried_then_dead_lettered(
         result.get(timeout=60)
     assert getattr(info.value, "exc_type", "") == "WorkerLostError"
     dead = wait_for(lambda: drain(test_vhost_url, f"{queue}.dead"), timeout_s=20, message="no dead letter")
-    # One delivery limit for child and worker deaths (worker.deliveries): 1 run + 3 more, then the DLQ.
+    # One delivery limit for child and worker deaths (worker.consume.admission): 1 run + 3 more, then the DLQ.
     assert dead[0].headers["x-clockwork-reason"] == "delivery_limit"
     assert dead[0].headers["x-clockwork-deliveries"] == 3
     assert worker.count("task_child_lost_retrying") == 3

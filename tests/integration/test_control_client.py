@@ -16,11 +16,11 @@ from structlog.testing import capture_logs
 from broker_svc import App, BrokerUnavailable, Settings
 from broker_svc.topology import EVENT_EXCHANGE, members_stream, revocation_log
 from control import ControlClient
-from control.protocol import MARKER_HEADER
-from control.revocations import LOGGED_HEADER, RevokeEntry
-from tests.amqp import channel
-from tests.waiting import wait_for
-from tests.workers import WorkerProcess
+from control.protocol.request import MARKER_HEADER
+from control.protocol.revoke_log import LOGGED_HEADER, RevokeEntry
+from tests.support.amqp import channel
+from tests.support.waiting import wait_for
+from tests.support.workers import WorkerProcess
 
 ADD = "tests.integration.e2e_tasks.add"
 

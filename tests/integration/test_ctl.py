@@ -21,12 +21,12 @@ import pytest
 from broker_svc import Settings
 from broker_svc.topology import EVENT_EXCHANGE, revocation_log
 from control import ControlClient
-from control.cli import build_parser
-from control.protocol import MARKER_HEADER
-from control.revocations import RevokeEntry
-from tests.amqp import channel
-from tests.waiting import wait_for
-from tests.workers import ROOT, WorkerProcess
+from control.cli.main import build_parser
+from control.protocol.request import MARKER_HEADER
+from control.protocol.revoke_log import RevokeEntry
+from tests.support.amqp import channel
+from tests.support.waiting import wait_for
+from tests.support.workers import ROOT, WorkerProcess
 
 CTL = str(Path(sys.executable).parent / "ctl")
 HEARTBEAT_S = 2.0  # the workers' heartbeat interval (worker/events.py)

@@ -13,16 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from broker_svc import App, AsyncResult, Publisher, Settings, Signature, TaskMessage, TaskRevokedError, codec
+from broker_svc import App, AsyncResult, Publisher, Settings, Signature, TaskMessage, TaskRevokedError
 from broker_svc.clock import LamportClock
-from broker_svc.message import encode_task
-from broker_svc.pending import PendingPublish
+from broker_svc.connection.pending import PendingPublish
 from broker_svc.topology import DEFAULT_EXCHANGE, delay_queue, task_queue
-from tests.amqp import channel, delete_queues, drain, queue_depth, queue_exists
+from broker_svc.wire import codec
+from broker_svc.wire.task_message import encode_task
 from tests.infra.rabbitmq_tools import Rabbitmqctl
 from tests.infra.session_broker import SessionBroker
-from tests.waiting import wait_for
-from tests.workers import WorkerProcess, unique_queue
+from tests.support.amqp import channel, delete_queues, drain, queue_depth, queue_exists
+from tests.support.waiting import wait_for
+from tests.support.workers import WorkerProcess, unique_queue
 
 STARTED_AT = "tests.integration.e2e_tasks.started_at"
 ADD = "tests.integration.e2e_tasks.add"

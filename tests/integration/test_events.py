@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import pytest
 
 from broker_svc import App
-from tests.events import EventTap
-from tests.pidbox import call, cast
-from tests.workers import WorkerProcess
+from tests.support.events import EventTap
+from tests.support.pidbox import call, cast
+from tests.support.workers import WorkerProcess
 
 
 @pytest.fixture

@@ -6,10 +6,10 @@ import time
 
 from broker_svc import App, Settings
 from broker_svc.task import Signature
-from tests.amqp import delete_queues
-from tests.pidbox import call
-from tests.waiting import wait_for
-from tests.workers import WorkerProcess, unique_queue
+from tests.support.amqp import delete_queues
+from tests.support.pidbox import call
+from tests.support.waiting import wait_for
+from tests.support.workers import WorkerProcess, unique_queue
 
 TIMED = "tests.integration.e2e_tasks.timed"
 NOOP = "tests.integration.e2e_tasks.noop"

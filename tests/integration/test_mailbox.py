@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import pytest
 
 from broker_svc import Settings
-from tests.pidbox import call
-from tests.waiting import wait_for
-from tests.workers import ROOT, WorkerProcess
+from tests.support.pidbox import call
+from tests.support.waiting import wait_for
+from tests.support.workers import ROOT, WorkerProcess
 
 
 @pytest.fixture

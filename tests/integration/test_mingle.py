@@ -12,10 +12,10 @@ from typing import Any
 import pika
 import pytest
 
-from control.revocations import LOGGED_HEADER
-from tests.amqp import channel
-from tests.pidbox import call
-from tests.workers import WorkerProcess
+from control.protocol.revoke_log import LOGGED_HEADER
+from tests.support.amqp import channel
+from tests.support.pidbox import call
+from tests.support.workers import WorkerProcess
 
 
 def _mingle(worker: WorkerProcess) -> dict[str, Any]:

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from tests.waiting import async_wait_for, wait_for
-from worker.child import send_update
-from worker.pool import Job, JobOutcome, JobStatus, PoolClosedError, ProcessPool
+from tests.support.waiting import async_wait_for, wait_for
+from worker.pool.child import send_update
+from worker.pool.pool import Job, JobOutcome, JobStatus, PoolClosedError, ProcessPool
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -303,7 +303,7 @@ async def test_start_reports_an_app_that_cannot_be_loaded() -> None:
 
 _ORPHAN_SCRIPT = f"""
 import asyncio, multiprocessing
-from worker.pool import Job, ProcessPool
+from worker.pool.pool import Job, ProcessPool
 
 async def main():
     sleeping = asyncio.Event()

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from tests.integration.test_pool import alive, make_job, run, until
-from worker.pool import JobStatus, PoolClosedError, ProcessPool
+from worker.pool.pool import JobStatus, PoolClosedError, ProcessPool
 
 pytestmark = pytest.mark.timeout(60)
 

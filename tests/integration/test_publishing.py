@@ -12,9 +12,9 @@ from urllib.parse import unquote, urlsplit
 import pytest
 
 from broker_svc import App, PublishError, Settings
-from tests.amqp import drain, queue_depth
-from tests.waiting import wait_for
-from tests.workers import ROOT, WorkerProcess
+from tests.support.amqp import drain, queue_depth
+from tests.support.waiting import wait_for
+from tests.support.workers import ROOT, WorkerProcess
 
 
 def _vhost(url: str) -> str:

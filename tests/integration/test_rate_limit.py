@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 
 from broker_svc import App
-from tests.pidbox import call
-from tests.workers import WorkerProcess
+from tests.support.pidbox import call
+from tests.support.workers import WorkerProcess
 
 LIMITED = "tests.integration.e2e_tasks.limited"
 ADD = "tests.integration.e2e_tasks.add"

@@ -6,10 +6,10 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 
-from tests.events import EventTap
-from tests.pidbox import call
-from tests.waiting import wait_for
-from tests.workers import WorkerProcess
+from tests.support.events import EventTap
+from tests.support.pidbox import call
+from tests.support.waiting import wait_for
+from tests.support.workers import WorkerProcess
 
 
 def test_a_reconnected_worker_says_online_again_mingles_and_answers(

@@ -12,12 +12,12 @@ from pika.adapters.blocking_connection import BlockingChannel
 
 from broker_svc import App, State, TaskRevokedError
 from broker_svc.topology import revocation_log
-from control.revocations import RevokeEntry
-from tests.amqp import channel
-from tests.events import EventTap
-from tests.pidbox import call
-from tests.waiting import wait_for
-from tests.workers import WorkerProcess
+from control.protocol.revoke_log import RevokeEntry
+from tests.support.amqp import channel
+from tests.support.events import EventTap
+from tests.support.pidbox import call
+from tests.support.waiting import wait_for
+from tests.support.workers import WorkerProcess
 
 RECORD = "tests.integration.e2e_tasks.record"
 SLEEP = "tests.integration.e2e_tasks.sleep_s"

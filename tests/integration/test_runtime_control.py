@@ -6,10 +6,10 @@ import json
 import subprocess
 
 from broker_svc import App
-from tests.amqp import channel, delete_queues, queue_depth
-from tests.cli import run_ctl
-from tests.waiting import wait_for
-from tests.workers import WorkerProcess, unique_queue
+from tests.support.amqp import channel, delete_queues, queue_depth
+from tests.support.cli import run_ctl
+from tests.support.waiting import wait_for
+from tests.support.workers import WorkerProcess, unique_queue
 
 ADD = "tests.integration.e2e_tasks.add"
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 
 from broker_svc import App
-from tests.amqp import queue_depth
-from tests.waiting import wait_for
-from tests.workers import WorkerProcess
+from tests.support.amqp import queue_depth
+from tests.support.waiting import wait_for
+from tests.support.workers import WorkerProcess
 
 SLEEP = "tests.integration.e2e_tasks.sleep_s"
 

@@ -9,9 +9,9 @@ import pytest
 
 from broker_svc import App, PublishError, ResultTimeout, Settings, TaskError
 from broker_svc.errors import MessageTooLarge
-from tests.amqp import drain, publish_raw, queue_depth
-from tests.waiting import wait_for
-from tests.workers import WorkerProcess
+from tests.support.amqp import drain, publish_raw, queue_depth
+from tests.support.waiting import wait_for
+from tests.support.workers import WorkerProcess
 
 
 def test_a_thousand_tasks_round_trip_with_correct_results(client: App, queue: str, worker: WorkerProcess):
@@ -82,7 +82,7 @@ def test_oversized_tasks_are_refused_before_publishing(test_vhost_url: str, queu
 
 def test_a_publish_the_broker_refuses_surfaces_on_get_and_flush(test_vhost_url: str, client: App):
     # A queue declared with other arguments makes our declare fail (406): nothing may be lost silently.
-    from tests.amqp import channel, delete_queues
+    from tests.support.amqp import channel, delete_queues
 
     name = f"conflict-{time.monotonic_ns()}"
     with channel(test_vhost_url) as ch:
@@ -120,7 +120,7 @@ def test_the_worker_clock_moves_past_any_clock_it_receives(
     test_vhost_url: str, queue: str, worker: WorkerProcess
 ):
     reply = f"reply-{time.monotonic_ns()}"
-    from tests.amqp import channel, delete_queues
+    from tests.support.amqp import channel, delete_queues
 
     with channel(test_vhost_url) as ch:
         ch.queue_declare(reply, durable=False, exclusive=False, auto_delete=False)

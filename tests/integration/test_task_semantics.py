@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from broker_svc import App, ResultTimeout, TaskError, TaskRevokedError
-from tests.amqp import drain, queue_depth
-from tests.waiting import wait_for
-from tests.workers import WorkerProcess
+from tests.support.amqp import drain, queue_depth
+from tests.support.waiting import wait_for
+from tests.support.workers import WorkerProcess
 
 T = "tests.integration.semantics_tasks."
 

@@ -11,7 +11,7 @@ from typing import IO
 
 import pytest
 
-from tests.waiting import wait_for
+from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tests.waiting import wait_for
+from tests.support.waiting import wait_for
 
 
 def free_port() -> int:

@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 
 from broker_svc import App, Settings
-from tests.amqp import delete_queues
-from tests.waiting import wait_for
-from tests.workers import ROOT, WorkerProcess, unique_queue
+from tests.support.amqp import delete_queues
+from tests.support.waiting import wait_for
+from tests.support.workers import ROOT, WorkerProcess, unique_queue
 
 pytestmark = pytest.mark.interop
 
@@ -120,7 +120,7 @@ def test_celery_inspect_reserved_lists_the_task_waiting_behind_it(busy_node: Nod
 
 def test_celery_inspect_scheduled_answers_without_the_parked_eta_task(busy_node: Node):
     # Unlike Celery, our worker holds in memory only tasks due within DELAY_HOLD_WINDOW_S; one due in
-    # ten minutes waits in the broker (parked in a delay queue once delivered, worker/eta.py), so
+    # ten minutes waits in the broker (parked in a delay queue once delivered, worker/consume/eta.py), so
     # `scheduled` is an empty list, not the [{eta, priority, request}] Celery would show.
     assert "- empty -" in busy_node.cli("inspect", "scheduled")
     assert busy_node.cli_json("inspect", "scheduled") == []

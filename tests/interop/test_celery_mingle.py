@@ -7,8 +7,8 @@ import uuid
 from collections.abc import Callable
 
 from tests.interop.conftest import celery_node_name
-from tests.pidbox import call
-from tests.workers import WorkerProcess, unique_queue
+from tests.support.pidbox import call
+from tests.support.workers import WorkerProcess, unique_queue
 
 
 def test_our_new_worker_learns_from_a_celery_worker(

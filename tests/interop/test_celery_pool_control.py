@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from tests.waiting import wait_for
-from tests.workers import ROOT, WorkerProcess, unique_queue
+from tests.support.waiting import wait_for
+from tests.support.workers import ROOT, WorkerProcess, unique_queue
 
 pytestmark = pytest.mark.interop
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tests.workers import ROOT, WorkerProcess, unique_queue
+from tests.support.workers import ROOT, WorkerProcess, unique_queue
 
 LIMITED = "tests.integration.e2e_tasks.limited"
 

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from broker_svc import App, Settings, TaskError, TaskRevokedError
-from tests.amqp import delete_queues
-from tests.workers import WorkerProcess, unique_queue
+from tests.support.amqp import delete_queues
+from tests.support.workers import WorkerProcess, unique_queue
 
 pytestmark = pytest.mark.interop
 T = "tests.integration.semantics_tasks."

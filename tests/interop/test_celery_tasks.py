@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from broker_svc import App, Settings
-from tests.amqp import delete_queues
-from tests.workers import WorkerProcess, unique_queue
+from tests.support.amqp import delete_queues
+from tests.support.workers import WorkerProcess, unique_queue
 
 pytestmark = pytest.mark.interop
 ADD = "tests.integration.e2e_tasks.add"

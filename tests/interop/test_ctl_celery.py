@@ -7,10 +7,10 @@ import subprocess
 import uuid
 from collections.abc import Callable
 
-from tests.cli import run_ctl
 from tests.interop.conftest import celery_node_name
-from tests.pidbox import call
-from tests.workers import unique_queue
+from tests.support.cli import run_ctl
+from tests.support.pidbox import call
+from tests.support.workers import unique_queue
 
 
 def test_ctl_inspects_and_revokes_on_a_celery_worker(

@@ -28,11 +28,11 @@ from typing import Any
 import pytest
 
 from broker_svc import App, Settings
-from tests.amqp import delete_queues
 from tests.interop.browser import dump_dom, screenshot, summarize_png
 from tests.interop.flower import FlowerProcess
-from tests.waiting import poll, wait_for
-from tests.workers import ROOT, WorkerProcess, unique_queue
+from tests.support.amqp import delete_queues
+from tests.support.waiting import poll, wait_for
+from tests.support.workers import ROOT, WorkerProcess, unique_queue
 
 pytestmark = pytest.mark.interop
 

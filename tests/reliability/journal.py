@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.waiting import poll
+from tests.support.waiting import poll
 
 __all__ = [
     "JOURNAL_ENV",

@@ -24,16 +24,17 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from broker_svc import App, LamportClock, Publisher, Settings, codec
+from broker_svc import App, LamportClock, Publisher, Settings
+from broker_svc.connection.pending import PendingPublish
 from broker_svc.errors import MessageError
-from broker_svc.message import WireMessage, decode_task
-from broker_svc.pending import PendingPublish
 from broker_svc.topology import DEFAULT_EXCHANGE, task_queue
-from tests.amqp import channel, delete_queues, drain, publish_raw, queue_depth
+from broker_svc.wire import codec
+from broker_svc.wire.task_message import WireMessage, decode_task
 from tests.reliability.delivery_tasks import PICKLE_SPY_ENV
 from tests.reliability.journal import SIZES, Journal, report
-from tests.waiting import wait_for
-from tests.workers import ROOT, WorkerProcess, unique_queue
+from tests.support.amqp import channel, delete_queues, drain, publish_raw, queue_depth
+from tests.support.waiting import wait_for
+from tests.support.workers import ROOT, WorkerProcess, unique_queue
 
 APP = "tests.reliability.delivery_tasks:app"
 MAX_BODY = 1 << 20  # the fuzzed worker's max_body_bytes: "huge" bodies go up to it and just over

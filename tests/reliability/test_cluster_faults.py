@@ -23,14 +23,14 @@ import pika.exceptions
 import pytest
 
 from broker_svc import LamportClock, Publisher, PublishError, Settings, TaskMessage
-from broker_svc.pending import PendingPublish
+from broker_svc.connection.pending import PendingPublish
 from broker_svc.settings import ConfirmMode
 from broker_svc.topology import task_queue
 from tests.infra.cluster import RabbitCluster
 from tests.infra.rabbitmq_tools import RabbitNodeError
 from tests.reliability.journal import SIZES, Journal, Verdict, check, report
-from tests.waiting import poll, wait_for
-from tests.workers import WorkerProcess
+from tests.support.waiting import poll, wait_for
+from tests.support.workers import WorkerProcess
 
 # Short client timeouts so each fault costs seconds (the defaults are 30 s each).
 CONFIRM_TIMEOUT_S = 5.0

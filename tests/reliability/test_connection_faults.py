@@ -18,15 +18,15 @@ from collections.abc import Iterator
 import pytest
 
 from broker_svc import App, BrokerBlocked, LamportClock, MessageTooLarge, Publisher, Settings, TaskMessage
+from broker_svc.connection.pending import PendingPublish
 from broker_svc.errors import BrokerSvcError, Unroutable
-from broker_svc.pending import PendingPublish
-from tests.amqp import delete_queues, drain, queue_depth
-from tests.cli import run_ctl
 from tests.infra.node_setup import find_free_amqp_port
 from tests.infra.private_node import PrivateNode
 from tests.reliability.journal import report
-from tests.waiting import wait_for
-from tests.workers import WorkerProcess, unique_queue
+from tests.support.amqp import delete_queues, drain, queue_depth
+from tests.support.cli import run_ctl
+from tests.support.waiting import wait_for
+from tests.support.workers import WorkerProcess, unique_queue
 
 CONFIRM_TIMEOUT_S = 2.0
 

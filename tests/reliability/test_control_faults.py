@@ -22,14 +22,14 @@ import pytest
 
 from broker_svc import App, Settings, TaskRevokedError
 from broker_svc.clock import MAX_CLOCK
-from control.client import ControlClient
-from control.revocations import LOGGED_HEADER
-from tests.amqp import channel
+from control.blocking.client import ControlClient
+from control.protocol.revoke_log import LOGGED_HEADER
 from tests.infra.session_broker import SessionBroker
-from tests.pidbox import call
 from tests.reliability.journal import Journal, check, report
-from tests.waiting import wait_for
-from tests.workers import WorkerProcess, unique_queue
+from tests.support.amqp import channel
+from tests.support.pidbox import call
+from tests.support.waiting import wait_for
+from tests.support.workers import WorkerProcess, unique_queue
 
 APP = "tests.reliability.journal_tasks:app"
 NOOP = "journal.noop"

@@ -18,14 +18,14 @@ import pytest
 
 from broker_svc import App, Settings
 from broker_svc.topology import node_queue
-from control.client import ControlClient
-from control.signing import ControlSecurity
-from tests.amqp import channel
+from control.blocking.client import ControlClient
+from control.protocol.signing import ControlSecurity
 from tests.infra.private_node import PrivateNode
 from tests.infra.session_broker import SessionBroker
 from tests.reliability.journal import report
-from tests.waiting import wait_for
-from tests.workers import WorkerProcess, unique_queue
+from tests.support.amqp import channel
+from tests.support.waiting import wait_for
+from tests.support.workers import WorkerProcess, unique_queue
 
 KEY = "s3-test-key-" + uuid.uuid4().hex
 PIDBOX = "celery.pidbox"

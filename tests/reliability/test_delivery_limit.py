@@ -2,7 +2,7 @@
 
 The poison either kills the child running it or the whole worker; a supervisor loop here restarts
 the worker each time it dies, as systemd or Kubernetes would. Classic and quorum queues both: the
-count travels with the message (worker.deliveries), so it survives the restarts.
+count travels with the message (worker.consume.admission), so it survives the restarts.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import pytest
 
 from broker_svc import App, Settings
 from broker_svc.topology import task_queue
-from tests.amqp import channel, delete_queues, drain, queue_depth
 from tests.reliability.journal import Journal, check, report
-from tests.waiting import poll
-from tests.workers import WorkerProcess, unique_queue
+from tests.support.amqp import channel, delete_queues, drain, queue_depth
+from tests.support.waiting import poll
+from tests.support.workers import WorkerProcess, unique_queue
 
 APP = "tests.reliability.delivery_tasks:app"
 LIMIT = 3  # the default delivery_limit

@@ -19,8 +19,8 @@ import pytest
 
 from tests.infra.node_setup import find_free_amqp_port
 from tests.reliability.journal import report
-from tests.waiting import wait_for
-from tests.workers import ROOT, WorkerProcess, unique_queue
+from tests.support.waiting import wait_for
+from tests.support.workers import ROOT, WorkerProcess, unique_queue
 
 CANARY = "canary-Pw-7f3a9c"
 
@@ -42,7 +42,7 @@ _CLIENT_SCRIPT = textwrap.dedent(
     import logging, sys, traceback
     from broker_svc import App, BrokerSvcError, Settings
     from broker_svc.logging import configure_logging
-    from control.client import ControlClient
+    from control.blocking.client import ControlClient
 
     configure_logging("debug", json=True)
     for noisy in ("pika", "aio_pika", "aiormq"):
@@ -77,7 +77,7 @@ def _run_client(url: str) -> str:
 
 def _run_ctl(url: str) -> str:
     proc = subprocess.run(
-        [sys.executable, "-m", "control.cli", "inspect", "ping", "-b", url, "--timeout", "2"],
+        [sys.executable, "-m", "control.cli.main", "inspect", "ping", "-b", url, "--timeout", "2"],
         capture_output=True, text=True, timeout=90, cwd=ROOT,
         env={k: v for k, v in os.environ.items() if not k.startswith("CLOCKWORK_")},
     )  # fmt: skip

@@ -23,11 +23,11 @@ import pytest
 
 from broker_svc import App, Settings, Signature
 from broker_svc.errors import PublishError
-from tests.amqp import delete_queues
 from tests.infra.private_node import PrivateNode
 from tests.reliability.journal import SIZES, Journal, Verdict, check, report
-from tests.waiting import poll, wait_for
-from tests.workers import WorkerProcess, unique_queue
+from tests.support.amqp import delete_queues
+from tests.support.waiting import poll, wait_for
+from tests.support.workers import WorkerProcess, unique_queue
 from worker.config import WorkerConfig, time_limits_over_consumer_timeout
 
 JOURNAL_APP = "tests.reliability.journal_tasks:app"

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker_svc.amqp_fields import encode_properties, encode_table
+from broker_svc.wire.amqp_fields import encode_properties, encode_table
 
 _names = st.text(min_size=0, max_size=20)
 _scalars = (

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from broker_svc import Settings
-from worker.autoscale import decide
 from worker.config import WorkerConfig, parse_autoscale, prefetch_for
+from worker.pool.autoscale import decide
 
 
 def in_1_to_4(*, size: int, waiting: int, spare_for_s: float) -> int:

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from broker_svc import codec
 from broker_svc.errors import ContentDisallowed, DecodeError, MessageTooLarge
+from broker_svc.wire import codec
 
 ACCEPT = codec.accept_set(["msgpack", "json"])
 

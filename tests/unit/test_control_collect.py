@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from structlog.testing import capture_logs
 
-from control.collect import ReplyCollector
+from control.protocol.collector import ReplyCollector
 
 T = "ticket-1"
 

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from control.commands import COMMANDS, CommandKind, CommandRegistry
+from control.protocol.commands import COMMANDS, CommandKind, CommandRegistry
 
 
 async def test_dispatch_binds_arguments_and_fills_defaults():

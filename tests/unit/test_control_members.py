@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from control.members import Membership
+from control.protocol.membership import Membership
 
 
 def ev(kind="worker-heartbeat", host="a@h", ts=1000.0, **extra):

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from broker_svc.errors import MessageError
-from control.protocol import ControlRequest, ReplyAddress, flatten_replies
+from control.protocol.request import ControlRequest, ReplyAddress, flatten_replies
 
 
 def test_a_call_round_trips_in_celerys_body_shape():

@@ -1,4 +1,4 @@
-"""Signed control messages (control.signing): what passes, what is refused and why."""
+"""Signed control messages (control.protocol.signing): what passes, what is refused and why."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from broker_svc.settings import Settings
-from control.signing import (
+from control.protocol.signing import (
     NONCE_HEADER,
     SIGNATURE_HEADER,
     TIMESTAMP_HEADER,

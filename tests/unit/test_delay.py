@@ -6,8 +6,7 @@ import math
 
 import pytest
 
-from broker_svc.message import WireMessage
-from broker_svc.pending import PendingPublish
+from broker_svc.connection.pending import PendingPublish
 from broker_svc.topology import (
     DELAY_HOLD_WINDOW_S,
     MAX_DELAY_BUCKET_MS,
@@ -16,6 +15,7 @@ from broker_svc.topology import (
     delay_queue,
     task_queue,
 )
+from broker_svc.wire.task_message import WireMessage
 
 
 @pytest.mark.parametrize(

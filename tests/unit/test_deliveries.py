@@ -1,4 +1,4 @@
-"""Delivery counting and the dedupe window (worker.deliveries), pure parts."""
+"""Delivery counting and the dedupe window (worker.consume.admission), pure parts."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from broker_svc.errors import ConfigurationError
 from broker_svc.settings import Settings
-from worker.deliveries import (
+from worker.consume.admission import (
     BROKER_COUNT_HEADER,
     DELIVERIES_HEADER,
     DedupeWindow,

@@ -7,7 +7,7 @@ import inspect
 import pika
 import pika.connection
 
-from broker_svc.gathering import GatheringConnection
+from broker_svc.connection.pika_internals import GatheringConnection
 
 
 def test_pika_still_routes_every_frame_through_the_overridden_method() -> None:

@@ -6,7 +6,7 @@ import os
 import threading
 import uuid
 
-from broker_svc.ids import uuid4_str
+from broker_svc.wire.ids import uuid4_str
 
 
 def test_an_id_is_a_uuid4_in_its_canonical_form() -> None:

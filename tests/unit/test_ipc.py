@@ -8,7 +8,7 @@ import msgpack
 import pytest
 
 from broker_svc.errors import DecodeError, MessageTooLarge
-from worker.ipc import (
+from worker.pool.ipc import (
     HEADER,
     MAX_FRAME_BYTES,
     Job,

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from broker_svc.errors import MessageError, NotRegistered, TaskError, TaskRevokedError
-from broker_svc.outcome import Outcome, exception_from_wire, exception_to_wire, wire_exception
+from broker_svc.wire.result_message import Outcome, exception_from_wire, exception_to_wire, wire_exception
 
 
 def test_exception_map_has_celerys_shape():

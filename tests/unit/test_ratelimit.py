@@ -12,8 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from broker_svc import App, Task
-from broker_svc.rates import parse_rate
-from worker.ratelimit import RateLimits
+from broker_svc.wire.rates import parse_rate
+from worker.consume.rate_limits import RateLimits
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EPS = 1e-9
@@ -268,8 +268,8 @@ def test_a_bad_rate_limit_on_a_base_class_fails_at_decoration():
 
 
 async def test_the_rate_limit_command_answers_as_celery_does():
-    from control.commands import CommandRegistry
-    from worker.handlers import register_rate_limit
+    from control.protocol.commands import CommandRegistry
+    from worker.remote.commands import register_rate_limit
 
     app = App("t")
 
@@ -303,7 +303,7 @@ async def test_the_rate_limit_command_answers_as_celery_does():
 
 
 def test_the_rate_modules_do_no_io():
-    for path in ("broker_svc/rates.py", "worker/ratelimit.py"):
+    for path in ("broker_svc/wire/rates.py", "worker/consume/rate_limits.py"):
         tree = ast.parse((ROOT / path).read_text())
         tops = {
             name.split(".")[0]

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import time
 
-from worker.revoked import RevokedSet
+from worker.remote.revoked_set import RevokedSet
 
 
 def test_ids_are_remembered_up_to_maxlen_oldest_first_out():

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from worker.slots import FairSlots
+from worker.consume.slots import FairSlots
 
 
 async def _order_of_grants(slots: FairSlots, requests: list[tuple[str, str]]) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from broker_svc.message import TaskMessage
+from broker_svc.wire.task_message import TaskMessage
 from worker.state import Tracked, WorkerState
 
 DELIVERY = {"exchange": "", "routing_key": "q", "priority": 0, "redelivered": False}

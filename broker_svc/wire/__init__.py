@@ -1,0 +1,1 @@
+"""Celery's formats, pure: task and result messages, codecs, AMQP fields, ids, rate strings."""

@@ -1,0 +1,1 @@
+"""What a worker runs of the control plane (aio-pika): the mailbox node, its own broadcasts, declares."""

@@ -1,0 +1,1 @@
+"""``ctl``: the command line over the blocking control client."""

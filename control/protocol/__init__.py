@@ -1,0 +1,1 @@
+"""The mailbox vocabulary, pure: requests, commands, reply collection, membership, revoke log, signing."""

@@ -1,0 +1,1 @@
+"""Helpers shared by the test suites: workers, waits, AMQP, the mailbox, events, the CLI."""

@@ -1,0 +1,117 @@
+"""The task-queue consumers: which task queues the worker consumes on its consume channel, and how.
+
+The worker consumes each of its task queues with one consumer on the consume channel; control
+commands add and cancel them (``add_consumer``, ``cancel_consumer``) and the pool sizer changes their
+prefetch, which means subscribing each queue anew. ``QueueConsumers`` holds the queue → consumer-tag
+map and the lock those changes take, so a change never races another or the consumer watchdog
+(worker.amqp.channel_watch), which reads the map. It is apart from the service because it is the one
+piece of state about the consume channel's subscriptions, with its own invariant (one consumer per
+queue, every one at the current prefetch); the service only wires it up and forwards commands.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import aio_pika
+import aio_pika.abc
+import structlog
+
+from broker_svc.settings import Settings
+from broker_svc.topology import dead_letter_queue, task_queue
+from control.aio.declare import declare_queue
+
+if TYPE_CHECKING:
+    from worker.consume.consumer import TaskConsumer
+
+__all__ = ["QueueConsumers"]
+
+log = structlog.get_logger(__name__)
+
+
+class QueueConsumers:
+    """The consumers of the worker's task queues on its consume channel.
+
+    Args:
+        settings: the client settings (each queue is declared with its configured type).
+        consumer: returns the task consumer, None until the service has made it.
+    """
+
+    def __init__(self, *, settings: Settings, consumer: Callable[[], TaskConsumer | None]) -> None:
+        self._settings = settings
+        self._consumer = consumer
+        self._channel: aio_pika.abc.AbstractChannel | None = None
+        # Task queues consumed now: name → (queue, consumer tag).
+        self._consuming: dict[str, tuple[aio_pika.abc.AbstractQueue, str]] = {}
+        # Held while consumers are added, cancelled or re-subscribed (a new prefetch).
+        self._consumers_lock = asyncio.Lock()
+
+    def attach(self, channel: aio_pika.abc.AbstractChannel) -> None:
+        """Consume on ``channel`` (the consume channel, its per-consumer QoS already set)."""
+        self._channel = channel
+
+    def tags(self) -> dict[str, str]:
+        """The consumer tag of each task queue consumed now."""
+        return {queue: tag for queue, (_, tag) in self._consuming.items()}
+
+    def changing(self) -> bool:
+        """Whether consumers are being added, cancelled or re-subscribed right now."""
+        return self._consumers_lock.locked()
+
+    async def add(self, queue: str) -> str:
+        """Declare ``queue`` (as Celery does) and consume it."""
+        channel, consumer = self._channel, self._consumer()
+        assert channel is not None and consumer is not None
+        if queue in self._consuming:
+            return f"already consuming from {queue!r}"
+        await declare_queue(channel, dead_letter_queue(queue))
+        queue_type = self._settings.queue_type(queue)  # as the clients declare it
+        declared = await declare_queue(channel, task_queue(queue, queue_type=queue_type))
+        async with self._consumers_lock:
+            tag = await declared.consume(consumer.for_queue(queue))
+            self._consuming[queue] = (declared, tag)
+        log.info("consumer_added", queue=queue)
+        return f"add consumer {queue}"
+
+    async def cancel(self, queue: str) -> str:
+        """Stop consuming ``queue``; deliveries already taken still run."""
+        async with self._consumers_lock:
+            entry = self._consuming.pop(queue, None)
+            if entry is None:
+                return f"not consuming from {queue}"
+            declared, tag = entry
+            try:
+                await declared.cancel(tag)
+            except aio_pika.exceptions.AMQPError as exc:
+                log.warning("consumer_cancel_failed", queue=queue, error=str(exc))
+        log.info("consumer_cancelled", queue=queue)
+        return f"no longer consuming from {queue}"
+
+    async def set_prefetch(self, count: int) -> None:
+        """Give every task-queue consumer a per-consumer prefetch of ``count`` (never a global QoS).
+
+        basic.qos binds only consumers created after it, so each queue is consumed anew, then its
+        old consumer cancelled. Deliveries the old one took stay ours and are acked on this channel
+        as usual; the broker no longer counts them against the new consumer, so until they finish
+        the worker may hold them on top of the new prefetch.
+        """
+        channel, consumer = self._channel, self._consumer()
+        assert channel is not None and consumer is not None
+        async with self._consumers_lock:
+            try:
+                await channel.set_qos(prefetch_count=count)  # per consumer (global=False)
+                for queue, (declared, old_tag) in list(self._consuming.items()):
+                    tag = await declared.consume(consumer.for_queue(queue))
+                    self._consuming[queue] = (declared, tag)
+                    await declared.cancel(old_tag)
+            except (aio_pika.exceptions.AMQPError, aio_pika.exceptions.ChannelInvalidStateError) as exc:
+                # The robust channel restores the new QoS, then the consumers, once it reconnects.
+                log.warning("prefetch_change_failed", prefetch=count, error=str(exc))
+                return
+        log.info("prefetch_changed", prefetch=count, queues=list(self._consuming))
+
+    def consuming(self) -> list[str]:
+        """The task queues consumed now."""
+        return list(self._consuming)

@@ -1,0 +1,1 @@
+"""One delivery: decode, admit, wait for a child, run, settle."""

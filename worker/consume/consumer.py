@@ -1,0 +1,369 @@
+"""The consumer: one delivery → validate → a free child → result → ack (or dead-letter)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Final
+
+import aio_pika
+import aio_pika.abc
+import structlog
+from structlog.contextvars import bind_contextvars
+
+from broker_svc.app import App
+from broker_svc.clock import LamportClock
+from broker_svc.errors import MessageError
+from broker_svc.settings import Settings
+from broker_svc.topology import DELAY_HOLD_WINDOW_S
+from broker_svc.wire import codec
+from broker_svc.wire.task_message import TaskMessage, decode_task, safe_repr
+from worker.consume.admission import DedupeWindow
+from worker.consume.eta import EtaScheduler
+from worker.consume.job_request import delivery_info, request_context, time_limits
+from worker.consume.outcomes import OutcomeHandler, settle
+from worker.consume.publish import ReplyPublisher
+from worker.consume.rate_limits import RateLimits
+from worker.consume.redelivery import Redeliveries, channel_gone
+from worker.consume.rejections import Rejections
+from worker.consume.slots import FairSlots
+from worker.events import EventDispatcher
+from worker.pool.pool import Job, JobOutcome, ProcessPool
+from worker.remote.revoked_set import RevokedSet
+from worker.state import Tracked, WorkerState
+
+__all__ = ["RATE_RESERVED_HEADER", "TaskConsumer"]
+
+# On a copy parked for its turn under a rate limit: it holds its token already.
+RATE_RESERVED_HEADER: Final = "x-clockwork-rate-reserved"
+
+log = structlog.get_logger(__name__)
+
+# The pause before a delivery whose handling failed is handed back to the broker.
+_HAND_BACK_DELAY_S = 0.5
+
+
+class TaskConsumer:
+    """Handles deliveries from the worker's task queues.
+
+    A delivery first waits for one of ``concurrency`` slots (so it only ever goes to a free child);
+    while it waits it is *reserved* and, on shutdown, handed back to the broker unstarted.
+    """
+
+    def __init__(
+        self,
+        *,
+        app: App,
+        pool: ProcessPool,
+        replies: ReplyPublisher,
+        clock: LamportClock,
+        settings: Settings,
+        hostname: str,
+        concurrency: int,
+        eta: EtaScheduler,
+        events: EventDispatcher,
+        revoked: RevokedSet,
+        limits: RateLimits,
+        default_time_limits: tuple[float | None, float | None] = (None, None),
+        dedupe_window_s: float | None = None,
+    ) -> None:
+        self._app = app
+        self._pool = pool
+        self._clock = clock
+        self._settings = settings
+        self._hostname = hostname
+        self._accept = codec.accept_set(settings.accept_content)
+        self._slots = FairSlots(concurrency)
+        self._default_limits = default_time_limits
+        self._eta = eta
+        self._events = events
+        self._revoked = revoked
+        self._limits = limits
+        # Per-task limits set by the ``time_limit`` command: (hard, soft).
+        self.time_limits: dict[str, tuple[float | None, float | None]] = {}
+        self._state = WorkerState(hostname, pool.running)
+        # Signals sent by ``revoke(terminate=True)``, for the task-revoked event.
+        self._signums: dict[str, int] = {}
+        self.received = 0
+        self._outcomes = OutcomeHandler(
+            app=app,
+            replies=replies,
+            eta=eta,
+            events=events,
+            delivery_limit=settings.delivery_limit,
+            dedupe=DedupeWindow(ttl_s=dedupe_window_s) if dedupe_window_s else None,
+        )
+        # Deliveries settled without a run: refused, unregistered, revoked (worker.consume.rejections).
+        self._rejections = Rejections(replies=replies, events=events, outcomes=self._outcomes)
+        # Deliveries waiting for a child: the handler task → its delivery.
+        self._reserved: dict[asyncio.Task[Any], aio_pika.abc.AbstractIncomingMessage] = {}
+        self._handlers: set[asyncio.Task[Any]] = set()
+        self._stopping = False
+        # Tasks running and done here, for a redelivered copy of one (worker.consume.redelivery).
+        self._redeliveries = Redeliveries()
+
+    @property
+    def processed(self) -> int:
+        """Jobs that ended (any outcome)."""
+        return self._outcomes.processed
+
+    @property
+    def totals(self) -> dict[str, int]:
+        """Finished jobs per task name (inspect ``stats``: ``total``)."""
+        return dict(self._outcomes.totals)
+
+    @property
+    def running_count(self) -> int:
+        """Tasks running in children now."""
+        return len(self._state.active_tasks)
+
+    @property
+    def slots(self) -> FairSlots:
+        """The children as slots: capacity, in use, and deliveries waiting (the autoscaler's input)."""
+        return self._slots
+
+    @property
+    def state(self) -> WorkerState:
+        """What is scheduled, reserved and running here (for the inspect commands)."""
+        return self._state
+
+    async def terminate(self, task_id: str, sig: int) -> bool:
+        """Signal the child running ``task_id`` (revoke with terminate)."""
+        if self._state.running(task_id) is None:
+            return False
+        self._signums[task_id] = int(sig)
+        return await self._pool.terminate(task_id, sig)
+
+    def on_update(self, task_id: str, payload: dict[str, Any]) -> None:
+        """Pool callback: a running task reported a state."""
+        request = self._state.running(task_id)
+        if request is None:
+            log.warning("task_update_ignored", task_id=task_id)
+            return
+        self._outcomes.update(request, payload)
+
+    @property
+    def in_flight(self) -> int:
+        """Deliveries being handled (reserved or running)."""
+        return len(self._handlers)
+
+    def for_queue(self, queue: str) -> Callable[[aio_pika.abc.AbstractIncomingMessage], Awaitable[None]]:
+        """The aio-pika consumer callback for one queue."""
+
+        async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            # aiormq cancels a channel's consumer tasks when the channel closes. The handling of a
+            # delivery must outlive that: its child runs on, a redelivery of it waits for its
+            # outcome, and what it did is remembered. So it runs in a task of its own.
+            await asyncio.shield(asyncio.create_task(deliver(message)))
+
+        async def deliver(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            task = asyncio.current_task()
+            if task is not None:
+                self._handlers.add(task)
+            try:
+                await self._handle(message, queue)
+            except Exception:
+                # Typically the connection went away mid-publish. Never leave a delivery held:
+                # hand it back (it runs again: at-least-once) and keep consuming.
+                log.exception("delivery_failed", queue=queue)
+                # The publishing connection may still be reconnecting while this one is back:
+                # handed back at once, the delivery would come straight back and fail again.
+                await asyncio.sleep(_HAND_BACK_DELAY_S)
+                await settle(message.nack(requeue=True))
+            finally:
+                if task is not None:
+                    self._handlers.discard(task)
+
+        return on_message
+
+    def drop_stale_reserved(self) -> int:
+        """Give up the deliveries waiting for a child whose channel is gone; returns how many.
+
+        The broker requeued them when the channel closed and delivers them again: run here as
+        well, each would be a duplicate whose ack carries a stale tag.
+        """
+        stale = [task for task, message in self._reserved.items() if channel_gone(message)]
+        for task in stale:
+            task.cancel()
+        return len(stale)
+
+    async def stop(self, *, timeout_s: float) -> None:
+        """Hand back reserved deliveries and wait up to ``timeout_s`` for running ones."""
+        self._stopping = True
+        for task in list(self._reserved):
+            task.cancel()
+        deadline = time.monotonic() + timeout_s
+        while self._handlers and time.monotonic() < deadline:
+            await asyncio.wait(set(self._handlers), timeout=max(0.0, deadline - time.monotonic()))
+
+    async def _handle(self, message: aio_pika.abc.AbstractIncomingMessage, queue: str) -> None:
+        if self._stopping:
+            await settle(message.nack(requeue=True))
+            return
+        raw_id = (message.headers or {}).get("id")
+        # aio-pika runs each delivery in a task of its own, with a copy of the context: what is
+        # bound here is seen by this delivery's log lines only and goes with its task, so there is
+        # nothing to unbind (``bound_contextvars`` would copy and restore the context twice per task).
+        bind_contextvars(queue=queue, task_id=raw_id if isinstance(raw_id, str) else None)
+        try:
+            request = decode_task(
+                message.body,
+                message.headers,
+                content_type=message.content_type,
+                accept=self._accept,
+                max_bytes=self._settings.max_body_bytes,
+                correlation_id=message.correlation_id,
+                reply_to=message.reply_to,
+                priority=message.priority,
+            )
+        except MessageError as exc:
+            await self._rejections.refuse(message, queue, reason=type(exc).__name__, error=str(exc))
+            return
+        self._clock.adjust(request.clock)
+        bind_contextvars(task_name=request.display_name, attempt=request.retries + 1)
+        # Delivery accounting (consume.admission): the delivery limit, classic redelivery counts, dedupe.
+        if not await self._outcomes.admit(message, queue, request):
+            return
+        try:
+            await self._handle_task(message, queue, request)
+        finally:
+            self._outcomes.release(request)
+
+    async def _handle_task(
+        self, message: aio_pika.abc.AbstractIncomingMessage, queue: str, request: TaskMessage
+    ) -> None:
+        if request.task not in self._app.tasks:
+            await self._rejections.unregistered(message, queue, request)
+            return
+        delivery = delivery_info(message)
+        if delivery["delivery_count"] >= 1 and self._redeliveries.done_but_unacked(request.id):
+            log.info("task_redelivery_already_done")
+            await settle(message.ack())
+            return
+        if request.id in self._revoked:
+            await self._rejections.skip_revoked(message, request, expired=False)
+            return
+        if request.expires is not None and request.expires <= dt.datetime.now(dt.UTC):
+            await self._rejections.skip_revoked(message, request, expired=True)
+            return
+        tracked = Tracked(request, delivery)
+        if request.eta is not None:
+            self._state.scheduled_tasks[request.id] = tracked
+            try:
+                if await self._eta.defer(message, queue=queue, eta=request.eta):
+                    return  # parked in a delay queue until nearly due (and acked here)
+            finally:
+                self._state.scheduled_tasks.pop(request.id, None)
+        if await self._rate_limited(message, queue, request):
+            return  # parked until its turn under the task's rate limit (and acked here)
+        self.received += 1
+        # Task events are off unless asked for (-E): check before building one, as every task
+        # would pay for the reprs and a coroutine otherwise.
+        if self._events.task_events:
+            await self._events.send(
+                "task-received",
+                uuid=request.id,
+                name=request.task,
+                args=safe_repr(tuple(request.args)),  # Celery shows argsrepr, a tuple's repr
+                kwargs=safe_repr(request.kwargs),
+                root_id=request.root_id,
+                parent_id=request.parent_id,
+                retries=request.retries,
+                eta=request.eta.isoformat() if request.eta else None,
+                expires=request.expires.isoformat() if request.expires else None,
+            )
+        outcome = await self._run(tracked, message, queue)
+        if outcome is None:
+            return  # handed back to the broker (shutdown), or revoked while it waited
+        signum = self._signums.pop(request.id, None)
+        await self._outcomes.finish(message, queue, request, outcome, stopping=self._stopping, signum=signum)
+        if not self._stopping:
+            self._redeliveries.remember_done(request.id, message)
+
+    async def _rate_limited(
+        self, message: aio_pika.abc.AbstractIncomingMessage, queue: str, request: TaskMessage
+    ) -> bool:
+        # A token is taken once per task: a copy parked for its turn comes back marked, due.
+        if (message.headers or {}).get(RATE_RESERVED_HEADER) is True:
+            return False
+        delay_s = self._limits.reserve(request.task)
+        if delay_s <= 0:
+            return False
+        if delay_s <= DELAY_HOLD_WINDOW_S:
+            await asyncio.sleep(delay_s)  # holds the delivery, never a child
+            return False
+        # Its turn is later: wait in the broker, not in our prefetch, so other tasks go on.
+        due = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=delay_s)
+        headers = {"eta": due.isoformat(), RATE_RESERVED_HEADER: True}
+        await self._eta.publish_delayed(message, queue=queue, eta=due, headers=headers)
+        await settle(message.ack())
+        log.debug("task_rate_limited", delay_s=round(delay_s, 3))
+        return True
+
+    async def _run(
+        self, tracked: Tracked, message: aio_pika.abc.AbstractIncomingMessage, queue: str
+    ) -> JobOutcome | None:
+        request = tracked.request
+        run = self._redeliveries.orphaned_run(request.id)
+        if run is not None:
+            # Our own delivery of this task came back (its channel closed while it ran, after
+            # consumer_timeout or a lost connection): wait for that run rather than start a
+            # second one, then settle this copy with its outcome.
+            return await self._redeliveries.join(run, message)
+        task = asyncio.current_task()
+        assert task is not None
+        self._reserved[task] = message
+        self._state.reserved_tasks[request.id] = tracked
+        try:
+            await self._slots.acquire(queue)
+        except asyncio.CancelledError:
+            # Reserved but never started: the broker gets it back for another worker.
+            if channel_gone(message):
+                log.info("task_dropped_channel_gone")  # requeued by the broker already
+            else:
+                await settle(message.nack(requeue=True))
+                log.info("task_requeued_on_shutdown")
+            return None
+        finally:
+            self._reserved.pop(task, None)
+            self._state.reserved_tasks.pop(request.id, None)
+        try:
+            if request.id in self._revoked:  # revoked while it waited for a child
+                await self._rejections.skip_revoked(message, request, expired=False)
+                return None
+            hard, soft = time_limits(
+                request,
+                self._app.tasks[request.task],
+                override=self.time_limits.get(request.task, (None, None)),
+                defaults=self._default_limits,
+            )
+            job = Job(
+                task_id=request.id,
+                task_name=request.task,
+                args=request.args,
+                kwargs=request.kwargs,
+                request=request_context(request, tracked.delivery, hostname=self._hostname),
+                hard_time_limit_s=hard,
+                soft_time_limit_s=soft,
+            )
+            self._state.start(tracked)
+            if self._events.task_events:
+                await self._events.send("task-started", uuid=request.id)
+            run = self._redeliveries.start(request.id, message)
+            try:
+                outcome = await self._pool.run(job)
+            except BaseException as exc:
+                run.abandon(exc)
+                raise
+            finally:
+                self._redeliveries.end(request.id, run)
+                self._state.active_tasks.pop(request.id, None)
+            run.outcome.set_result(outcome)
+            if run.joined:
+                log.info("task_settled_by_redelivery")  # the redelivered copy publishes and acks
+                return None
+            return outcome
+        finally:
+            self._slots.release()

@@ -1,0 +1,87 @@
+"""The job request: what a task's run carries into its child besides its arguments.
+
+A child sees ``task.request`` as Celery builds it — id, retries, hostname, parents, eta, expiry,
+reply address, time limits and ``delivery_info`` (which marks a repeat run as redelivered) — and is
+held to hard and soft time limits chosen from the call, the ``time_limit`` command, the task and the
+worker's defaults. These are pure functions of the decoded message and the delivery's attributes;
+they are apart from the consumer so that what a task is told is written down in one place, with
+no I/O next to it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from broker_svc.task import Task
+from broker_svc.wire.task_message import RESENT_HEADER, TaskMessage
+from worker.consume.admission import delivery_count
+
+if TYPE_CHECKING:
+    import aio_pika.abc
+
+__all__ = ["delivery_info", "request_context", "time_limits"]
+
+
+def time_limits(
+    request: TaskMessage,
+    task: Task,
+    *,
+    override: tuple[float | None, float | None],
+    defaults: tuple[float | None, float | None],
+) -> tuple[float | None, float | None]:
+    """The (hard, soft) time limits of one run.
+
+    Args:
+        request: the decoded task message (the call's own limits).
+        task: the registered task (its class limits).
+        override: the limits the ``time_limit`` command set for this task name.
+        defaults: the worker's default limits.
+
+    Returns:
+        The hard and soft limits in seconds, None for none.
+    """
+    # The call's limits win, then the task's own, then the worker's defaults (as Celery).
+    hard, soft = request.timelimit
+    override_hard, override_soft = override
+    hard = hard if hard is not None else override_hard
+    soft = soft if soft is not None else override_soft
+    hard = hard if hard is not None else task.time_limit or defaults[0]
+    soft = soft if soft is not None else task.soft_time_limit or defaults[1]
+    return hard, soft
+
+
+def request_context(request: TaskMessage, delivery: dict[str, Any], *, hostname: str) -> dict[str, Any]:
+    """The ``task.request`` context a child sees for ``request`` (``delivery``: its delivery_info)."""
+    return {
+        "id": request.id,
+        "retries": request.retries,
+        "hostname": hostname,
+        "root_id": request.root_id,
+        "parent_id": request.parent_id,
+        "group": request.group,
+        "eta": request.eta.isoformat() if request.eta else None,
+        "expires": request.expires.isoformat() if request.expires else None,
+        "reply_to": request.reply_to,
+        "correlation_id": request.correlation_id,
+        "origin": request.origin,
+        "ignore_result": request.ignore_result,
+        "timelimit": list(request.timelimit),
+        "delivery_info": delivery,
+    }
+
+
+def delivery_info(message: aio_pika.abc.AbstractIncomingMessage) -> dict[str, Any]:
+    """Celery's ``delivery_info`` for ``message``, with ``redelivered`` set on any repeat run."""
+    # ``redelivered`` also marks a copy the worker made of a redelivery (classic queues) or of a
+    # delivery whose child died, and a message our client sent again after a lost confirm: a
+    # repeat run is marked either way. ``delivery_count`` is how many earlier deliveries did not
+    # finish (worker.consume.admission).
+    count = delivery_count(message.headers, redelivered=message.redelivered)
+    resent = bool(message.headers and message.headers.get(RESENT_HEADER))
+    return {
+        "exchange": message.exchange,
+        "routing_key": message.routing_key,
+        "priority": message.priority,
+        "redelivered": message.redelivered or count > 0 or resent,
+        "delivery_count": count,
+    }

@@ -1,0 +1,172 @@
+"""What the worker publishes: results to ``reply_to``, dead letters, and republished copies."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable
+from typing import Any
+
+import aio_pika
+import aio_pika.abc
+import aiormq.abc
+import aiormq.exceptions
+import structlog
+from aiormq import spec
+
+from broker_svc.clock import LamportClock
+from broker_svc.errors import Unroutable
+from broker_svc.states import State
+from broker_svc.topology import (
+    DEAD_LETTER_ERROR_HEADER,
+    DEAD_LETTER_QUEUE_HEADER,
+    DEAD_LETTER_REASON_HEADER,
+    dead_letter_queue,
+)
+from broker_svc.wire import codec
+from broker_svc.wire.result_message import Outcome, exception_to_wire, wire_exception
+from broker_svc.wire.task_message import CLOCK_HEADER
+
+__all__ = ["ReplyPublisher", "copy_message"]
+
+log = structlog.get_logger(__name__)
+
+
+class ReplyPublisher:
+    """Publishes on its own confirm-mode channel, so a refused publish never closes the consumers'.
+
+    Every publish waits for the broker's confirm; callers ack a delivery only after that.
+    """
+
+    def __init__(
+        self, channel: aio_pika.abc.AbstractChannel, *, clock: LamportClock, persistent: bool
+    ) -> None:
+        self._channel = channel
+        self._clock = clock
+        self._delivery_mode = (
+            aio_pika.DeliveryMode.PERSISTENT if persistent else aio_pika.DeliveryMode.NOT_PERSISTENT
+        ).value
+
+    async def publish_result(
+        self, outcome: Outcome, *, reply_to: str, correlation_id: str | None, content_type: str
+    ) -> None:
+        """Send a result in the request's content type (Celery's rpc format).
+
+        A result nobody can receive (its client and queue are gone) is logged and dropped.
+        """
+        body = outcome.to_wire()
+        try:
+            payload, ctype, encoding = codec.encode(body, content_type)
+        except (TypeError, ValueError, OverflowError) as exc:
+            # The value survived msgpack in the child but not this codec (json): report that.
+            error = wire_exception("EncodeError", f"result cannot be encoded as {content_type}: {exc}")
+            fallback = Outcome(task_id=outcome.task_id, status=State.FAILURE, result=error)
+            payload, ctype, encoding = codec.encode(fallback.to_wire(), content_type)
+        # One result per task: its properties are built here rather than through an aio_pika.Message
+        # (a dozen checked attribute sets, then the same Properties again), with the same values.
+        properties = spec.Basic.Properties(
+            content_type=ctype,
+            content_encoding=encoding,
+            correlation_id=correlation_id or outcome.task_id,
+            delivery_mode=self._delivery_mode,
+            priority=0,
+            headers={CLOCK_HEADER: self._clock.forward()},
+        )
+        try:
+            await self._send(payload, properties, reply_to)
+        except (aio_pika.exceptions.DeliveryError, Unroutable):
+            # Its client and result queue are gone: nobody can receive it any more.
+            log.warning("result_unroutable", reply_to=reply_to, task_id=outcome.task_id)
+
+    async def dead_letter(
+        self, message: aio_pika.abc.AbstractIncomingMessage, *, queue: str, reason: str, error: str
+    ) -> None:
+        """Keep a message that must not run in ``<queue>.dead``, with why; confirmed before return.
+
+        Raises:
+            aio_pika.exceptions.AMQPError: the broker did not take it (the caller must not ack).
+            Unroutable: the dead-letter queue is gone (the caller must not ack).
+        """
+        headers: dict[str, Any] = dict(message.headers or {})
+        headers[DEAD_LETTER_REASON_HEADER] = reason
+        headers[DEAD_LETTER_ERROR_HEADER] = error[:1024]
+        headers[DEAD_LETTER_QUEUE_HEADER] = queue
+        headers["x-clockwork-dead-at"] = dt.datetime.now(dt.UTC).isoformat()
+        spec = dead_letter_queue(queue)
+        copy = copy_message(message, headers)
+        try:
+            await self._publish(copy, spec.name)
+        except Unroutable:
+            # Someone deleted the dead-letter queue: make it again rather than loop on redelivery.
+            await self._channel.declare_queue(spec.name, durable=spec.durable)
+            await self._publish(copy, spec.name)
+        log.warning("task_dead_lettered", reason=reason, error=error[:200], queue=queue)
+
+    async def republish(
+        self,
+        message: aio_pika.abc.AbstractIncomingMessage,
+        *,
+        queue: str,
+        headers: dict[str, Any],
+        drop: Iterable[str] = (),
+    ) -> None:
+        """Put a copy back on ``queue`` with changed headers; confirmed before return.
+
+        Args:
+            message: the delivery to copy.
+            queue: where the copy goes (through the default exchange).
+            headers: headers to set on the copy.
+            drop: headers the copy must not carry (e.g. a broker's count that restarts with it).
+
+        Raises:
+            aio_pika.exceptions.AMQPError: the broker did not take it (the caller must not ack).
+        """
+        merged = dict(message.headers or {})
+        for name in drop:
+            merged.pop(name, None)
+        merged.update(headers)
+        await self._publish(copy_message(message, merged), queue)
+
+    async def _publish(self, message: aio_pika.Message, routing_key: str) -> None:
+        await self._send(message.body, message.properties, routing_key)
+
+    async def _send(self, body: bytes, properties: spec.Basic.Properties, routing_key: str) -> None:
+        # What ``default_exchange.publish`` does, less building a Message: aio-pika's channel
+        # check, then the underlying aiormq channel's ``basic_publish``.
+        if self._channel.is_closed:
+            raise aiormq.exceptions.ChannelInvalidStateError(f"{self._channel!r} closed")
+        channel = await self._channel.get_underlay_channel()
+        result = await channel.basic_publish(
+            body, exchange="", routing_key=routing_key, properties=properties, mandatory=True
+        )
+        # aiormq hands a basic.return back as the publish's result instead of raising; a copy
+        # no queue took must not count as kept, or the caller would ack the original away.
+        if isinstance(result, aiormq.abc.DeliveredMessage):
+            raise Unroutable(f"no queue {routing_key!r} took the message")
+
+
+def copy_message(message: aio_pika.abc.AbstractIncomingMessage, headers: dict[str, Any]) -> aio_pika.Message:
+    """A persistent copy of a delivery to publish elsewhere: same body and properties, these headers.
+
+    The copy has no ``expiration``: the ``expires`` header, which the worker checks, is what ends
+    a task's life; a per-message TTL restarted on the copy would only be wrong.
+    """
+    return aio_pika.Message(
+        message.body,
+        headers=headers,
+        content_type=message.content_type,
+        content_encoding=message.content_encoding,
+        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        priority=message.priority,
+        correlation_id=message.correlation_id,
+        reply_to=message.reply_to,
+        expiration=None,  # nor must it expire in the dead-letter queue
+        message_id=message.message_id,
+        timestamp=message.timestamp,
+        type=message.type,
+        app_id=message.app_id,
+    )
+
+
+def failure_result(task_id: str, exc: BaseException) -> Outcome:
+    """A FAILURE outcome for an exception raised in the worker itself."""
+    return Outcome(task_id=task_id, status=State.FAILURE, result=exception_to_wire(exc))

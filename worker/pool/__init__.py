@@ -1,0 +1,1 @@
+"""Task bodies in child processes; empty, so a pool child imports only what it runs."""

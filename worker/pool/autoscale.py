@@ -1,0 +1,279 @@
+"""Pool autoscaling: more children while deliveries wait for one, fewer once a child sat unneeded.
+
+``--autoscale MAX,MIN`` starts the pool at MIN children (at least one). Every ``TICK_S`` the
+autoscaler looks at the consumer's slots (one per child):
+
+- deliveries waiting for a child → grow at once by as many as wait, up to MAX;
+- no delivery waiting, and not every child busy at any look for ``--autoscale-keepalive``
+  seconds → retire one child per look, down to MIN (idle children exit at once; a busy one
+  after its task: a running task is never killed).
+
+The per-consumer prefetch follows the size (never a global QoS: quorum queues and RabbitMQ 4
+refuse it). Below MAX it is one delivery more than the children can run
+(``worker.config.prefetch_for``): with prefetch multiplier 1, a worker that holds only what it
+can start would never see a backlog, so it could never decide to grow. That one delivery is the
+price: below MAX, a busy worker holds one task another worker might have started. At MAX there
+is no headroom, as without autoscale.
+
+basic.qos only binds consumers created after it, so a new prefetch means re-subscribing each
+queue (``WorkerService.set_prefetch``). The broker counts the new consumer's deliveries afresh:
+for a moment the worker may hold the old consumer's unacked deliveries on top of the new
+prefetch; they drain as those tasks finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any, Final
+
+import structlog
+
+from worker.config import prefetch_for
+from worker.consume.slots import FairSlots
+from worker.pool.pool import ProcessPool
+
+__all__ = ["TICK_S", "Autoscaler", "PoolSizer", "decide"]
+
+log = structlog.get_logger(__name__)
+
+# How often the autoscaler looks (Celery's thread looks every second).
+TICK_S: Final = 0.5
+
+
+def decide(
+    *, size: int, waiting: int, spare_for_s: float, minimum: int, maximum: int, keepalive_s: float
+) -> int:
+    """The pool size the autoscaler wants now.
+
+    Args:
+        size: children the pool keeps now.
+        waiting: deliveries waiting for a child.
+        spare_for_s: seconds since every child was last needed (all busy, or deliveries waiting).
+        minimum: the least children (the pool keeps at least one even when it is 0).
+        maximum: the most children.
+        keepalive_s: how long a child may be spare before it is retired.
+
+    Returns:
+        ``size`` moved into the range; else grown by the waiting deliveries (up to ``maximum``);
+        else one less once a child was spare for ``keepalive_s`` (down to ``minimum``); else ``size``.
+    """
+    floor = max(minimum, 1)
+    if size < floor:
+        return floor
+    if size > maximum:
+        return max(maximum, 1)
+    if waiting > 0:
+        return min(size + waiting, maximum)
+    if spare_for_s >= keepalive_s and size > floor:
+        return size - 1
+    return size
+
+
+class PoolSizer:
+    """Resizes the pool and keeps what follows its size in step: the slots and the prefetch.
+
+    Used by the autoscaler and by the ``pool_grow``/``pool_shrink`` commands.
+
+    Args:
+        pool: the process pool.
+        slots: the consumer's slots; their capacity is always the pool's target size.
+        set_prefetch: applies a per-consumer prefetch (``WorkerService.set_prefetch``).
+        multiplier: deliveries per child (``--prefetch-multiplier``).
+        autoscale_max: the autoscaler's maximum (below it the prefetch has one delivery of
+            headroom); None without autoscale.
+    """
+
+    def __init__(
+        self,
+        pool: ProcessPool,
+        slots: FairSlots,
+        *,
+        set_prefetch: Callable[[int], Awaitable[None]],
+        multiplier: int,
+        autoscale_max: int | None = None,
+    ) -> None:
+        self._pool = pool
+        self._slots = slots
+        self._set_prefetch = set_prefetch
+        self._multiplier = multiplier
+        self.autoscale_max = autoscale_max
+        self._prefetch = self._prefetch_for(pool.target)
+        self._lock = asyncio.Lock()
+
+    @property
+    def size(self) -> int:
+        """Children the pool keeps (its target; a child that is starting or retiring counts as it will be)."""
+        return self._pool.target
+
+    @property
+    def prefetch_count(self) -> int:
+        """The per-consumer prefetch applied last."""
+        return self._prefetch
+
+    async def resize(self, size: int) -> int:
+        """Make the pool keep ``size`` children (at least one), then apply the prefetch for that size.
+
+        Also re-applies the prefetch when only ``autoscale_max`` changed.
+
+        Returns:
+            The new size.
+
+        Raises:
+            PoolClosedError: the pool is closing.
+        """
+        async with self._lock:
+            current = self._pool.target
+            if size > current:
+                self._pool.grow(size - current)
+            elif size < current:
+                self._pool.shrink(current - size)
+            self._slots.resize(self._pool.target)
+            prefetch = self._prefetch_for(self._pool.target)
+            if prefetch != self._prefetch:
+                self._prefetch = prefetch
+                await self._set_prefetch(prefetch)
+            return self._pool.target
+
+    def _prefetch_for(self, size: int) -> int:
+        return prefetch_for(size, multiplier=self._multiplier, autoscale_max=self.autoscale_max)
+
+
+class Autoscaler:
+    """Keeps the pool between ``minimum`` and ``maximum`` children, sized to the work (see module doc).
+
+    Args:
+        sizer: resizes the pool.
+        slots: the consumer's slots: how many children are busy and how many deliveries wait.
+        maximum: the most children.
+        minimum: the least children (the pool keeps at least one).
+        keepalive_s: how long a child may be spare before it is retired.
+        tick_s: how often to look.
+
+    Raises:
+        ValueError: ``maximum < 1``, ``minimum`` outside ``0..maximum``, or a non-positive time.
+    """
+
+    def __init__(
+        self,
+        sizer: PoolSizer,
+        slots: FairSlots,
+        *,
+        maximum: int,
+        minimum: int,
+        keepalive_s: float,
+        tick_s: float = TICK_S,
+    ) -> None:
+        _check_range(maximum, minimum)
+        if not (keepalive_s > 0 and tick_s > 0):
+            raise ValueError(f"keepalive_s and tick_s must be positive, got {keepalive_s} and {tick_s}")
+        self._sizer = sizer
+        self._slots = slots
+        self._maximum, self._minimum = maximum, minimum
+        self._keepalive_s, self._tick_s = keepalive_s, tick_s
+        self._last_needed = 0.0  # loop time when every child was last needed
+        self._lock = asyncio.Lock()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def maximum(self) -> int:
+        """The most children."""
+        return self._maximum
+
+    @property
+    def minimum(self) -> int:
+        """The least children."""
+        return self._minimum
+
+    def info(self) -> dict[str, Any]:
+        """Celery's ``stats["autoscaler"]``: ``max``, ``min``, ``current`` (children) and ``qty``.
+
+        ``qty`` counts the tasks received and not finished (running or waiting for a child), as
+        Celery's ``len(reserved_requests)``.
+        """
+        return {
+            "max": self._maximum,
+            "min": self._minimum,
+            "current": self._sizer.size,
+            "qty": self._slots.in_use + self._slots.waiting,
+        }
+
+    async def start(self) -> None:
+        """Start looking every ``tick_s``."""
+        self._last_needed = asyncio.get_running_loop().time()
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="autoscaler")
+
+    async def stop(self) -> None:
+        """Stop resizing (at shutdown, before the consumers are cancelled)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def scale(self) -> int:
+        """Look once and resize the pool if it should; returns the size."""
+        async with self._lock:
+            now = asyncio.get_running_loop().time()
+            size, waiting, busy = self._sizer.size, self._slots.waiting, self._slots.in_use
+            if waiting or busy >= size:
+                self._last_needed = now
+            new_size = decide(
+                size=size,
+                waiting=waiting,
+                spare_for_s=now - self._last_needed,
+                minimum=self._minimum,
+                maximum=self._maximum,
+                keepalive_s=self._keepalive_s,
+            )
+            if new_size == size:
+                return size
+            await self._sizer.resize(new_size)
+            log.info(
+                "autoscale_grow" if new_size > size else "autoscale_shrink",
+                old_size=size,
+                new_size=new_size,
+                waiting=waiting,
+                busy=busy,
+                prefetch=self._sizer.prefetch_count,
+            )
+            if new_size > size:
+                self._last_needed = now  # the children just added are needed
+            return new_size
+
+    async def update(self, maximum: int | None = None, minimum: int | None = None) -> tuple[int, int]:
+        """Change the range (the ``autoscale`` command); a size outside it is corrected at once.
+
+        Args:
+            maximum: the new maximum; None keeps it.
+            minimum: the new minimum; None keeps it.
+
+        Returns:
+            ``(maximum, minimum)`` now.
+
+        Raises:
+            ValueError: the range would have ``maximum < 1`` or ``minimum`` outside ``0..maximum``.
+        """
+        new_max = self._maximum if maximum is None else maximum
+        new_min = self._minimum if minimum is None else minimum
+        _check_range(new_max, new_min)
+        async with self._lock:
+            self._maximum, self._minimum = new_max, new_min
+            self._sizer.autoscale_max = new_max
+            size = self._sizer.size
+            await self._sizer.resize(min(max(size, new_min, 1), new_max))
+        log.info("autoscale_updated", max=new_max, min=new_min, old_size=size, new_size=self._sizer.size)
+        return new_max, new_min
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._tick_s)
+            try:
+                await self.scale()
+            except Exception:  # one failed look (the channel is reconnecting) must not end autoscaling
+                log.exception("autoscale_failed")
+
+
+def _check_range(maximum: int, minimum: int) -> None:
+    if maximum < 1 or not 0 <= minimum <= maximum:
+        raise ValueError(f"autoscale needs max >= 1 and 0 <= min <= max, got max={maximum} min={minimum}")

@@ -1,0 +1,342 @@
+"""A pool child: the blocking loop that runs one job at a time, and how the worker starts and reaps one.
+
+Task code may call :func:`send_update` (progress, custom states) and :func:`current_request`. The worker
+calls :func:`spawn` and :func:`reap` in a thread (both block on the forkserver or the process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import multiprocessing
+import multiprocessing.connection
+import os
+import select
+import signal
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.context import ForkServerContext
+from multiprocessing.process import BaseProcess
+from types import FrameType
+from typing import Any, Final
+
+import structlog
+
+from broker_svc.app import App
+from broker_svc.errors import BrokerSvcError, DecodeError, MessageTooLarge, Retry, SoftTimeLimitExceeded
+from broker_svc.logging import configure_logging
+from broker_svc.task import ExceptionInfo, Request, Task, executing
+from broker_svc.wire.result_message import exception_to_wire, wire_exception
+from worker.loader import load_app
+from worker.pool import ipc
+from worker.pool.ipc import Job, JobStatus
+
+log = structlog.get_logger(__name__)
+
+__all__ = ["PoolStartError", "current_request", "main", "reap", "send_update", "spawn"]
+
+
+# multiprocessing's table of children is process-wide, and Process.start() polls every child in
+# it. Reading a forkserver child's exit status consumes it from its sentinel pipe, so two threads
+# polling the same child at once would make one of them see 255; this lock keeps them apart.
+_PROCESS_TABLE: Final = threading.Lock()
+
+
+class PoolStartError(BrokerSvcError, RuntimeError):
+    """A pool child could not start: the app did not load in it, or it did not report ready in time."""
+
+
+class _Channel:
+    """This child's end of the socket; the lock keeps an update and the done frame from interleaving."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self.lock = threading.Lock()
+
+    def send(self, data: bytes, *, context: _JobContext | None = None) -> None:
+        with self.lock:
+            if context is not None and not context.open:
+                raise RuntimeError(f"task {context.job.task_id} has already finished; its updates are closed")
+            self._sock.sendall(data)
+
+    def receive(self) -> dict[str, Any] | None:
+        header = self._receive_exactly(ipc.HEADER.size)
+        body = None if header is None else self._receive_exactly(ipc.frame_length(header))
+        return None if body is None else ipc.decode_frame(body)
+
+    def _receive_exactly(self, size: int) -> bytes | None:
+        buffer = bytearray(size)
+        view, received = memoryview(buffer), 0
+        while received < size:
+            count = self._sock.recv_into(view[received:])
+            if count == 0:
+                return None  # the worker closed its end (or died): time to go
+            received += count
+        return bytes(buffer)
+
+
+@dataclass(slots=True)
+class _JobContext:
+    job: Job
+    channel: _Channel
+    open: bool = True
+
+
+# A context variable, not a global: it is set only around a task call, so an update from outside a
+# task (or from a thread the task did not hand its context to) fails loudly instead of going astray.
+_current_job: contextvars.ContextVar[_JobContext | None] = contextvars.ContextVar(
+    "clockwork_current_job", default=None
+)
+
+
+def send_update(payload: dict[str, Any]) -> None:
+    """Send an update about the running task to the worker (progress, ``update_state``).
+
+    Updates arrive in the worker in the order they were sent, and all before the task's outcome.
+
+    Args:
+        payload: a msgpack-encodable map, e.g. ``{"state": "PROGRESS", "meta": {"done": 3}}``.
+
+    Raises:
+        RuntimeError: no task is running in this context (or it has already returned).
+        TypeError: ``payload`` is not a map, or msgpack cannot encode it.
+        MessageTooLarge: the encoded payload is over the frame limit.
+    """
+    context = _current_job.get()
+    if context is None:
+        raise RuntimeError("send_update() works only inside a task running in a Clockwork pool child")
+    if not isinstance(payload, dict):
+        raise TypeError(f"payload must be a dict, got {type(payload).__name__}")
+    data = ipc.encode_frame({"op": "update", "task_id": context.job.task_id, "payload": payload})
+    context.channel.send(data, context=context)
+
+
+def current_request() -> dict[str, Any]:
+    """The request context of the running task (id, retries, hostname, ... as the worker sent it).
+
+    Raises:
+        RuntimeError: no task is running in this context.
+    """
+    context = _current_job.get()
+    if context is None:
+        raise RuntimeError("current_request() works only inside a task running in a Clockwork pool child")
+    return {"id": context.job.task_id, "task": context.job.task_name, **context.job.request}
+
+
+class _SoftLimit:
+    """Turns the worker's SIGUSR1 into ``SoftTimeLimitExceeded`` inside the running task."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.limit_s: float | None = None
+
+    def arm(self, limit_s: float | None) -> None:
+        self.limit_s, self.armed = limit_s, True
+
+    def disarm(self) -> None:
+        self.armed = False
+
+    def on_signal(self, signum: int, frame: FrameType | None) -> None:
+        # A signal that lands after the task ended is moot: the worker sent it at the deadline
+        # while the done frame was on its way. Disarm first so a second signal cannot raise twice.
+        if self.armed:
+            self.armed = False
+            raise SoftTimeLimitExceeded(f"soft time limit ({self.limit_s:g} s) exceeded")
+
+
+def main(app_spec: str, sock: socket.socket) -> None:
+    """Run jobs until the worker closes the socket; the target of the pool's ``Process``.
+
+    Args:
+        app_spec: ``package.module:attr`` of the app whose tasks this child runs.
+        sock: this child's end of the socket pair.
+    """
+    # Ctrl-C reaches the whole process group; the worker alone decides when children stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A child is an entry point of its own: hook failures and task logs use the worker's level.
+    configure_logging(os.environ.get("CLOCKWORK_LOGLEVEL", "info"))
+    soft_limit = _SoftLimit()
+    signal.signal(signal.SIGUSR1, soft_limit.on_signal)
+    sock.setblocking(True)
+    channel = _Channel(sock)
+    try:
+        try:
+            app = load_app(app_spec)
+        except Exception as exc:
+            message = f"{type(exc).__name__}: {exc}"
+            channel.send(
+                ipc.encode_frame({"op": "error", "message": message, "traceback": traceback.format_exc()})
+            )
+            raise SystemExit(1) from None
+        channel.send(ipc.encode_frame({"op": "ready", "pid": os.getpid()}))
+        _exit_with_the_worker()
+        while (frame := channel.receive()) is not None:
+            job = Job.from_frame(frame)
+            started = time.monotonic()
+            try:
+                done = _run(app, job, channel, soft_limit)
+            except SoftTimeLimitExceeded as exc:  # landed between the task's end and disarming
+                done = _failure(exc, "")
+            done["runtime_s"] = time.monotonic() - started
+            channel.send(_encode_done(done, job))
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the worker is gone; so are we
+    finally:
+        sock.close()
+
+
+def spawn(
+    context: ForkServerContext, app_spec: str, *, timeout_s: float
+) -> tuple[BaseProcess, socket.socket]:
+    """Start a child and wait until it has loaded the app (blocking).
+
+    Returns:
+        The process and the worker's end of its socket.
+
+    Raises:
+        PoolStartError: the forkserver failed, or the child could not load the app or did not
+            report ready within ``timeout_s`` (the child is reaped).
+    """
+    parent_sock, child_sock = socket.socketpair()
+    process = context.Process(target=main, args=(app_spec, child_sock), name="clockwork-pool", daemon=True)
+    frame: dict[str, Any] | None
+    try:
+        with child_sock, _PROCESS_TABLE:  # the child holds its own copy of the socket once started
+            process.start()
+        parent_sock.settimeout(timeout_s)
+        frame = _Channel(parent_sock).receive()
+        parent_sock.settimeout(None)
+    except TimeoutError:
+        frame = {"op": "error", "message": f"no ready report within {timeout_s:g} s"}
+    except (OSError, EOFError, DecodeError, MessageTooLarge) as exc:  # EOFError: the forkserver died
+        frame = {"op": "error", "message": f"{type(exc).__name__}: {exc}"}
+    if frame is not None and frame["op"] == "ready":
+        return process, parent_sock
+    parent_sock.close()
+    exitcode = reap(process, grace_s=1.0) if process.pid is not None else None
+    reason = f"it exited ({ipc.describe_exit(exitcode)})" if frame is None else frame.get("message")
+    detail = f"\n{frame['traceback']}" if frame and frame.get("traceback") else ""
+    raise PoolStartError(f"a pool child could not load app {app_spec!r}: {reason}{detail}")
+
+
+def reap(process: BaseProcess, *, grace_s: float) -> int | None:
+    """Wait up to ``grace_s`` for a child to exit, then SIGKILL it; return its exit code (blocking)."""
+    # Wait on the sentinel without reading it: only the exitcode read below does, under the lock.
+    if not multiprocessing.connection.wait([process.sentinel], grace_s):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid or 0, signal.SIGKILL)
+        # SIGKILL needs no grace, only the kernel's time to tear the process down.
+        multiprocessing.connection.wait([process.sentinel], 5.0)
+    with _PROCESS_TABLE:
+        exitcode = process.exitcode
+        if exitcode is not None:
+            process.close()  # frees the sentinel pipe now instead of at garbage collection
+    return exitcode
+
+
+def _run(app: App, job: Job, channel: _Channel, soft_limit: _SoftLimit) -> dict[str, Any]:
+    task = app.tasks.get(job.task_name)
+    if task is None:
+        return _frame(JobStatus.FAILURE, error=wire_exception("NotRegistered", job.task_name))
+    context = _JobContext(job, channel)
+    token = _current_job.set(context)
+    request = Request.from_worker(
+        job.request, task=job.task_name, args=job.args, kwargs=job.kwargs, send_update=send_update
+    )
+    try:
+        with executing(request):
+            return _call(task, request, job, soft_limit)
+    finally:
+        with channel.lock:  # no update may follow the outcome
+            context.open = False
+        _current_job.reset(token)
+
+
+def _call(task: Task, request: Request, job: Job, soft_limit: _SoftLimit) -> dict[str, Any]:
+    task_id = job.task_id
+    if task.track_started:
+        send_update({"state": "STARTED", "meta": {"pid": os.getpid(), "hostname": request.hostname}})
+    try:
+        soft_limit.arm(job.soft_time_limit_s)
+        try:
+            value = task.execute(job.args, job.kwargs)
+        finally:
+            soft_limit.disarm()
+    except Retry as retry:
+        cause = retry.exc or retry
+        einfo = ExceptionInfo(cause, traceback.format_exc())
+        _hook(task.on_retry, cause, task_id, job.args, job.kwargs, einfo)
+        _hook(task.after_return, "RETRY", cause, task_id, job.args, job.kwargs, einfo)
+        return _frame(
+            JobStatus.RETRY,
+            value={"eta": retry.eta.isoformat()},
+            error=exception_to_wire(cause),
+            tb=einfo.traceback,
+        )
+    except Exception as exc:
+        einfo = ExceptionInfo(exc, traceback.format_exc())
+        _hook(task.on_failure, exc, task_id, job.args, job.kwargs, einfo)
+        _hook(task.after_return, "FAILURE", exc, task_id, job.args, job.kwargs, einfo)
+        done = _failure(exc, einfo.traceback)
+        done["retries_exhausted"] = request.retries_exhausted
+        return done
+    _hook(task.on_success, value, task_id, job.args, job.kwargs)
+    _hook(task.after_return, "SUCCESS", value, task_id, job.args, job.kwargs, None)
+    return _frame(JobStatus.SUCCESS, value=value)
+
+
+def _hook(hook: Callable[..., None], *args: Any) -> None:
+    # A hook that raises is logged; it never changes the task's outcome.
+    try:
+        hook(*args)
+    except Exception:
+        log.exception("task_hook_failed", hook=getattr(hook, "__name__", repr(hook)))
+
+
+def _frame(
+    status: JobStatus, *, value: Any = None, error: Any = None, tb: str | None = None
+) -> dict[str, Any]:
+    return {"op": "done", "status": str(status), "value": value, "error": error, "traceback": tb}
+
+
+def _failure(exc: BaseException, tb: str) -> dict[str, Any]:
+    return _frame(JobStatus.FAILURE, error=exception_to_wire(exc), tb=tb or None)
+
+
+def _encode_done(done: dict[str, Any], job: Job) -> bytes:
+    try:
+        return ipc.encode_frame(done)
+    except (TypeError, MessageTooLarge) as exc:
+        # The task ran but its result cannot travel: report that as its failure, and keep serving.
+        message = f"cannot encode the result of task {job.task_name} ({job.task_id}) with msgpack: {exc}"
+        fallback = _frame(JobStatus.FAILURE, error=ipc.encode_error(message))
+        fallback["runtime_s"] = done.get("runtime_s", 0.0)
+        return ipc.encode_frame(fallback)
+
+
+def _exit_with_the_worker() -> None:
+    # A busy child would otherwise run its task to the end before it saw the closed socket. The
+    # forkserver cannot tell us (children keep it alive), but multiprocessing gives each child the
+    # read end of a pipe whose write end only the worker holds: end of file there means it is gone.
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+    sentinel = parent.sentinel
+
+    def watch() -> None:
+        while True:
+            select.select([sentinel], [], [])
+            if not os.read(sentinel, 4096):
+                os._exit(1)
+
+    # The thread starts with every signal blocked, so SIGUSR1 always interrupts the main thread's
+    # blocking calls (a signal delivered to another thread would not wake a task's sleep()).
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        threading.Thread(target=watch, name="clockwork-orphan-watch", daemon=True).start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

@@ -1,0 +1,1 @@
+"""The worker's side of the control plane: command handlers, Mingle, revokes."""
