@@ -16,7 +16,7 @@ from typing import Any
 
 from tests.support.waiting import wait_for
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # Workers keep their revoked-set state files here (per node name), not in the user's home; a
 # worker restarted under the same name finds its file again.
 STATE_DIR = tempfile.mkdtemp(prefix="clockwork-test-state-")
