@@ -1,6 +1,7 @@
 """Us beside Celery, Dramatiq and the raw AMQP libraries, in one run, alternating, with ratios.
 
-Usage: ``make bench`` or ``python -m bench.compare [--rounds N] [--quick] [--only a,b] [--systems x,y]``.
+Usage: ``make bench`` or ``python -m bench.compare [--rounds N] [--quick] [--only a,b] [--systems x,y]
+[--baseline REV]``.
 Each scenario runs every system in turn, round after round (A B C A B C …); every measurement is a
 process of its own (``bench.driver``), peers from ``.bench-peers/`` (created on first use), bounded
 by ``--timeout-s``, its queue deleted after it. Prints the table of medians, writes
@@ -22,11 +23,23 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench import machine, queues, report
+from bench import baseline, machine, queues, report
 from bench.control import vhost
 from bench.peers_venv import PEER_DISTRIBUTIONS, ensure_peers_venv, versions
 from bench.stats import Spread
-from bench.systems import SCENARIO_NAMES, SCENARIOS, SYSTEM_NAMES, SYSTEMS, Sizes, System, Venv, interpreter
+from bench.systems import (
+    BASELINE,
+    OURS,
+    SCENARIO_NAMES,
+    SCENARIOS,
+    SYSTEM_NAMES,
+    SYSTEMS,
+    Sizes,
+    System,
+    Venv,
+    baseline_system,
+    interpreter,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "latest.json"
@@ -50,6 +63,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--wide", action="append", default=[], metavar="SYSTEM=N", help="sleepers' concurrency"
     )
     parser.add_argument("--timeout-s", type=float, default=300.0, help="upper bound of one measurement")
+    parser.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="also run our task scenarios from commit REV (a worktree in .bench-baseline/), before/after",
+    )
     parser.add_argument("--json", type=Path, default=RESULTS, help=f"results file (default {RESULTS})")
     parser.add_argument(
         "--doc",
@@ -87,10 +105,11 @@ def measure(
     queue = f"bench_{scenario}_{system.name.replace('-', '_')}_{uuid.uuid4().hex[:8]}"
     cmd = [python, "-m", system.module, scenario, "--broker", url, "--queue", queue, "--count", str(count),
            "--timeout-s", str(max(30.0, timeout_s - 60)), "--wide", str(wide)]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    root = system.root or ROOT
+    env = {**os.environ, "PYTHONPATH": str(root)}
     started = time.monotonic()
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+        cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
     )
     outcome: dict[str, Any]
     try:
@@ -98,6 +117,8 @@ def measure(
         lines = out.decode(errors="replace").strip().splitlines()
         if proc.returncode == 0 and lines:
             outcome = json.loads(lines[-1])
+            if system.name == BASELINE and "results" in outcome:  # it reports itself as us
+                outcome["results"] = {BASELINE: outcome["results"][OURS]}
         else:
             outcome = {"error": f"exit {proc.returncode}: {err.decode(errors='replace')[-1500:]}"}
     except subprocess.TimeoutExpired:
@@ -132,6 +153,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     wide = _wide(args.wide)
     wanted_systems = [s for s in SYSTEMS if s.name in args.systems.split(",")]
     wanted_scenarios = [s for s in SCENARIOS if s.name in args.only.split(",")]
+    base: dict[str, str] = {}
+    if args.baseline:
+        root, commit = baseline.checkout(args.baseline)
+        wanted_systems.append(baseline_system(root))
+        base = {"baseline": commit}
     peers_python = None
     if any(s.venv is Venv.PEERS for s in wanted_systems):
         peers_python = ensure_peers_venv()
@@ -160,6 +186,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "sizes": {s.name: getattr(sizes, s.size_name) for s in SCENARIOS},
         "wide": wide,
         "systems": [s.name for s in wanted_systems],
+        **base,
         "machine": machine.describe(),
         "versions": {
             "project": {**machine.our_versions(), **_control_celery()},
@@ -196,7 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     print(report.table(rows, systems))
     print(f"\nbench: {results['duration_s'] / 60:.1f} min; results in {args.json}")
     complete = (
-        not args.quick and args.only == ",".join(SCENARIO_NAMES) and args.systems == ",".join(SYSTEM_NAMES)
+        not args.quick
+        and not args.baseline
+        and args.only == ",".join(SCENARIO_NAMES)
+        and args.systems == ",".join(SYSTEM_NAMES)
     )
     if args.doc if args.doc is not None else complete:
         report.update_document(DOCUMENT, report.section(results, rows, systems))

@@ -21,6 +21,7 @@ class System:
     venv: Venv
     scenarios: frozenset[str]
     wide: int  # concurrency of the worker of the "sleep" scenario (0: none)
+    root: Path | None = None  # the checkout it runs from, when not this one (the baseline)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +57,15 @@ SYSTEMS = (
     System("aio-pika", "aio-pika (raw)", "bench.ceiling_aio_pika", Venv.PROJECT, _CEILING, 0),
 )
 SYSTEM_NAMES = tuple(s.name for s in SYSTEMS)
-LABELS = {s.name: s.label for s in SYSTEMS}
+
+# Our code at an earlier commit (``--baseline REV``): the task scenarios, for before/after a change.
+BASELINE = "baseline"
+LABELS = {**{s.name: s.label for s in SYSTEMS}, BASELINE: "Clockwork baseline"}
+
+
+def baseline_system(root: Path) -> System:
+    """Our subject run from the checkout at ``root``."""
+    return System(BASELINE, LABELS[BASELINE], "bench.ours", Venv.PROJECT, _TASKS, 16, root=root)
 
 
 @dataclass(frozen=True, slots=True)
