@@ -25,7 +25,7 @@ from broker_svc.connection.failures import describe_connect_error, is_permanent,
 from broker_svc.connection.outbox import Outbox
 from broker_svc.connection.parameters import connection_parameters
 from broker_svc.connection.pending import PendingPublish, _ConfirmRate
-from broker_svc.connection.pika_internals import GatheringConnection
+from broker_svc.connection.pika_internals import GatheringConnection, abort_connection
 from broker_svc.errors import (
     BrokerBlocked,
     BrokerSvcError,
@@ -488,7 +488,7 @@ class BrokerConnection:
         if conn.is_closed:
             return
         log.warning("broker_unresponsive", connection=self._name, grace_s=_CLOSE_GRACE_S)
-        conn._adapter_disconnect_stream()  # pika's own abort: ends in on_close_callback
+        abort_connection(conn)  # ends in on_close_callback
 
     def _on_channel_closed(self, _ch: pika.channel.Channel, reason: BaseException) -> None:
         # A channel error (e.g. a 406 on a declare) ends the channel, not the process: start
