@@ -2,7 +2,7 @@
 
 Declaring a queue with its exchange and binding (pika's callback chain), the properties a message
 is published with, and turning a consumed message into a ``Delivery`` for a consumer callback.
-They are separate from ``connection.py`` so that module keeps only the connection's life cycle and
+They are separate from ``io_thread.py`` so that module keeps only the connection's life cycle and
 its bookkeeping; like it, this module runs on the I/O thread and imports pika.
 """
 
