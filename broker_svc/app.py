@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import datetime as dt
-import importlib.metadata
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -15,7 +14,8 @@ import structlog
 
 from broker_svc.clock import LamportClock
 from broker_svc.connection.pending import PendingPublish
-from broker_svc.errors import BrokerSvcError, ConfigurationError, NotRegistered
+from broker_svc.control_plane import ControlPlane, load_control
+from broker_svc.errors import BrokerSvcError, NotRegistered
 from broker_svc.result import AsyncResult, ResultStore
 from broker_svc.settings import Settings
 from broker_svc.task import (
@@ -38,10 +38,6 @@ if TYPE_CHECKING:
 __all__ = ["App"]
 
 log = structlog.get_logger(__name__)
-
-# ``app.control`` comes from the control package, which sits above this one (imports go
-# worker -> control -> broker_svc); an entry point finds it without an import from here.
-CONTROL_ENTRY_POINT_GROUP = "clockwork.control"
 
 
 class App:
@@ -70,7 +66,7 @@ class App:
             accept=codec.accept_set(self.settings.accept_content), max_bytes=self.settings.max_body_bytes
         )
         self._publisher: Publisher | None = None
-        self._control: Any = None
+        self._control: ControlPlane | None = None
         self._close_hooks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         _open_apps.add(self)
@@ -229,13 +225,13 @@ class App:
     # -- remote control --------------------------------------------------------------------------
 
     @property
-    def control(self) -> Any:
+    def control(self) -> ControlPlane:
         """Remote control of the workers, as ``celery.Celery.control``: ``app.control.ping()``,
         ``app.control.inspect().active()``, ``app.control.revoke(task_id)``.
 
-        Typed ``Any`` because its class (``control.api.Control``) lives in a package above this
-        one; it is found through the ``clockwork.control`` entry point and shares this app's
-        settings and clock.
+        Its class (``control.api.Control``) lives in a package above this one, so it is typed by
+        the ``ControlPlane`` Protocol; it is found through the ``clockwork.control`` entry point
+        and shares this app's settings and clock.
 
         Raises:
             ConfigurationError: the entry point is missing (Clockwork is not installed).
@@ -245,7 +241,7 @@ class App:
             return control
         with self._lock:
             if self._control is None:
-                self._control = _load_control(self)
+                self._control = load_control(self)
                 close = getattr(self._control, "close", None)
                 if callable(close):
                     self._close_hooks.append(close)
@@ -307,17 +303,6 @@ class App:
                     hook()
                 except Exception as exc:  # one failing hook must not keep the others from running
                     log.warning("close_hook_failed", hook=repr(hook), error=str(exc))
-
-
-def _load_control(app: App) -> Any:
-    found = importlib.metadata.entry_points(group=CONTROL_ENTRY_POINT_GROUP, name="default")
-    if not found:
-        raise ConfigurationError(
-            f"no {CONTROL_ENTRY_POINT_GROUP!r} entry point named 'default': app.control needs the clockwork "
-            "package installed (pip install -e . in a checkout)"
-        )
-    factory = next(iter(found)).load()
-    return factory(app)
 
 
 def _aware(value: dt.datetime | None) -> dt.datetime | None:

@@ -19,8 +19,13 @@
     ├── SoftTimeLimitExceeded                raised inside a task when its soft time limit passes
     ├── Retry                                raised by ``Task.retry()``: run this task again later
     ├── MaxRetriesExceededError              ``Task.retry()`` with no retries left and no ``exc``
-    └── TaskError                            a task failed remotely (carries the remote type)
-        └── TaskRevokedError                 the task was revoked or expired
+    ├── TaskError                            a task failed remotely (carries the remote type)
+    │   └── TaskRevokedError                 the task was revoked or expired
+    ├── PoolClosedError (RuntimeError)       the worker's pool is closing and takes no more jobs
+    └── PoolStartError (RuntimeError)        a pool child did not load the app or report ready
+
+The pool errors live in ``worker/pool/`` (``pool.py``, ``child.py``), since broker_svc never imports
+the worker; they are drawn here so the whole tree is in one place.
 """
 
 from __future__ import annotations
@@ -35,12 +40,12 @@ __all__ = [
     "ContentDisallowed",
     "DecodeError",
     "InvalidTaskMessage",
+    "MaxRetriesExceededError",
     "MessageError",
     "MessageTooLarge",
     "NotRegistered",
     "PublishError",
     "PublishNacked",
-    "MaxRetriesExceededError",
     "ResultTimeout",
     "Retry",
     "SoftTimeLimitExceeded",

@@ -7,13 +7,21 @@ import re
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Literal
+from typing import Any, Final, Literal, get_type_hints
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 from broker_svc.errors import ConfigurationError
 from broker_svc.topology import QueueType
 
-__all__ = ["DEFAULT_BROKER_URL", "ConfirmMode", "Settings", "redact_url", "split_names", "split_urls"]
+__all__ = [
+    "DEFAULT_BROKER_URL",
+    "ConfirmMode",
+    "Settings",
+    "env_vars",
+    "redact_url",
+    "split_names",
+    "split_urls",
+]
 
 DEFAULT_BROKER_URL = "amqp://guest:guest@127.0.0.1:5672//"
 
@@ -215,48 +223,63 @@ class Settings:
     def from_env(cls, environ: Mapping[str, str] | None = None, **options: Any) -> Settings:
         """Settings from ``CLOCKWORK_*`` environment variables (call this in entry points only).
 
-        Reads ``CLOCKWORK_BROKER_URL``, ``CLOCKWORK_DEFAULT_QUEUE``, ``CLOCKWORK_SERIALIZER``,
-        ``CLOCKWORK_CONFIRM``, ``CLOCKWORK_MAX_BODY_BYTES``, ``CLOCKWORK_RESULT_EXPIRES_S``,
-        ``CLOCKWORK_CONTROL_KEY`` and ``CLOCKWORK_CONTROL_USERS`` (comma-separated),
-        ``CLOCKWORK_QUORUM_QUEUES`` (comma-separated) and ``CLOCKWORK_DELIVERY_LIMIT``,
-        ``CLOCKWORK_SSL_CA_FILE``, ``CLOCKWORK_SSL_CERT_FILE`` and ``CLOCKWORK_SSL_KEY_FILE``.
-        Keyword options win over the environment.
+        Each field is read from ``CLOCKWORK_<FIELD>`` (``broker_url`` from ``CLOCKWORK_BROKER_URL``,
+        ``confirm_timeout_s`` from ``CLOCKWORK_CONFIRM_TIMEOUT_S``, ...), except ``ssl_context``,
+        which is an object. Lists are comma-separated, booleans ``1/true/yes/on`` or
+        ``0/false/no/off``; an empty variable counts as unset. ``control_signing_key`` is also read
+        from ``CLOCKWORK_CONTROL_KEY`` and ``control_allowed_users`` from ``CLOCKWORK_CONTROL_USERS``
+        (older names, kept as aliases; the field's own name wins). Keyword options win over the
+        environment.
 
         Raises:
             ConfigurationError: a variable holds an invalid value.
         """
         env = os.environ if environ is None else environ
         found: dict[str, Any] = {}
-        text_vars = {
-            "broker_url": "CLOCKWORK_BROKER_URL",
-            "default_queue": "CLOCKWORK_DEFAULT_QUEUE",
-            "serializer": "CLOCKWORK_SERIALIZER",
-            "confirm": "CLOCKWORK_CONFIRM",
-            "control_signing_key": "CLOCKWORK_CONTROL_KEY",
-            "ssl_ca_file": "CLOCKWORK_SSL_CA_FILE",
-            "ssl_cert_file": "CLOCKWORK_SSL_CERT_FILE",
-            "ssl_key_file": "CLOCKWORK_SSL_KEY_FILE",
-        }
-        int_vars = {
-            "max_body_bytes": "CLOCKWORK_MAX_BODY_BYTES",
-            "result_expires_s": "CLOCKWORK_RESULT_EXPIRES_S",
-            "delivery_limit": "CLOCKWORK_DELIVERY_LIMIT",
-        }
-        for name, var in text_vars.items():
-            if env.get(var):
-                found[name] = env[var]
-        for name, var in int_vars.items():
-            if env.get(var):
-                try:
-                    found[name] = int(env[var])
-                except ValueError:
-                    raise ConfigurationError(f"{var} must be an integer, got {env[var]!r}") from None
-        if env.get("CLOCKWORK_QUORUM_QUEUES"):
-            found["quorum_queues"] = split_names(env["CLOCKWORK_QUORUM_QUEUES"])
-        if env.get("CLOCKWORK_CONTROL_USERS"):
-            found["control_allowed_users"] = split_names(env["CLOCKWORK_CONTROL_USERS"])
+        hints = get_type_hints(cls)
+        for name, names in env_vars().items():
+            var = next((v for v in names if env.get(v)), None)
+            if var is not None:
+                found[name] = _from_text(hints[name], var, env[var])
         found.update(options)
         return cls(**found)
+
+
+# Fields also read from an older variable name, which stays an alias.
+_ENV_ALIASES: Final = {
+    "control_signing_key": "CLOCKWORK_CONTROL_KEY",
+    "control_allowed_users": "CLOCKWORK_CONTROL_USERS",
+}
+# Not read from the environment: an object, not text.
+_NOT_FROM_ENV: Final = frozenset({"ssl_context"})
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def env_vars() -> dict[str, tuple[str, ...]]:
+    """Each ``Settings`` field ``from_env`` reads, with its variables: ``CLOCKWORK_<FIELD>`` first,
+    then its alias if it has one."""
+    return {
+        f.name: (f"CLOCKWORK_{f.name.upper()}", *([_ENV_ALIASES[f.name]] if f.name in _ENV_ALIASES else []))
+        for f in fields(Settings)
+        if f.name not in _NOT_FROM_ENV
+    }
+
+
+def _from_text(hint: Any, var: str, text: str) -> Any:
+    # The field's type says how its variable reads; str, optional str and Literal stay text.
+    if hint is int or hint is float:
+        try:
+            return hint(text)
+        except ValueError:
+            kind = "an integer" if hint is int else "a number"
+            raise ConfigurationError(f"{var} must be {kind}, got {text!r}") from None
+    if hint is bool:
+        if text.lower() not in _TRUE + _FALSE:
+            raise ConfigurationError(f"{var} must be one of {_TRUE + _FALSE}, got {text!r}")
+        return text.lower() in _TRUE
+    if hint == tuple[str, ...]:
+        return split_names(text)
+    return text
 
 
 def _vhost(url: str) -> str:

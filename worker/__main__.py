@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from broker_svc.logging import configure_logging
-from broker_svc.settings import DEFAULT_BROKER_URL, Settings, split_names
+from broker_svc.settings import Settings, split_names
 from worker.config import (
     DEFAULT_CONSUMER_TIMEOUT_S,
     DEFAULT_HOSTNAME,
@@ -119,8 +119,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = Settings.from_env()
     if args.broker:
         settings = settings.with_options(broker_url=args.broker)
-    elif not os.environ.get("CLOCKWORK_BROKER_URL"):
-        settings = settings.with_options(broker_url=DEFAULT_BROKER_URL)
     if args.quorum_queues is not None:
         settings = settings.with_options(quorum_queues=split_names(args.quorum_queues))
     if args.delivery_limit is not None:
@@ -144,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         soft_time_limit_s=args.soft_time_limit,
         state_path=state_path,
         task_events=args.task_events,
-        heartbeat_s=args.heartbeat_interval,
+        event_heartbeat_s=args.heartbeat_interval,
         mingle=not args.without_mingle,
         autoscale=args.autoscale,
         autoscale_keepalive_s=args.autoscale_keepalive,
@@ -163,7 +161,9 @@ def _run(main: Coroutine[Any, Any, int]) -> int:
         import uvloop
     except ImportError:
         return asyncio.run(main)
-    return uvloop.run(main)
+    # Typed here: without the extra installed, mypy sees uvloop.run as Any (ignore_missing_imports).
+    status: int = uvloop.run(main)
+    return status
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from broker_svc.errors import ConfigurationError
 from broker_svc.settings import Settings
 
 __all__ = [
@@ -102,7 +103,8 @@ class WorkerConfig:
         soft_time_limit_s: soft time limit for tasks that set none.
         state_path: the state file of the revoked set (None: kept in memory only).
         task_events: send task-* events from the start (``-E``).
-        heartbeat_s: the worker-heartbeat interval.
+        event_heartbeat_s: seconds between ``worker-heartbeat`` events (``--heartbeat-interval``);
+            not the AMQP heartbeat, which is ``broker_heartbeat_s``.
         mingle: sync revoked ids and clocks with peers at start-up and after reconnects.
         namespace: the control namespace (Celery's ``control_exchange``).
         autoscale: ``(max, min)`` children with ``--autoscale``; ``concurrency`` is then the size
@@ -114,6 +116,9 @@ class WorkerConfig:
             and the broker requeues what it held.
         consumer_timeout_s: the broker's ``consumer_timeout`` (RabbitMQ's default is 30 min), for
             the start-up check of task time limits against it. None: no check.
+
+    Raises:
+        ConfigurationError: an option out of range (a ``ValueError``, with the fix in its text).
     """
 
     app_spec: str
@@ -128,7 +133,7 @@ class WorkerConfig:
     soft_time_limit_s: float | None = None
     state_path: Path | None = None
     task_events: bool = False
-    heartbeat_s: float = 2.0
+    event_heartbeat_s: float = 2.0
     mingle: bool = True
     namespace: str = "celery"
     autoscale: tuple[int, int] | None = None
@@ -138,33 +143,40 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
-            raise ValueError(f"concurrency must be at least 1, got {self.concurrency}")
+            raise ConfigurationError(f"concurrency must be at least 1, got {self.concurrency}")
         if self.prefetch_multiplier < 1:
-            raise ValueError(f"prefetch_multiplier must be at least 1, got {self.prefetch_multiplier}")
+            raise ConfigurationError(
+                f"prefetch_multiplier must be at least 1, got {self.prefetch_multiplier}"
+            )
         if not self.queues or not all(self.queues):
-            raise ValueError("give at least one non-empty queue name (-Q a,b)")
+            raise ConfigurationError("give at least one non-empty queue name (-Q a,b)")
         if self.dedupe_window_s is not None and not self.dedupe_window_s > 0:
-            raise ValueError(f"dedupe_window_s must be positive, got {self.dedupe_window_s}")
-        if not self.heartbeat_s > 0:
-            raise ValueError(f"heartbeat_s must be positive, got {self.heartbeat_s}")
+            raise ConfigurationError(f"dedupe_window_s must be positive, got {self.dedupe_window_s}")
+        if not self.event_heartbeat_s > 0:
+            raise ConfigurationError(f"event_heartbeat_s must be positive, got {self.event_heartbeat_s}")
         if self.broker_heartbeat_s is not None and self.broker_heartbeat_s < 0:
-            raise ValueError(f"broker_heartbeat_s must be 0 (off) or positive, got {self.broker_heartbeat_s}")
+            raise ConfigurationError(
+                f"broker_heartbeat_s must be 0 (off) or positive, got {self.broker_heartbeat_s}"
+            )
         if self.consumer_timeout_s is not None and not self.consumer_timeout_s > 0:
-            raise ValueError(f"consumer_timeout_s must be positive, got {self.consumer_timeout_s}")
+            raise ConfigurationError(f"consumer_timeout_s must be positive, got {self.consumer_timeout_s}")
         if "@" not in self.hostname:
-            raise ValueError(f"hostname must look like name@host, got {self.hostname!r}")
+            raise ConfigurationError(f"hostname must look like name@host, got {self.hostname!r}")
         if self.autoscale is not None:
             maximum, minimum = self.autoscale
             if not 0 <= minimum <= maximum or maximum < 1:
-                raise ValueError(f"autoscale must be (max, min) with max >= 1 and 0 <= min <= max, "
-                                 f"got {self.autoscale}")  # fmt: skip
+                raise ConfigurationError(
+                    f"autoscale must be (max, min) with max >= 1 and 0 <= min <= max, got {self.autoscale}"
+                )
             if not max(minimum, 1) <= self.concurrency <= maximum:
-                raise ValueError(
+                raise ConfigurationError(
                     f"with autoscale {self.autoscale}, concurrency (the starting size) must be between "
                     f"{max(minimum, 1)} and {maximum}, got {self.concurrency}"
                 )
             if not self.autoscale_keepalive_s > 0:
-                raise ValueError(f"autoscale_keepalive_s must be positive, got {self.autoscale_keepalive_s}")
+                raise ConfigurationError(
+                    f"autoscale_keepalive_s must be positive, got {self.autoscale_keepalive_s}"
+                )
 
     @property
     def prefetch_count(self) -> int:

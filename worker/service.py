@@ -205,7 +205,9 @@ class WorkerService:
         # then the broker's log read up to now.
         revoker.load()
         await revoker.follow_log(await consuming.channel(publisher_confirms=False), publish_channel)
-        heart = Heart(events, lambda: (consumer.running_count, consumer.received), freq_s=config.heartbeat_s)
+        heart = Heart(
+            events, lambda: (consumer.running_count, consumer.received), freq_s=config.event_heartbeat_s
+        )
         self._heart = heart
         await self._start_mailbox(publishing, consumer, pool, revoker, events)
         if config.mingle:

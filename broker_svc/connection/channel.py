@@ -2,7 +2,7 @@
 
 Declaring a queue with its exchange and binding (pika's callback chain), the properties a message
 is published with, and turning a consumed message into a ``Delivery`` for a consumer callback.
-They are separate from ``connection.py`` so that module keeps only the connection's life cycle and
+They are separate from ``io_thread.py`` so that module keeps only the connection's life cycle and
 its bookkeeping; like it, this module runs on the I/O thread and imports pika.
 """
 
@@ -17,11 +17,12 @@ import pika.spec
 import structlog
 
 from broker_svc.connection.pending import Delivery, PendingPublish
+from broker_svc.connection.pika_internals import EncodedProperties
 from broker_svc.topology import QueueSpec
 from broker_svc.wire.amqp_fields import encode_properties
 from broker_svc.wire.task_message import RESENT_HEADER
 
-__all__ = ["Consumer", "EncodedProperties", "declare", "delivery_handler", "message_properties"]
+__all__ = ["Consumer", "declare", "delivery_handler", "message_properties"]
 
 log = structlog.get_logger(__name__)
 
@@ -63,20 +64,6 @@ def declare(channel: pika.channel.Channel, spec: QueueSpec, on_bound: Callable[[
         )
     else:
         declare_queue()
-
-
-class EncodedProperties(pika.BasicProperties):  # type: ignore[misc]  # pika is untyped here
-    """Properties encoded already (``broker_svc.wire.amqp_fields``): what pika's content header takes
-    from its properties is ``INDEX`` and ``encode()``, and only this is given."""
-
-    def __init__(self, encoded: bytes) -> None:  # no super().__init__: there are no fields to set
-        self._encoded = encoded
-
-    def encode(self) -> list[bytes]:
-        return [self._encoded]
-
-    def __repr__(self) -> str:
-        return f"<EncodedProperties {len(self._encoded)} bytes>"
 
 
 def message_properties(pending: PendingPublish) -> pika.BasicProperties:

@@ -2,9 +2,11 @@
 
 Callers on any thread hand messages over and return at once; the I/O thread publishes them with
 publisher confirms (pipelined, never one round trip per message), tracks each confirm, republishes
-what a lost connection left unconfirmed, and delivers consumed messages to callbacks. Where each
-message is lives in ``outbox.py``; pika's parameters in ``parameters.py`` and the reading of its
-failures in ``failures.py``. pika's exceptions are translated here and in the control client.
+what a lost connection left unconfirmed, and delivers consumed messages to callbacks. This module
+holds the connection's life cycle: connect, failover, reconnect with backoff, resource alarms and
+the tick that drops a broker which stopped confirming. Sending and confirms are in ``confirms.py``,
+where each message is in ``outbox.py``; pika's parameters in ``parameters.py`` and the reading of
+its failures in ``failures.py``. pika's exceptions are translated here and in the control client.
 """
 
 from __future__ import annotations
@@ -15,25 +17,17 @@ from collections.abc import Callable, Sequence
 
 import pika
 import pika.channel
-import pika.exceptions
 import pika.frame
-import pika.spec
 import structlog
 
-from broker_svc.connection.channel import Consumer, declare, delivery_handler, message_properties
-from broker_svc.connection.failures import describe_connect_error, is_permanent, max_message_size
+from broker_svc.connection.channel import Consumer, declare, delivery_handler
+from broker_svc.connection.confirms import Confirms
+from broker_svc.connection.failures import describe_connect_error, is_permanent
 from broker_svc.connection.outbox import Outbox
 from broker_svc.connection.parameters import connection_parameters
-from broker_svc.connection.pending import PendingPublish, _ConfirmRate
-from broker_svc.connection.pika_internals import GatheringConnection
-from broker_svc.errors import (
-    BrokerBlocked,
-    BrokerSvcError,
-    BrokerUnavailable,
-    PublishError,
-    PublishNacked,
-    Unroutable,
-)
+from broker_svc.connection.pending import PendingPublish
+from broker_svc.connection.pika_internals import GatheringConnection, abort_connection
+from broker_svc.errors import BrokerSvcError, BrokerUnavailable
 from broker_svc.settings import Settings, redact_url
 from broker_svc.topology import QueueSpec
 
@@ -45,11 +39,6 @@ _BACKOFF_START_S = 0.2
 _BACKOFF_MAX_S = 5.0
 _TICK_S = 0.5
 _CLOSE_GRACE_S = 1.0
-# After a nack the channel is reopened before the message goes again, after this pause (doubled
-# per nack in a row): RabbitMQ 3.10 keeps nacking a quorum queue's publishes on a channel opened
-# while the queue had no leader, even once it has one, and a fresh channel is acked at once.
-_NACK_PAUSE_START_S = 0.25
-_NACK_PAUSE_MAX_S = 2.0
 
 
 class BrokerConnection:
@@ -76,20 +65,23 @@ class BrokerConnection:
         self._opened = False  # whether the current attempt got as far as an open connection
         self._blocked_since: float | None = None  # a resource alarm blocks the connection
         self._outbox = Outbox()
-        self._returned: set[tuple[str | None, str]] = set()
         self._declared: set[str] = set()
-        self._warned_unroutable: set[str] = set()
         self._declaring: str | None = None
-        self._next_tag = 1
+        self._confirms = Confirms(
+            settings,
+            self._outbox,
+            name=name,
+            declared=self._declared,
+            declare_then_drain=lambda spec: self._declare(spec, on_done=self._drain),
+            reopen_later=self._reopen_later,
+        )
         self._lock = threading.Lock()
-        self._stopping = False
+        # Set by close(); the I/O thread's reconnect backoff waits on it, so close() ends it at once.
+        self._stopping = threading.Event()
         self._ready = threading.Event()
         self._conn: GatheringConnection | None = None
         self._channel: pika.channel.Channel | None = None
         self._down_since: float | None = None
-        self._confirm_rate = _ConfirmRate()
-        self._nack_pause_s = _NACK_PAUSE_START_S
-        self._reopening = False  # a reopen after a nack is scheduled on this connection
         self._thread = threading.Thread(target=self._run, name=f"clockwork-io-{name}", daemon=True)
         self._started = False
 
@@ -106,11 +98,6 @@ class BrokerConnection:
     def wait_ready(self, timeout: float) -> bool:
         """Wait until connected with a channel in confirm mode."""
         return self._ready.wait(timeout)
-
-    @property
-    def pending_count(self) -> int:
-        """Messages handed over and not yet settled."""
-        return len(self._outbox)
 
     def publish(self, pending: PendingPublish) -> None:
         """Hand a message to the I/O thread; returns without waiting for the broker.
@@ -129,7 +116,7 @@ class BrokerConnection:
         wake = self._outbox.put(
             items,
             max_pending=self._settings.max_unconfirmed,
-            closing=lambda: self._stopping,
+            closing=self._stopping.is_set,
             ready=self._ready,
         )
         if not self._started:
@@ -171,7 +158,7 @@ class BrokerConnection:
     def close(self, timeout: float = 5.0) -> None:
         """Stop the I/O thread; what is still unsettled fails with ``BrokerUnavailable``."""
         with self._lock:
-            self._stopping = True
+            self._stopping.set()
             started = self._started
         if started:
             self._call_soon(self._shutdown)
@@ -192,11 +179,11 @@ class BrokerConnection:
     def _run(self) -> None:
         backoff = _BACKOFF_START_S
         tried = 0  # failed attempts since the last open connection
-        while not self._stopping:
+        while not self._stopping.is_set():
             started = time.monotonic()
             self._opened = False
             self._run_connection()
-            if self._stopping:
+            if self._stopping.is_set():
                 break
             tried = 0 if self._opened else tried + 1
             if self._down_since is None:
@@ -221,7 +208,7 @@ class BrokerConnection:
                 tried = 0
             if time.monotonic() - started > 10:
                 backoff = _BACKOFF_START_S  # it was up for a while: retry quickly
-            time.sleep(backoff)  # reconnect backoff on the I/O thread; no caller waits on it
+            self._stopping.wait(backoff)  # reconnect backoff, cut short by close()
             backoff = min(backoff * 2, _BACKOFF_MAX_S)
         self._outbox.fail_all(BrokerUnavailable("the connection was closed before the broker confirmed"))
 
@@ -277,28 +264,13 @@ class BrokerConnection:
         log.warning("broker_unblocked", connection=self._name, blocked_s=round(blocked_s, 3))
         self._drain()
 
-    def _expire_blocked(self) -> None:
-        """Fail what waited longer than ``confirm_timeout_s`` on a blocked connection.
-
-        Unsent messages leave the outbox (they were never written, so never enqueued); sent ones
-        stop being tracked, as the broker may still take them when the alarm clears.
-        """
-        cutoff = time.monotonic() - self._settings.confirm_timeout_s
-        expired = self._outbox.expire(cutoff)
-        error = BrokerBlocked(
-            f"the broker blocked publishing (memory or disk alarm) for over "
-            f"{self._settings.confirm_timeout_s} s"
-        )
-        for pending in expired:
-            pending.settle(error)
-
     def _on_channel_open(self, channel: pika.channel.Channel) -> None:
         self._channel = channel
         self._declared.clear()
-        self._next_tag = 1
+        self._confirms.channel_opened()
         channel.add_on_close_callback(self._on_channel_closed)
-        channel.add_on_return_callback(self._on_return)
-        channel.confirm_delivery(ack_nack_callback=self._on_confirm, callback=self._on_confirm_mode)
+        channel.add_on_return_callback(self._confirms.on_return)
+        channel.confirm_delivery(ack_nack_callback=self._confirms.on_confirm, callback=self._on_confirm_mode)
 
     def _on_confirm_mode(self, _frame: pika.frame.Method) -> None:
         assert self._channel is not None
@@ -347,111 +319,14 @@ class BrokerConnection:
         if conn is None:
             return
         with conn.gathered():  # the batch goes to the socket in a few large writes
-            self._send_taken()
+            self._confirms.send(self._channel, blocked=self._blocked_since is not None)
 
-    def _send_taken(self) -> None:
-        channel = self._channel
-        # A blocked connection takes nothing more: what waits can still fail cleanly.
-        can_send = channel is not None and channel.is_open and self._blocked_since is None
-        taken = self._outbox.take(can_send=can_send)
-        if taken is None or channel is None:
-            return
-        batch, oldest, ahead = taken
-        now = time.monotonic()
-        wall = time.time()
-        # A message sent now reaches its queue only after everything sent before it (a bulk send
-        # can have tens of thousands ahead), and a delay queue's TTL starts then. Guess how long
-        # that takes, erring long: the messages ahead at the measured rate with half again as
-        # margin, or the wait of the oldest unconfirmed message (a stalled broker).
-        waited_s = now - oldest.sent_at if oldest is not None else 0.0
-        seconds_per_message = 1.5 / self._confirm_rate.per_s
-        for index, pending in enumerate(batch):
-            if pending.done:
-                continue
-            if pending.eta_s is not None:
-                ahead_here = ahead + index
-                lag_s = max(waited_s, ahead_here * seconds_per_message) if ahead_here else 0.0
-                pending.route(wall, lag_s=lag_s)
-            spec = next((s for s in pending.declare if s.name not in self._declared), None)
-            if spec is not None:
-                # Hold this and every later message (order matters) until the queue exists; the
-                # next drain declares this message's next queue, if it has one.
-                self._outbox.put_back(batch[index:])
-                self._declare(spec, on_done=self._drain)
-                return
-            try:
-                props = message_properties(pending)
-                channel.basic_publish(
-                    pending.exchange,
-                    pending.routing_key,
-                    pending.message.body,
-                    props,
-                    mandatory=pending.mandatory,
-                )
-            except (ValueError, TypeError) as exc:
-                pending.settle(PublishError(f"message cannot be encoded by the AMQP client: {exc}"))
-                continue
-            except (pika.exceptions.AMQPError, OSError) as exc:
-                # The connection is going away; these go out again once it is back.
-                self._outbox.put_back(batch[index:])
-                log.warning("publish_failed", error=str(exc))
-                return
-            pending.attempts += 1
-            pending.sent_at = now
-            if pending.first_sent_at == 0.0:
-                pending.first_sent_at = now
-            self._outbox.track(self._next_tag, pending)
-            self._next_tag += 1
-
-    def _on_return(
-        self,
-        _ch: pika.channel.Channel,
-        method: pika.spec.Basic.Return,
-        props: pika.spec.BasicProperties,
-        _body: bytes,
-    ) -> None:
-        # basic.return precedes the basic.ack of the same message; remember it for the ack.
-        self._returned.add((props.correlation_id, method.routing_key))
-        # The queue was there when declared and is gone now: declare it again before the next
-        # message for it (this one is reported Unroutable, never dropped in silence).
-        self._declared.discard(method.routing_key)
-        if method.routing_key not in self._warned_unroutable:
-            self._warned_unroutable.add(method.routing_key)  # once per key, not per message
-            log.warning("publish_returned", routing_key=method.routing_key, reply=method.reply_text)
-
-    def _on_confirm(self, frame: pika.frame.Method) -> None:
-        method = frame.method
-        tag: int = method.delivery_tag
-        nacked = isinstance(method, pika.spec.Basic.Nack)
-        settled, backlog = self._outbox.confirm(tag, multiple=bool(method.multiple))
-        self._confirm_rate.confirmed(len(settled), now=time.monotonic(), backlog=backlog)
-        for pending in settled:
-            key = (pending.message.correlation_id, pending.routing_key)
-            if key in self._returned:
-                self._returned.discard(key)
-                pending.settle(Unroutable(f"no queue is bound for routing key {pending.routing_key!r}"))
-            elif nacked:
-                self._retry_after_nack(pending)
-            else:
-                pending.settle()
-        if settled and not nacked:
-            self._nack_pause_s = _NACK_PAUSE_START_S
-
-    def _retry_after_nack(self, pending: PendingPublish) -> None:
-        # Retried, on a fresh channel, until it has had its attempts *and* confirm_timeout_s has
-        # passed since it was first sent: a leader election takes seconds, attempts take ms.
-        spent_s = time.monotonic() - pending.first_sent_at
-        if pending.attempts >= self._settings.publish_attempts and spent_s > self._settings.confirm_timeout_s:
-            pending.settle(PublishNacked(f"the broker refused the message (nack) for {spent_s:.1f} s"))
-            return
-        self._outbox.retry_later(pending)
+    def _reopen_later(self, pause_s: float) -> bool:
         conn = self._conn
-        if self._reopening or conn is None or not conn.is_open:
-            return
-        self._reopening = True
-        log.warning("publish_nacked_reopening", connection=self._name, pause_s=self._nack_pause_s)
-        conn.ioloop.call_later(self._nack_pause_s, lambda: self._reopen(conn, "reopen after nack"))
-        self._nack_pause_s = min(self._nack_pause_s * 2, _NACK_PAUSE_MAX_S)
+        if conn is None or not conn.is_open:
+            return False
+        conn.ioloop.call_later(pause_s, lambda: self._reopen(conn, "reopen after nack"))
+        return True
 
     def _reopen(self, conn: pika.SelectConnection, why: str) -> None:
         # The whole connection, not just the channel: the confirm sequence restarts at 1 and
@@ -474,7 +349,7 @@ class BrokerConnection:
             return
         if self._blocked_since is not None:
             # An alarm, not a dead broker: a new connection would be blocked too.
-            self._expire_blocked()
+            self._confirms.expire_blocked()
             self._schedule_tick()
             return
         oldest = self._outbox.oldest_sent_at()
@@ -488,24 +363,15 @@ class BrokerConnection:
         if conn.is_closed:
             return
         log.warning("broker_unresponsive", connection=self._name, grace_s=_CLOSE_GRACE_S)
-        conn._adapter_disconnect_stream()  # pika's own abort: ends in on_close_callback
+        abort_connection(conn)  # ends in on_close_callback
 
     def _on_channel_closed(self, _ch: pika.channel.Channel, reason: BaseException) -> None:
         # A channel error (e.g. a 406 on a declare) ends the channel, not the process: start
         # over on a fresh connection so the confirm sequence begins at 1 again.
         self._channel = None
         declaring, self._declaring = self._declaring, None
-        limit = max_message_size(reason)
-        if limit is not None:
-            self._outbox.fail_oversized(limit, reason)
-        if declaring is not None and isinstance(reason, pika.exceptions.ChannelClosedByBroker):
-            # The broker refused the declaration itself (406 different arguments, 403 access):
-            # retrying cannot help, so the messages for that queue fail now, with the reason.
-            self._outbox.fail_where(
-                lambda p: any(spec.name == declaring for spec in p.declare),
-                PublishError(f"the broker refused to declare queue {declaring!r}: {reason}"),
-            )
-        if not self._stopping:
+        self._confirms.channel_closed(reason, declaring=declaring)
+        if not self._stopping.is_set():
             log.warning("broker_channel_closed", connection=self._name, reason=str(reason))
         conn = self._conn
         if conn is not None and conn.is_open:
@@ -514,16 +380,9 @@ class BrokerConnection:
     def _on_closed(self, conn: pika.SelectConnection, reason: BaseException) -> None:
         self._ready.clear()
         self._channel = None
-        self._reopening = False
         self._blocked_since = None
-        lost = self._outbox.take_unconfirmed()
-        self._returned.clear()
-        for pending in lost:
-            if pending.attempts >= self._settings.publish_attempts:
-                pending.settle(BrokerUnavailable(f"connection lost before confirm: {reason}"))
-            else:
-                self._outbox.retry_later(pending)
-        if not self._stopping:
+        self._confirms.connection_lost(reason)
+        if not self._stopping.is_set():
             log.warning("broker_connection_lost", connection=self._name, reason=str(reason))
         conn.ioloop.stop()
 

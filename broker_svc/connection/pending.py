@@ -16,9 +16,6 @@ from broker_svc.wire.task_message import WireMessage
 
 __all__ = ["Delivery", "PendingPublish"]
 
-# How fast a broker is assumed to confirm until it has been measured (ETA routing).
-_INITIAL_CONFIRM_RATE = 1000.0
-
 
 @dataclass(frozen=True, slots=True)
 class Delivery:
@@ -148,30 +145,3 @@ class PendingPublish:
 # Guards the lazy creation of a PendingPublish's Event against a concurrent settle; held for a
 # few instructions only.
 _WAIT_LOCK = threading.Lock()
-
-
-class _ConfirmRate:
-    """How many messages a second the broker confirms while it has a backlog (I/O thread only).
-
-    A message sent behind N unconfirmed ones reaches its queue about N / rate seconds later; ETA
-    routing needs that, because a delay queue's TTL only starts then.
-    """
-
-    def __init__(self) -> None:
-        self.per_s = _INITIAL_CONFIRM_RATE
-        self._since: float | None = None
-        self._count = 0
-
-    def confirmed(self, count: int, *, now: float, backlog: bool) -> None:
-        """Count ``count`` confirms; ``backlog`` says whether unconfirmed messages remain."""
-        if self._since is None:  # idle time says nothing about the broker's speed
-            if backlog:
-                self._since, self._count = now, 0
-            return
-        self._count += count
-        elapsed = now - self._since
-        if elapsed >= 0.5:
-            self.per_s = 0.5 * self.per_s + 0.5 * max(self._count / elapsed, 1.0)
-            self._since, self._count = (now, 0) if backlog else (None, 0)
-        elif not backlog:
-            self._since = None

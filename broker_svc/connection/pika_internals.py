@@ -1,24 +1,34 @@
-"""pika's ``SelectConnection`` with fewer socket writes: one per message, one per gathered batch.
+"""Every private pika name Clockwork relies on, each behind a small named class or function.
 
-pika hands each frame to its transport on its own (a message is three: method, header, body) and
+- ``GatheringConnection`` overrides ``Connection._output_marshaled_frames`` and calls
+  ``_adapter_emit_data``: fewer socket writes, one per message, one per gathered batch.
+- ``abort_connection`` calls ``_adapter_disconnect_stream``: drop the socket without a close-ok.
+- ``EncodedProperties`` gives pika's content header (``frame.Header.marshal``) properties encoded
+  already, through the ``INDEX`` and ``encode()`` it reads.
+- ``underlying_channel`` reaches ``BlockingChannel._impl``, the channel under the blocking wrapper.
+
+``tests/unit/test_private_internals.py`` pins each of them (pika 1.x); the version range in
+``pyproject.toml`` is the one those tests ran against.
+
+Gathering: pika hands each frame to its transport on its own (a message is three: method, header, body) and
 the transport sends each with a ``send()`` of its own, which releases and retakes the GIL that the
 caller's thread wants too. When enqueueing, those sends were the larger part of the I/O thread's
 time. Here a message's frames go out as one buffer, and the frames marshaled inside
 ``gathered()`` (a drain of the outbox) as one buffer per ``_GATHER_BYTES``.
 
-This overrides pika's ``Connection._output_marshaled_frames``, a private method (pika 1.x);
-``tests/unit/test_gathering.py`` pins that it still exists, and the integration tests publish through it.
+The integration tests publish through it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Final
+from typing import Any, Final
 
 import pika
+import pika.channel
 
-__all__ = ["GatheringConnection"]
+__all__ = ["EncodedProperties", "GatheringConnection", "abort_connection", "underlying_channel"]
 
 # A gathered batch goes to the transport whenever it reaches this size, so a drain of thousands of
 # messages never builds one buffer of megabytes.
@@ -65,3 +75,35 @@ class GatheringConnection(pika.SelectConnection):  # type: ignore[misc]  # pika 
         # its transport still buffered; unconfirmed messages are sent again on the next connection.
         if parts and not self.is_closed:
             self._adapter_emit_data(b"".join(parts))
+
+
+def abort_connection(conn: pika.SelectConnection) -> None:
+    """Drop ``conn``'s socket at once; pika reports it to ``on_close_callback`` as a lost connection.
+
+    pika's own abort (``_adapter_disconnect_stream``): ``close()`` waits for the broker's close-ok,
+    which a frozen or partitioned broker never sends.
+    """
+    conn._adapter_disconnect_stream()
+
+
+class EncodedProperties(pika.BasicProperties):  # type: ignore[misc]  # pika is untyped here
+    """Properties encoded already (``broker_svc.wire.amqp_fields``): what pika's content header takes
+    from its properties is ``INDEX`` and ``encode()``, and only this is given."""
+
+    def __init__(self, encoded: bytes) -> None:  # no super().__init__: there are no fields to set
+        self._encoded = encoded
+
+    def encode(self) -> list[bytes]:
+        return [self._encoded]
+
+    def __repr__(self) -> str:
+        return f"<EncodedProperties {len(self._encoded)} bytes>"
+
+
+def underlying_channel(channel: Any) -> pika.channel.Channel | None:
+    """The ``pika.channel.Channel`` under a ``BlockingChannel`` (its ``_impl``); None if it has none.
+
+    Closing it directly drops the deliveries the blocking wrapper holds instead of rejecting them.
+    """
+    impl: pika.channel.Channel | None = getattr(channel, "_impl", None)
+    return impl

@@ -18,6 +18,7 @@ import structlog
 from pika.adapters.blocking_connection import BlockingChannel as Channel
 
 from broker_svc.clock import LamportClock
+from broker_svc.connection.pika_internals import underlying_channel
 from broker_svc.errors import MessageError
 from broker_svc.topology import DEFAULT_EXCHANGE, ExchangeSpec, QueueSpec, event_queue, members_stream
 from broker_svc.wire import codec
@@ -122,7 +123,7 @@ class MembersFeed:
         a stream refuses basic.reject by closing the whole *connection* (540). Closing the
         underlying channel drops them instead, which is all a stream consumer needs.
         """
-        impl = getattr(self._channel, "_impl", None)  # pika's channel under the blocking wrapper
+        impl = underlying_channel(self._channel)
         if impl is None or not impl.is_open:
             return
         impl.close()

@@ -16,6 +16,7 @@ from structlog.testing import capture_logs
 from broker_svc import App, BrokerUnavailable, Settings
 from broker_svc.topology import EVENT_EXCHANGE, members_stream, revocation_log
 from control import ControlClient
+from control.api import Control
 from control.protocol.request import MARKER_HEADER
 from control.protocol.revoke_log import LOGGED_HEADER, RevokeEntry
 from tests.support.amqp import channel
@@ -125,6 +126,7 @@ def test_the_app_closes_its_control_connection(vhost_url: str, node: WorkerProce
     app = App("closing", settings=Settings(broker_url=vhost_url))
     control = app.control
     assert app.control is control  # cached
+    assert isinstance(control, Control)  # typed as the ControlPlane Protocol; the test reads its clients
     control.ping(destination=[node.name], timeout=3)
     [client] = control._clients
     app.close()

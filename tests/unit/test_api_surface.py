@@ -17,9 +17,9 @@ def test_broker_svc_exports_exactly_its_public_names():
             "App", "AsyncResult", "Signature", "State", "Task", "LamportClock", "Publisher", "Settings",
             "TaskMessage", "BrokerBlocked", "BrokerSvcError", "BrokerUnavailable", "ConfigurationError",
             "ContentDisallowed",
-            "DecodeError", "InvalidTaskMessage", "MessageError", "MessageTooLarge", "NotRegistered",
-            "PublishError", "PublishNacked", "ResultTimeout", "SoftTimeLimitExceeded", "TaskError",
-            "TaskRevokedError", "Unroutable",
+            "DecodeError", "InvalidTaskMessage", "MaxRetriesExceededError", "MessageError",
+            "MessageTooLarge", "NotRegistered", "PublishError", "PublishNacked", "ResultTimeout", "Retry",
+            "SoftTimeLimitExceeded", "TaskError", "TaskRevokedError", "Unroutable",
         ]
     )  # fmt: skip
     for name in broker_svc.__all__:
@@ -88,3 +88,22 @@ def test_the_client_nouns_import_no_amqp_library_directly():
     for path in (ROOT / "broker_svc").glob("*.py"):
         tops = _top(_imports(path))
         assert not tops & {"pika", "aio_pika", "aiormq", "pamqp", "socket"}, path
+
+
+def test_app_control_is_typed_by_a_protocol_that_control_api_satisfies():
+    # mypy checks the assignment (the signatures); this checks every Protocol member exists.
+    from broker_svc.control_plane import ControlPlane, Inspector
+    from control.api import Control, Inspect
+
+    control: ControlPlane = Control(settings=broker_svc.Settings())
+    inspector: Inspector = control.inspect()
+    members = {name for name in vars(ControlPlane) if not name.startswith("_")} | {"close"}
+    assert all(callable(getattr(control, name)) for name in members)
+    assert isinstance(inspector, Inspect)
+    assert all(callable(getattr(inspector, n)) for n in vars(Inspector) if not n.startswith("_"))
+    app = broker_svc.App("typed", settings=broker_svc.Settings())
+    try:
+        assert isinstance(app.control, Control)  # from the entry point, typed ControlPlane for mypy
+        assert callable(app.control.inspect(timeout=0.1).ping)
+    finally:
+        app.close()

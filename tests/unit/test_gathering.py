@@ -1,21 +1,8 @@
-"""The gathering connection rests on a private pika method: pin it, and what gathering sends."""
+"""What the gathering connection sends (its private pika names are pinned in test_private_internals)."""
 
 from __future__ import annotations
 
-import inspect
-
-import pika
-import pika.connection
-
 from broker_svc.connection.pika_internals import GatheringConnection
-
-
-def test_pika_still_routes_every_frame_through_the_overridden_method() -> None:
-    # If pika renames it, our override would be dead code and writes silently ungathered.
-    assert "_output_marshaled_frames" in vars(pika.connection.Connection)
-    assert "_output_marshaled_frames" in inspect.getsource(pika.connection.Connection._send_message)
-    assert "_output_marshaled_frames" in inspect.getsource(pika.connection.Connection._send_frame)
-    assert issubclass(GatheringConnection, pika.SelectConnection)
 
 
 class _Recorder(GatheringConnection):

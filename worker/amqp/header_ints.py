@@ -1,4 +1,4 @@
-"""Wire guards for what the worker publishes with aio-pika (pamqp) to Celery peers."""
+"""pamqp's one swapped internal: header ints encoded as Celery's peers read them (the whole process)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,10 @@ def _table_integer(value: int) -> bytes:
 def install_header_int_guard() -> None:
     """Make pamqp encode header ints as 32-bit ``I`` (or 64-bit ``l``), as py-amqp and pika do.
 
-    pamqp looks ``table_integer`` up as a module global on every call, so replacing it is enough;
-    the worker calls this once at start-up.
+    This replaces ``pamqp.encode.table_integer``, a module global pamqp looks up on every call,
+    so it changes every AMQP table the *whole process* encodes with pamqp (aio-pika, aiormq), not
+    only the worker's. Calling it again does nothing. The worker calls it at start-up;
+    ``tests/unit/test_private_internals.py`` pins that pamqp still routes ints through it.
     """
-    pamqp.encode.table_integer = _table_integer
+    if pamqp.encode.table_integer is not _table_integer:
+        pamqp.encode.table_integer = _table_integer
