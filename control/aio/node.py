@@ -141,7 +141,7 @@ class MailboxNode:
         if exchange is None:
             default = reply_exchange(self._namespace)
             exchange = await self._channel.declare_exchange(
-                name, type=aio_pika.ExchangeType.DIRECT, durable=default.durable
+                name, type=aio_pika.ExchangeType(default.type), **default.declare_options()
             )
             self._reply_exchanges[name] = exchange
         return exchange

@@ -212,9 +212,7 @@ def declare_exchange(channel: Channel, spec: ExchangeSpec) -> None:
     Raises:
         pika.exceptions.ChannelClosed: the broker refused the declaration.
     """
-    channel.exchange_declare(
-        spec.name, exchange_type=spec.type, durable=spec.durable, auto_delete=spec.auto_delete
-    )
+    channel.exchange_declare(spec.name, exchange_type=spec.type, **spec.declare_options())
 
 
 def declare_queue(channel: Channel, spec: QueueSpec, *, bind: bool) -> None:
@@ -223,13 +221,7 @@ def declare_queue(channel: Channel, spec: QueueSpec, *, bind: bool) -> None:
     Raises:
         pika.exceptions.ChannelClosed: the broker refused a declaration.
     """
-    channel.queue_declare(
-        spec.name,
-        durable=spec.durable,
-        exclusive=spec.exclusive,
-        auto_delete=spec.auto_delete,
-        arguments=spec.arguments or None,
-    )
+    channel.queue_declare(spec.name, **spec.declare_options())
     if bind and spec.exchange is not None:
         declare_exchange(channel, spec.exchange)
         channel.queue_bind(spec.name, spec.exchange.name, routing_key=spec.routing_key)
