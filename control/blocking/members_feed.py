@@ -1,15 +1,11 @@
-"""The blocking (pika) readers of what workers broadcast: the members stream and live events.
-
-``control.blocking.client`` runs them on its connection and shares the channel helpers at the bottom.
-"""
+"""The members feed: the control client's blocking (pika) reader of the members stream."""
 
 from __future__ import annotations
 
 import datetime as dt
 import time
 import uuid
-from collections.abc import Iterator
-from typing import Any, Final
+from typing import Final
 
 import pika
 import pika.exceptions
@@ -18,22 +14,14 @@ import structlog
 from pika.adapters.blocking_connection import BlockingChannel as Channel
 
 from broker_svc.clock import LamportClock
-from broker_svc.errors import MessageError
-from broker_svc.topology import DEFAULT_EXCHANGE, ExchangeSpec, QueueSpec, event_queue, members_stream
-from broker_svc.wire import codec
+from broker_svc.topology import DEFAULT_EXCHANGE, members_stream
+from control.blocking.declarations import declare_queue
+from control.blocking.event_feed import decode_events
+from control.blocking.failures import describe_error
 from control.protocol.membership import Membership
 from control.protocol.request import MARKER_HEADER
 
-__all__ = [
-    # readers
-    "MembersFeed",
-    "follow_events",
-    "decode_events",
-    # channel helpers
-    "declare_exchange",
-    "declare_queue",
-    "describe_error",
-]
+__all__ = ["MembersFeed"]
 
 log = structlog.get_logger(__name__)
 
@@ -41,7 +29,6 @@ log = structlog.get_logger(__name__)
 _MEMBERS_LOOKBACK_S: Final = 60.0
 _MEMBERS_PREFETCH: Final = 1000
 _MEMBERS_ACK_EVERY: Final = 250
-_EVENT_ACCEPT: Final = codec.accept_set(("json",))
 
 
 class MembersFeed:
@@ -144,98 +131,3 @@ class MembersFeed:
         if self._unacked >= _MEMBERS_ACK_EVERY or self.caught_up:
             self._unacked = 0
             channel.basic_ack(method.delivery_tag, multiple=True)
-
-
-def follow_events(
-    conn: pika.BlockingConnection,
-    *,
-    routing_key: str,
-    tick_s: float,
-    clock: LamportClock,
-    max_body_bytes: int,
-) -> Iterator[list[dict[str, Any]]]:
-    """Follow live events (Celery's ``celeryev``) on an exclusive queue of a channel of its own.
-
-    Yields the events received during each tick of about ``tick_s`` (often none); closing the
-    generator closes the channel, and the queue goes with it. Bodies that are lists (Celery's
-    batched task events) are flattened; anything that is not a JSON map is skipped.
-
-    Raises:
-        pika.exceptions.AMQPError: the channel or the connection failed.
-        OSError: the socket failed.
-    """
-    received: list[dict[str, Any]] = []
-
-    def on_message(
-        _ch: Channel, _method: pika.spec.Basic.Deliver, props: pika.spec.BasicProperties, body: bytes
-    ) -> None:
-        for event in decode_events(body, props, max_bytes=max_body_bytes):
-            if event.get("type") != "task-sent":  # clients' clocks are not trusted (as Celery)
-                clock.adjust(event.get("clock"))
-            received.append(event)
-
-    channel = conn.channel()
-    spec = event_queue(routing_key)
-    declare_queue(channel, spec, bind=True)
-    channel.basic_consume(spec.name, on_message, auto_ack=True, exclusive=True)
-    try:
-        while True:
-            conn.process_data_events(time_limit=tick_s)
-            batch = received[:]
-            received.clear()
-            yield batch
-    finally:
-        if channel.is_open and conn.is_open:
-            try:
-                channel.close()  # the exclusive queue goes with it
-            except (pika.exceptions.AMQPError, OSError):
-                pass
-
-
-def decode_events(body: bytes, props: pika.spec.BasicProperties, *, max_bytes: int) -> list[dict[str, Any]]:
-    """The events in one message: a JSON map, or a list of them; nothing if it does not decode."""
-    try:
-        decoded = codec.decode(body, props.content_type, accept=_EVENT_ACCEPT, max_bytes=max_bytes)
-    except MessageError as exc:
-        log.debug("event_undecodable", error=str(exc), size=len(body))
-        return []
-    items = decoded if isinstance(decoded, list) else [decoded]
-    return [item for item in items if isinstance(item, dict)]
-
-
-# -- channel helpers -----------------------------------------------------------------------------
-
-
-def declare_exchange(channel: Channel, spec: ExchangeSpec) -> None:
-    """Declare ``spec``'s exchange.
-
-    Raises:
-        pika.exceptions.ChannelClosed: the broker refused the declaration.
-    """
-    channel.exchange_declare(spec.name, exchange_type=spec.type, **spec.declare_options())
-
-
-def declare_queue(channel: Channel, spec: QueueSpec, *, bind: bool) -> None:
-    """Declare ``spec``'s queue; with ``bind``, its exchange and binding too.
-
-    Raises:
-        pika.exceptions.ChannelClosed: the broker refused a declaration.
-    """
-    channel.queue_declare(spec.name, **spec.declare_options())
-    if bind and spec.exchange is not None:
-        declare_exchange(channel, spec.exchange)
-        channel.queue_bind(spec.name, spec.exchange.name, routing_key=spec.routing_key)
-
-
-def describe_error(exc: BaseException) -> str:
-    """A pika or socket error as one line a user can act on."""
-    if isinstance(exc, pika.exceptions.ProbableAuthenticationError):
-        return "authentication failed (check the user name and password)"
-    if isinstance(exc, pika.exceptions.ProbableAccessDeniedError):
-        return "access denied (check the vhost and the user's permissions)"
-    if isinstance(exc, pika.exceptions.AMQPConnectionError) and exc.args:
-        inner = exc.args[0]
-        if isinstance(inner, BaseException):
-            return f"cannot connect ({type(inner).__name__}: {inner})"
-    text = str(exc) or type(exc).__name__
-    return f"{type(exc).__name__}: {text}"
