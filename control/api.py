@@ -11,7 +11,8 @@ import structlog
 from broker_svc.clock import LamportClock
 from broker_svc.errors import BrokerSvcError
 from broker_svc.settings import Settings
-from control.blocking.client import BroadcastResult, ControlClient
+from control.blocking.client import ControlClient
+from control.protocol.replies import BroadcastResult
 from control.protocol.request import Matcher, flatten_replies
 
 if TYPE_CHECKING:

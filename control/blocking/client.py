@@ -34,7 +34,7 @@ from control.protocol.request import CLOCK_HEADER, EXPIRES_HEADER, ControlReques
 from control.protocol.revoke_log import LOGGED_HEADER, RevokeEntry
 from control.protocol.signing import ControlSecurity
 
-__all__ = ["BroadcastResult", "ControlClient", "InspectReply", "RevokeResult"]
+__all__ = ["ControlClient"]
 
 log = structlog.get_logger(__name__)
 

@@ -22,10 +22,11 @@ from typing import Any, Final, TextIO
 from broker_svc.errors import BrokerUnavailable, ConfigurationError
 from broker_svc.logging import configure_logging
 from broker_svc.settings import Settings
-from control.blocking.client import BroadcastResult, ControlClient
+from control.blocking.client import ControlClient
 from control.cli.render import format_event, format_nodes, is_ok, show, summarize
 from control.protocol.commands import COMMANDS, CommandKind, Param
 from control.protocol.event_order import ReorderBuffer
+from control.protocol.replies import BroadcastResult
 from control.protocol.request import flatten_replies
 
 __all__ = ["EX_UNAVAILABLE", "build_parser", "main"]
