@@ -8,10 +8,12 @@ import json
 import pathlib
 import subprocess
 import sys
+import typing
 
 import pytest
 
 import control
+from control.api import Inspect
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -75,3 +77,12 @@ def test_control_sub_packages_hold_only_a_docstring():
         body = ast.parse(init.read_text()).body
         assert len(body) == 1 and isinstance(body[0], ast.Expr), init
         assert isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str), init
+
+
+def test_every_inspect_query_names_the_shape_of_its_reply():
+    queries = [name for name, value in vars(Inspect).items() if not name.startswith("_") and callable(value)]
+    assert {"ping", "active", "stats", "query_task", "conf"} <= set(queries)
+    for name in queries:
+        returned = typing.get_type_hints(getattr(Inspect, name))["return"]
+        assert returned is not typing.Any, name
+        assert type(None) in typing.get_args(returned), name  # None: no node replied
