@@ -37,8 +37,8 @@ class MailboxNode:
     Garbage (undecodable, wrong content type, oversized, malformed) is logged, never fatal. With a
     signing key or an allow-list, a request that fails the check (unsigned, bad signature, stale,
     replayed, sender not allowed) is refused before its body is decoded, and logged once with the
-    reason. Replies go to the request's reply exchange and routing key, in
-    the request's content type, with its ticket and this process's clock (signed with the key).
+    reason. Replies go to the request's reply exchange and routing key, in the request's content
+    type, with its ticket and this process's clock (signed with the key).
 
     Args:
         channel: an aio-pika channel for the mailbox.
