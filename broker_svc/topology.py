@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, TypedDict
 
 __all__ = [
     "DEAD_LETTER_ERROR_HEADER",
@@ -19,7 +19,9 @@ __all__ = [
     "DELAY_HOLD_WINDOW_S",
     "MAX_DELAY_BUCKET_MS",
     "MIN_DELAY_BUCKET_MS",
+    "ExchangeOptions",
     "ExchangeSpec",
+    "QueueOptions",
     "QueueSpec",
     "QueueType",
     "EVENT_EXCHANGE",
@@ -59,6 +61,27 @@ MAX_DELAY_BUCKET_MS: Final = 2**31
 DELAY_HOLD_WINDOW_S: Final = MIN_DELAY_BUCKET_MS / 1000
 
 
+# Every declarer (the I/O thread's pika callback chain, the control client's blocking pika, aio-pika
+# in a worker) reads a spec through ``declare_options()``: a flag or argument that differs from an
+# earlier declaration of the same queue or exchange is a 406 PRECONDITION_FAILED from RabbitMQ.
+
+
+class ExchangeOptions(TypedDict):
+    """exchange.declare's flags, under the keyword names pika and aio-pika both take."""
+
+    durable: bool
+    auto_delete: bool
+
+
+class QueueOptions(TypedDict):
+    """queue.declare's flags and arguments, under the keyword names pika and aio-pika both take."""
+
+    durable: bool
+    exclusive: bool
+    auto_delete: bool
+    arguments: dict[str, Any] | None  # None, not {}: what every declarer sent before this existed
+
+
 @dataclass(frozen=True, slots=True)
 class ExchangeSpec:
     """How to declare an exchange."""
@@ -67,6 +90,10 @@ class ExchangeSpec:
     type: Literal["direct", "fanout", "topic", "headers"]
     durable: bool
     auto_delete: bool = False
+
+    def declare_options(self) -> ExchangeOptions:
+        """exchange.declare's flags (the name and type go apart: pika's keyword is ``exchange_type``)."""
+        return {"durable": self.durable, "auto_delete": self.auto_delete}
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +107,15 @@ class QueueSpec:
     arguments: dict[str, Any] = field(default_factory=dict)
     exchange: ExchangeSpec | None = None
     routing_key: str = ""
+
+    def declare_options(self) -> QueueOptions:
+        """queue.declare's flags and arguments; the binding is ``exchange`` and ``routing_key``."""
+        return {
+            "durable": self.durable,
+            "exclusive": self.exclusive,
+            "auto_delete": self.auto_delete,
+            "arguments": self.arguments or None,
+        }
 
 
 @functools.lru_cache(maxsize=1024)

@@ -8,9 +8,10 @@ from broker_svc.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from control.api import Control, Inspect
-    from control.blocking.client import BroadcastResult, ControlClient, InspectReply, RevokeResult
+    from control.blocking.client import ControlClient
     from control.protocol.collector import ReplyCollector
     from control.protocol.membership import Membership
+    from control.protocol.replies import BroadcastResult, InspectReply, RevokeResult
 
 __all__ = [
     # the Celery-shaped facade (``app.control``)
@@ -27,14 +28,15 @@ __all__ = [
 ]
 
 # Loaded on first use: the worker imports the mailbox node (aio-pika) from this package and needs
-# none of the blocking client (pika) unless a task uses ``app.control``.
+# none of the blocking client (pika) unless a task uses ``app.control``. Each name points at the
+# module that defines it, so the pure results load without pika.
 _EXPORTS = {
     "Control": "control.api",
     "Inspect": "control.api",
-    "BroadcastResult": "control.blocking.client",
+    "BroadcastResult": "control.protocol.replies",
     "ControlClient": "control.blocking.client",
-    "InspectReply": "control.blocking.client",
-    "RevokeResult": "control.blocking.client",
+    "InspectReply": "control.protocol.replies",
+    "RevokeResult": "control.protocol.replies",
     "Membership": "control.protocol.membership",
     "ReplyCollector": "control.protocol.collector",
 }

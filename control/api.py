@@ -11,7 +11,15 @@ import structlog
 from broker_svc.clock import LamportClock
 from broker_svc.errors import BrokerSvcError
 from broker_svc.settings import Settings
-from control.blocking.client import BroadcastResult, ControlClient
+from control.blocking.client import ControlClient
+from control.protocol.replies import (
+    BroadcastResult,
+    ClockReply,
+    InspectResult,
+    OkReply,
+    ScheduledTask,
+    TaskInfo,
+)
 from control.protocol.request import Matcher, flatten_replies
 
 if TYPE_CHECKING:
@@ -246,7 +254,10 @@ class Inspect:
     """Read-only queries, shaped like ``celery.app.control.Inspect``.
 
     Each method returns ``{nodename: value}``, or None when no node answered. As in Celery, when
-    the destination is a single name (a string), only that node's value is returned.
+    the destination is a single name (a string), only that node's value is returned. The types
+    (``control.protocol.replies.InspectResult``) name the value each command's reply has on a
+    worker, or the ``{"error": ...}`` it sends when the command failed there; replies are not
+    checked against them on receipt.
     """
 
     def __init__(
@@ -266,7 +277,8 @@ class Inspect:
         self.matcher = matcher
         self.limit = limit
 
-    def _request(self, method: str, **arguments: Any) -> Any:
+    def _request(self, method: str, **arguments: Any) -> InspectResult[Any]:
+        # The values are decoded JSON or msgpack; each method below names the shape workers send.
         replies = self.control.broadcast(
             method,
             arguments,
@@ -284,52 +296,52 @@ class Inspect:
             return by_node.get(self.destination)
         return by_node
 
-    def ping(self) -> Any:
+    def ping(self) -> InspectResult[OkReply]:
         """``{node: {"ok": "pong"}}``."""
         return self._request("ping")
 
-    def clock(self) -> Any:
+    def clock(self) -> InspectResult[ClockReply]:
         """``{node: {"clock": n}}``."""
         return self._request("clock")
 
-    def active(self, safe: bool = False) -> Any:
+    def active(self, safe: bool = False) -> InspectResult[list[TaskInfo]]:
         """``{node: [task info, ...]}`` of the running tasks."""
         return self._request("active", safe=safe)
 
-    def reserved(self) -> Any:
+    def reserved(self) -> InspectResult[list[TaskInfo]]:
         """``{node: [task info, ...]}`` of tasks received but not started."""
         return self._request("reserved")
 
-    def scheduled(self) -> Any:
+    def scheduled(self) -> InspectResult[list[ScheduledTask]]:
         """``{node: [{eta, priority, request}, ...]}`` of tasks waiting for their ETA."""
         return self._request("scheduled")
 
-    def revoked(self) -> Any:
+    def revoked(self) -> InspectResult[list[str]]:
         """``{node: [task id, ...]}``."""
         return self._request("revoked")
 
-    def registered(self, *taskinfoitems: str) -> Any:
+    def registered(self, *taskinfoitems: str) -> InspectResult[list[str]]:
         """``{node: [task name, ...]}``."""
         return self._request("registered", taskinfoitems=list(taskinfoitems))
 
     registered_tasks = registered
 
-    def stats(self) -> Any:
+    def stats(self) -> InspectResult[dict[str, Any]]:
         """``{node: {total, pid, clock, uptime, pool, broker, ...}}``."""
         return self._request("stats")
 
-    def query_task(self, *ids: str | Sequence[str]) -> Any:
+    def query_task(self, *ids: str | Sequence[str]) -> InspectResult[dict[str, list[Any]]]:
         """``{node: {task id: [state, task info]}}``; ids as arguments or one list."""
         flat: list[str] = []
         for item in ids:
             flat.extend([item] if isinstance(item, str) else item)
         return self._request("query_task", ids=flat)
 
-    def active_queues(self) -> Any:
+    def active_queues(self) -> InspectResult[list[dict[str, Any]]]:
         """``{node: [queue map, ...]}``."""
         return self._request("active_queues")
 
-    def conf(self, with_defaults: bool = False) -> Any:
+    def conf(self, with_defaults: bool = False) -> InspectResult[dict[str, Any]]:
         """``{node: {setting: value}}``."""
         return self._request("conf", with_defaults=with_defaults)
 

@@ -42,12 +42,7 @@ def declare(channel: pika.channel.Channel, spec: QueueSpec, on_bound: Callable[[
 
     def declare_queue(_frame: pika.frame.Method | None = None) -> None:
         channel.queue_declare(
-            spec.name,
-            durable=spec.durable,
-            exclusive=spec.exclusive,
-            auto_delete=spec.auto_delete,
-            arguments=spec.arguments or None,
-            callback=bind if exchange is not None else bound,
+            spec.name, **spec.declare_options(), callback=bind if exchange is not None else bound
         )
 
     def bind(_frame: pika.frame.Method) -> None:
@@ -56,11 +51,7 @@ def declare(channel: pika.channel.Channel, spec: QueueSpec, on_bound: Callable[[
 
     if exchange is not None:
         channel.exchange_declare(
-            exchange.name,
-            exchange_type=exchange.type,
-            durable=exchange.durable,
-            auto_delete=exchange.auto_delete,
-            callback=declare_queue,
+            exchange.name, exchange_type=exchange.type, **exchange.declare_options(), callback=declare_queue
         )
     else:
         declare_queue()

@@ -131,7 +131,7 @@ class AsyncBroadcaster:
         """Declare the exchanges (as Celery does) and our reply queue, and consume it."""
         spec = pidbox_exchange(self._namespace)
         self._exchange = await self._channel.declare_exchange(
-            spec.name, type=aio_pika.ExchangeType(spec.type), durable=spec.durable
+            spec.name, type=aio_pika.ExchangeType(spec.type), **spec.declare_options()
         )
         queue = await declare_queue(self._channel, self._reply_spec)
         await queue.consume(self._on_reply, no_ack=True)

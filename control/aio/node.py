@@ -34,11 +34,11 @@ MAX_REQUEST_BYTES = 16 * 1024 * 1024
 class MailboxNode:
     """Consumes ``<nodename>.<ns>.pidbox`` and dispatches each request to the registry.
 
-    Garbage (undecodable, wrong content type, oversized, malformed) is logged and counted, never
-    fatal. With a signing key or an allow-list, a request that fails the check (unsigned, bad
-    signature, stale, replayed, sender not allowed) is refused before its body is decoded, and
-    logged once with the reason. Replies go to the request's reply exchange and routing key, in
-    the request's content type, with its ticket and this process's clock (signed with the key).
+    Garbage (undecodable, wrong content type, oversized, malformed) is logged, never fatal. With a
+    signing key or an allow-list, a request that fails the check (unsigned, bad signature, stale,
+    replayed, sender not allowed) is refused before its body is decoded, and logged once with the
+    reason. Replies go to the request's reply exchange and routing key, in the request's content
+    type, with its ticket and this process's clock (signed with the key).
 
     Args:
         channel: an aio-pika channel for the mailbox.
@@ -69,8 +69,6 @@ class MailboxNode:
         self._namespace = namespace
         self._reply_exchanges: dict[str, aio_pika.abc.AbstractExchange] = {}
         self._security = security or ControlSecurity()
-        self.refused = 0
-        self.handled = 0
 
     async def start(self) -> None:
         """Declare the node queue (bound to the fanout exchange) and start consuming."""
@@ -81,14 +79,12 @@ class MailboxNode:
         try:
             await self._handle(message)
         except Exception:  # the mailbox must outlive any request
-            self.refused += 1
             log.exception("control_request_failed")
 
     async def _handle(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
         headers = message.headers or {}
         refusal = self._security.check_received("request", message)
         if refusal is not None:
-            self.refused += 1
             log.warning(
                 "control_request_refused",
                 reason=str(refusal),
@@ -102,7 +98,6 @@ class MailboxNode:
             )
             request = ControlRequest.from_wire(body)
         except MessageError as exc:
-            self.refused += 1
             log.warning("control_request_refused", reason="malformed", error=str(exc), size=len(message.body))
             return
         self._clock.adjust(headers.get(CLOCK_HEADER))
@@ -110,7 +105,6 @@ class MailboxNode:
             return
         request_headers.set(headers)
         value = await self._registry.dispatch(request.method, request.arguments)
-        self.handled += 1
         if request.wants_reply and request.method != "shutdown":
             await self._reply(request, value, message.content_type)
 
@@ -141,7 +135,7 @@ class MailboxNode:
         if exchange is None:
             default = reply_exchange(self._namespace)
             exchange = await self._channel.declare_exchange(
-                name, type=aio_pika.ExchangeType.DIRECT, durable=default.durable
+                name, type=aio_pika.ExchangeType(default.type), **default.declare_options()
             )
             self._reply_exchanges[name] = exchange
         return exchange

@@ -26,7 +26,7 @@ from broker_svc.settings import Settings
 from broker_svc.topology import DEFAULT_NAMESPACE, pidbox_exchange
 from broker_svc.wire import codec
 from control.blocking.connection import ControlConnection
-from control.blocking.streams import follow_events
+from control.blocking.event_feed import follow_events
 from control.protocol.collector import ReplyCollector
 from control.protocol.membership import Membership
 from control.protocol.replies import BroadcastResult, CallOptions, InspectReply, RevokeResult
@@ -34,7 +34,7 @@ from control.protocol.request import CLOCK_HEADER, EXPIRES_HEADER, ControlReques
 from control.protocol.revoke_log import LOGGED_HEADER, RevokeEntry
 from control.protocol.signing import ControlSecurity
 
-__all__ = ["BroadcastResult", "ControlClient", "InspectReply", "RevokeResult"]
+__all__ = ["ControlClient"]
 
 log = structlog.get_logger(__name__)
 

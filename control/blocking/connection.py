@@ -29,7 +29,9 @@ from broker_svc.topology import (
     pidbox_exchange,
     revocation_log,
 )
-from control.blocking.streams import MembersFeed, declare_exchange, declare_queue, describe_error
+from control.blocking.declarations import declare_exchange, declare_queue
+from control.blocking.failures import describe_error
+from control.blocking.members_feed import MembersFeed
 from control.protocol.membership import Membership
 from control.protocol.request import CLOCK_HEADER, ReplyAddress
 from control.protocol.revoke_log import CONTENT_TYPE as REVOKE_CONTENT_TYPE

@@ -12,9 +12,6 @@ guide, "Securing the control plane"); requests carry the URL's user as ``user_id
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import heapq
-import itertools
 import json
 import logging
 import sys
@@ -25,15 +22,17 @@ from typing import Any, Final, TextIO
 from broker_svc.errors import BrokerUnavailable, ConfigurationError
 from broker_svc.logging import configure_logging
 from broker_svc.settings import Settings
-from control.blocking.client import BroadcastResult, ControlClient
+from control.blocking.client import ControlClient
+from control.cli.render import format_event, format_nodes, is_ok, show, summarize
 from control.protocol.commands import COMMANDS, CommandKind, Param
+from control.protocol.event_order import ReorderBuffer
+from control.protocol.replies import BroadcastResult
 from control.protocol.request import flatten_replies
 
 __all__ = ["EX_UNAVAILABLE", "build_parser", "main"]
 
 EX_OK: Final = 0
 EX_FAILURE: Final = 1
-EX_USAGE: Final = 2
 EX_UNAVAILABLE: Final = 69  # sysexits.h, what `celery inspect` returns when nobody answered
 
 # CLI name -> (wire method, help)
@@ -177,7 +176,7 @@ def _inspect(
     elif method == "registered":
         arguments["taskinfoitems"] = args.taskinfoitems
     result = client.broadcast(method, arguments, destination=dest, reply=True, timeout_s=args.timeout)
-    _show(flatten_replies(result.replies), args.json, out)
+    show(flatten_replies(result.replies), args.json, out)
     return _status(result, err)
 
 
@@ -192,7 +191,7 @@ def _control(
         name: _convert(value, params[name]) for name, value in zip(params, args.values, strict=False)
     }
     result = client.broadcast(method, arguments, destination=dest, reply=True, timeout_s=args.timeout)
-    _show(flatten_replies(result.replies), args.json, out)
+    show(flatten_replies(result.replies), args.json, out)
     return _status(result, err)
 
 
@@ -220,7 +219,7 @@ def _status_command(
         out.write(json.dumps(by_node, default=str) + "\n")
     else:
         for node, value in by_node.items():
-            out.write(f"{node}: {'OK' if _is_ok(value) else _summary(value)}\n")
+            out.write(f"{node}: {'OK' if is_ok(value) else summarize(value)}\n")
         if by_node:
             out.write(f"\n{len(by_node)} node{'s' if len(by_node) != 1 else ''} online.\n")
     return _status(result, err)
@@ -237,7 +236,7 @@ def _revoke(
         destination=dest,
         timeout_s=args.timeout,
     )
-    _show(flatten_replies(result.replies), args.json, out)
+    show(flatten_replies(result.replies), args.json, out)
     if not result.logged:
         err.write(
             "ctl: warning: the revoke is NOT in the revocation log; workers that did not answer miss it\n"
@@ -246,7 +245,9 @@ def _revoke(
     if not result.replies:
         err.write("revoke logged; no worker answered (workers apply it when they start)\n")
     elif result.missing:
-        err.write(f"revoke logged; no reply from {_names(result.missing)} (they read it from the log)\n")
+        err.write(
+            f"revoke logged; no reply from {format_nodes(result.missing)} (they read it from the log)\n"
+        )
     return EX_OK
 
 
@@ -270,7 +271,7 @@ def _events(
         for event in events:
             if dest and event.get("hostname") not in dest:
                 continue
-            out.write((json.dumps(event, default=str) if args.json else _event_line(event)) + "\n")
+            out.write((json.dumps(event, default=str) if args.json else format_event(event)) + "\n")
             out.flush()
             printed += 1
             if args.count is not None and printed >= args.count:
@@ -305,7 +306,7 @@ _COMMANDS: Final[dict[str, Command]] = {
 }
 
 
-# -- output ----------------------------------------------------------------------------------------
+# -- exit status -----------------------------------------------------------------------------------
 
 
 def _status(result: BroadcastResult, err: TextIO) -> int:
@@ -313,100 +314,9 @@ def _status(result: BroadcastResult, err: TextIO) -> int:
         err.write("No nodes replied within time constraint.\n")
         return EX_UNAVAILABLE
     if result.missing:
-        err.write(f"ctl: no reply from {_names(result.missing)}\n")
+        err.write(f"ctl: no reply from {format_nodes(result.missing)}\n")
         return EX_FAILURE
     return EX_OK
-
-
-def _names(nodes: frozenset[str]) -> str:
-    return f"{len(nodes)} node{'s' if len(nodes) != 1 else ''}: {', '.join(sorted(nodes))}"
-
-
-def _show(by_node: dict[str, Any], as_json: bool, out: TextIO) -> None:
-    if as_json:
-        out.write(json.dumps(by_node, default=str) + "\n")
-        return
-    width = max((len(node) for node in by_node), default=0)
-    for node, value in by_node.items():
-        out.write(f"{node:<{width}}  {_summary(value)}\n")
-        for line in _details(value):
-            out.write(f"{'':<{width}}    {line}\n")
-
-
-def _is_ok(value: Any) -> bool:
-    return isinstance(value, dict) and "ok" in value and "error" not in value
-
-
-def _summary(value: Any) -> str:
-    if isinstance(value, dict) and len(value) == 1 and ("ok" in value or "error" in value):
-        [(key, inner)] = value.items()
-        return f"{'OK' if key == 'ok' else 'ERROR'} {_short(inner)}"
-    if isinstance(value, list):
-        return f"{len(value)} item{'s' if len(value) != 1 else ''}"
-    if isinstance(value, dict):
-        return f"{len(value)} key{'s' if len(value) != 1 else ''}"
-    return _short(value)
-
-
-def _details(value: Any) -> list[str]:
-    if isinstance(value, list):
-        return [f"- {_short(item)}" for item in value]
-    if isinstance(value, dict) and not (len(value) == 1 and ("ok" in value or "error" in value)):
-        return [f"{key}: {_short(inner)}" for key, inner in value.items()]
-    return []
-
-
-def _short(value: Any, limit: int = 160) -> str:
-    text = value if isinstance(value, str) else json.dumps(value, default=str)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _event_line(event: dict[str, Any]) -> str:
-    timestamp = event.get("timestamp")
-    when = (
-        dt.datetime.fromtimestamp(timestamp, dt.UTC).isoformat(timespec="milliseconds")
-        if isinstance(timestamp, int | float) and not isinstance(timestamp, bool)
-        else "-"
-    )
-    parts = [when, f"clock={event.get('clock')}", str(event.get("hostname")), str(event.get("type"))]
-    for key in ("uuid", "name", "runtime", "result", "exception"):
-        if event.get(key) is not None:
-            parts.append(f"{key}={_short(event[key], 80)}")
-    return " ".join(parts)
-
-
-class ReorderBuffer:
-    """Holds events for a short window and releases them ordered by ``(clock, "hostname.pid")``.
-
-    Events from many workers arrive interleaved; each is held ``window_s`` seconds so a slightly
-    later arrival with a smaller clock can still go first (DESIGN.md §3 total order).
-    """
-
-    def __init__(self, window_s: float) -> None:
-        self._window_s = window_s
-        self._heap: list[tuple[int, str, int, float, dict[str, Any]]] = []
-        self._seq = itertools.count()  # arrival order breaks remaining ties; dicts never compare
-
-    def push(self, event: dict[str, Any], now: float) -> None:
-        """Hold an event received at ``now``."""
-        clock = event.get("clock")
-        key = clock if isinstance(clock, int) and not isinstance(clock, bool) else 0
-        origin = f"{event.get('hostname')}.{event.get('pid')}"
-        heapq.heappush(self._heap, (key, origin, next(self._seq), now, event))
-
-    def pop_ready(self, now: float) -> list[dict[str, Any]]:
-        """Events whose window passed, smallest first (one still held blocks larger ones)."""
-        ready = []
-        while self._heap and self._heap[0][3] + self._window_s <= now:
-            ready.append(heapq.heappop(self._heap)[4])
-        return ready
-
-    def drain(self) -> list[dict[str, Any]]:
-        """Everything still held, in order."""
-        return [heapq.heappop(self._heap)[4] for _ in range(len(self._heap))]
-
-    def __len__(self) -> int:
-        return len(self._heap)
 
 
 if __name__ == "__main__":

@@ -77,7 +77,7 @@ def _run_client(url: str) -> str:
 
 def _run_ctl(url: str) -> str:
     proc = subprocess.run(
-        [sys.executable, "-m", "control.cli.main", "inspect", "ping", "-b", url, "--timeout", "2"],
+        [sys.executable, "-m", "control.cli", "inspect", "ping", "-b", url, "--timeout", "2"],
         capture_output=True, text=True, timeout=90, cwd=ROOT,
         env={k: v for k, v in os.environ.items() if not k.startswith("CLOCKWORK_")},
     )  # fmt: skip

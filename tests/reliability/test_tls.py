@@ -144,7 +144,7 @@ def test_a_worker_runs_a_task_over_tls_and_ctl_pings_it(tls_node: TlsNode):
         env = {k: v for k, v in os.environ.items() if not k.startswith("CLOCKWORK_")}
         env.update(tls_node.env(**files))
         ping = subprocess.run(
-            [sys.executable, "-m", "control.cli.main", "inspect", "ping", "-b", url, "-d", worker.name,
+            [sys.executable, "-m", "control.cli", "inspect", "ping", "-b", url, "-d", worker.name,
              "--timeout", "10", "--json"],
             capture_output=True, text=True, timeout=60, env=env, cwd=ROOT,
         )  # fmt: skip
@@ -154,7 +154,7 @@ def test_a_worker_runs_a_task_over_tls_and_ctl_pings_it(tls_node: TlsNode):
         env.pop("CLOCKWORK_SSL_CERT_FILE")
         env.pop("CLOCKWORK_SSL_KEY_FILE")
         refused = subprocess.run(
-            [sys.executable, "-m", "control.cli.main", "inspect", "ping", "-b", url, "--timeout", "5"],
+            [sys.executable, "-m", "control.cli", "inspect", "ping", "-b", url, "--timeout", "5"],
             capture_output=True, text=True, timeout=60, env=env, cwd=ROOT,
         )  # fmt: skip
     assert refused.returncode != 0 and "TLS" in refused.stderr, refused.stderr

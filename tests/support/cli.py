@@ -1,4 +1,4 @@
-"""Run ``ctl`` (``python -m control.cli.main``) from a test, without the caller's broker variable."""
+"""Run ``ctl`` (``python -m control.cli``) from a test, without the caller's broker variable."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def run_ctl(*args: str, timeout_s: float = 60) -> tuple[subprocess.CompletedProc
     env = {k: v for k, v in os.environ.items() if k != "CLOCKWORK_BROKER_URL"}
     started = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "control.cli.main", *args],
+        [sys.executable, "-m", "control.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout_s,

@@ -83,7 +83,7 @@ PINS = [
     Pin(_Connection, "_adapter_emit_data", ("self", "data")),
     # pika: abort_connection.
     Pin(_Connection, "_adapter_disconnect_stream", ("self",)),
-    # pika: underlying_channel (control/blocking/streams.py closes it directly).
+    # pika: underlying_channel (control/blocking/members_feed.py closes it directly).
     Pin(BlockingChannel, "_impl", attribute=True, read_by=(BlockingChannel.close,)),
     # pika: EncodedProperties stands in for the properties the content header marshals.
     Pin(pika.frame.Header, "marshal", ("self",)),
