@@ -107,7 +107,7 @@ def ping_figures(url: str, workers: int, runs: int) -> dict[str, object]:
             answered = len(client.inspect("ping", timeout_s=5.0))
             ours = _timed(lambda: client.inspect("ping", timeout_s=5.0), runs)
         ctl = _cli(
-            [sys.executable, "-m", "control.cli.main", "-b", url, "--timeout", "5", "inspect", "ping"], 5
+            [sys.executable, "-m", "control.cli", "-b", url, "--timeout", "5", "inspect", "ping"], 5
         )
     from celery import Celery
 

@@ -88,7 +88,7 @@ def inspect(broker_url: str) -> None:
     for command in (["status"], ["inspect", "stats"], ["inspect", "registered"]):
         print(f"$ ctl {' '.join(command)}", flush=True)
         subprocess.run(
-            [sys.executable, "-m", "control.cli.main", "--timeout", "5", *command],
+            [sys.executable, "-m", "control.cli", "--timeout", "5", *command],
             env={**os.environ, "CLOCKWORK_BROKER_URL": broker_url},
             check=False,
         )
