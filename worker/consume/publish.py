@@ -23,7 +23,7 @@ from broker_svc.topology import (
     dead_letter_queue,
 )
 from broker_svc.wire import codec
-from broker_svc.wire.result_message import Outcome, exception_to_wire, wire_exception
+from broker_svc.wire.result_message import Outcome, wire_exception
 from broker_svc.wire.task_message import CLOCK_HEADER
 
 __all__ = ["ReplyPublisher", "copy_message"]
@@ -166,7 +166,3 @@ def copy_message(message: aio_pika.abc.AbstractIncomingMessage, headers: dict[st
         app_id=message.app_id,
     )
 
-
-def failure_result(task_id: str, exc: BaseException) -> Outcome:
-    """A FAILURE outcome for an exception raised in the worker itself."""
-    return Outcome(task_id=task_id, status=State.FAILURE, result=exception_to_wire(exc))
