@@ -19,7 +19,7 @@ from broker_svc.errors import MessageError
 from broker_svc.settings import Settings
 from broker_svc.topology import DELAY_HOLD_WINDOW_S
 from broker_svc.wire import codec
-from broker_svc.wire.task_message import TaskMessage, decode_task, safe_repr
+from broker_svc.wire.task_message import TaskMessage, decode_task, eta_and_expires, safe_repr
 from worker.consume.admission import DedupeWindow
 from worker.consume.eta import EtaScheduler
 from worker.consume.job_request import delivery_info, request_context, time_limits
@@ -271,8 +271,7 @@ class TaskConsumer:
                 root_id=request.root_id,
                 parent_id=request.parent_id,
                 retries=request.retries,
-                eta=request.eta.isoformat() if request.eta else None,
-                expires=request.expires.isoformat() if request.expires else None,
+                **eta_and_expires(request),
             )
         outcome = await self._run(tracked, message, queue)
         if outcome is None:

@@ -165,4 +165,3 @@ def copy_message(message: aio_pika.abc.AbstractIncomingMessage, headers: dict[st
         type=message.type,
         app_id=message.app_id,
     )
-
