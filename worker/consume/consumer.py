@@ -42,8 +42,8 @@ RATE_RESERVED_HEADER: Final = "x-clockwork-rate-reserved"
 
 log = structlog.get_logger(__name__)
 
-# The pause before a delivery whose handling failed is handed back to the broker.
-_HAND_BACK_DELAY_S = 0.5
+# How long a delivery whose handling failed waits for the publishing channel before it is handed back.
+_PUBLISHER_REOPEN_WAIT_S = 5.0
 
 
 class TaskConsumer:
@@ -88,6 +88,7 @@ class TaskConsumer:
         # Signals sent by ``revoke(terminate=True)``, for the task-revoked event.
         self._signums: dict[str, int] = {}
         self.received = 0
+        self._replies = replies
         self._outcomes = OutcomeHandler(
             app=app, replies=replies, eta=eta, events=events, delivery_limit=settings.delivery_limit
         )
@@ -171,9 +172,11 @@ class TaskConsumer:
                 # Typically the connection went away mid-publish. Never leave a delivery held:
                 # hand it back (it runs again: at-least-once) and keep consuming.
                 log.exception("delivery_failed", queue=queue)
-                # The publishing connection may still be reconnecting while this one is back:
-                # handed back at once, the delivery would come straight back and fail again.
-                await asyncio.sleep(_HAND_BACK_DELAY_S)
+                if not self._stopping:
+                    # The publishing connection may still be reconnecting while this one is back:
+                    # handed back at once, the delivery would come straight back and fail again.
+                    # (Stopping, nothing consumes here any more: it goes to another worker.)
+                    await self._replies.until_open(timeout_s=_PUBLISHER_REOPEN_WAIT_S)
                 await self._settler.settle(message, queue, HAND_BACK)
             finally:
                 if task is not None:
