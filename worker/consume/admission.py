@@ -40,6 +40,7 @@ __all__ = [
     "DedupeWindow",
     "carries_count",
     "delivery_count",
+    "recount",
 ]
 
 log = structlog.get_logger(__name__)

@@ -253,6 +253,7 @@ class TaskConsumer:
     async def _handle_task(
         self, message: aio_pika.abc.AbstractIncomingMessage, queue: str, request: TaskMessage
     ) -> Disposition:
+        # The guards, in order: each may decide the delivery's fate; one that passes them all runs.
         if request.task not in self._app.tasks:
             return await self._rejections.unregistered(request)
         delivery = delivery_info(message)
@@ -264,7 +265,7 @@ class TaskConsumer:
         if request.expires is not None and request.expires <= dt.datetime.now(dt.UTC):
             return await self._rejections.skip_revoked(request, expired=True)
         tracked = Tracked(request, delivery)
-        if request.eta is not None and (parked := await self._until_due(tracked)) is not None:
+        if request.eta is not None and (parked := await self._until_due(tracked, request.eta)) is not None:
             return parked  # parked in a delay queue until nearly due
         if (parked := await self._rate_limited(message, request)) is not None:
             return parked  # parked until its turn under the task's rate limit
@@ -289,15 +290,14 @@ class TaskConsumer:
         signum = self._signums.pop(request.id, None)
         return await self._outcomes.finish(message, request, outcome, stopping=self._stopping, signum=signum)
 
-    async def _until_due(self, tracked: Tracked) -> Disposition | None:
+    async def _until_due(self, tracked: Tracked, eta: dt.datetime) -> Disposition | None:
         # Scheduled while it waits in memory for its ETA; parked when that is further off.
-        request = tracked.request
-        assert request.eta is not None
-        self._state.scheduled_tasks[request.id] = tracked
+        task_id = tracked.request.id
+        self._state.scheduled_tasks[task_id] = tracked
         try:
-            bucket_ms = await self._eta.defer(request.eta)
+            bucket_ms = await self._eta.defer(eta)
         finally:
-            self._state.scheduled_tasks.pop(request.id, None)
+            self._state.scheduled_tasks.pop(task_id, None)
         return None if bucket_ms is None else Disposition.republish({}, delay_ms=bucket_ms)
 
     async def _rate_limited(

@@ -17,7 +17,7 @@ from broker_svc.wire.task_message import TaskMessage, parse_iso_datetime, safe_r
 from worker.consume.admission import DELIVERY_LIMIT_REASON, delivery_count, recount
 from worker.consume.eta import EtaScheduler
 from worker.consume.publish import ReplyPublisher
-from worker.consume.settle import ACK, LEFT_TO_BROKER, Disposition
+from worker.consume.settle import LEFT_TO_BROKER, Disposition, Fate
 from worker.events import EventDispatcher
 from worker.pool.pool import JobOutcome, JobStatus
 
@@ -233,7 +233,7 @@ class OutcomeHandler:
 
 
 # A run that ended in a final outcome (success, failure, revoked): its delivery is simply acked.
-_FINISHED: Final = Disposition(ACK.fate, ran=True, finished=True)
+_FINISHED: Final = Disposition(Fate.ACK, ran=True, finished=True)
 
 
 def _eta_of(value: Any) -> dt.datetime:
