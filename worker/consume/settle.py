@@ -1,10 +1,4 @@
-"""The settle point: the one place a task delivery is acked or handed back, from its disposition.
-
-Every step of a delivery (decode, admission, the guards, the run's outcome) decides what becomes of
-it as a :class:`Disposition` value; :meth:`Settler.settle` carries that out. A copy the delivery
-owes (a dead letter, a retry, a park, a recount) is confirmed by the broker before the original is
-acked, so a failed copy raises here with the original still unacked, and the broker redelivers it.
-"""
+"""The settle point: the one place a task delivery is acked or handed back, from its disposition."""
 
 from __future__ import annotations
 
@@ -81,6 +75,11 @@ LEFT_TO_BROKER: Disposition = Disposition(Fate.LEFT_TO_BROKER)
 
 class Settler:
     """Carries out dispositions: the only code that acks or nacks a task delivery.
+
+    Every step of a delivery (decode, admission, the guards, the run's outcome) decides what becomes
+    of it as a :class:`Disposition`. A copy the delivery owes (a dead letter, a retry, a park, a
+    recount) is confirmed by the broker before the original is acked: a failed copy raises here
+    with the original still unacked, and the consumer hands it back.
 
     Args:
         replies: publishes dead letters and copies that go straight back to their queue.
