@@ -206,6 +206,6 @@ class Admission:
             self._dedupe.finished((request.id, request.retries))
 
 
-def recount(count: int, **more: Any) -> Disposition:
+def recount(count: int, *, ran: bool = False) -> Disposition:
     """A copy back on its queue carrying ``count`` unfinished deliveries (the broker's count dropped)."""
-    return Disposition.republish({DELIVERIES_HEADER: count}, drop=(BROKER_COUNT_HEADER,), **more)
+    return Disposition.republish({DELIVERIES_HEADER: count}, drop=(BROKER_COUNT_HEADER,), ran=ran)

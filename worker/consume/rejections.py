@@ -10,8 +10,6 @@ ack (carried out by ``worker.consume.settle``) — and none of the consumer's ru
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-
 import aio_pika.abc
 import structlog
 
@@ -20,7 +18,7 @@ from broker_svc.wire.result_message import Outcome, wire_exception
 from broker_svc.wire.task_message import TaskMessage
 from worker.consume.outcomes import OutcomeHandler, reply_type
 from worker.consume.publish import ReplyPublisher
-from worker.consume.settle import ACK, Disposition
+from worker.consume.settle import ACK, Disposition, Owed
 from worker.events import EventDispatcher
 
 __all__ = ["Rejections"]
@@ -91,7 +89,7 @@ class Rejections:
         )
         return ACK
 
-    def _rejected(self, task_id: str) -> Callable[[], Awaitable[None]]:
+    def _rejected(self, task_id: str) -> Owed:
         # Sent once the dead letter is confirmed: the task is rejected only if it is kept there.
         async def announce() -> None:
             await self._events.send("task-rejected", uuid=task_id, requeue=False)

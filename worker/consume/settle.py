@@ -15,9 +15,12 @@ import structlog
 from worker.consume.eta import EtaScheduler
 from worker.consume.publish import ReplyPublisher
 
-__all__ = ["ACK", "HAND_BACK", "LEFT_TO_BROKER", "Disposition", "Fate", "Settler"]
+__all__ = ["ACK", "HAND_BACK", "LEFT_TO_BROKER", "Disposition", "Fate", "Owed", "Settler"]
 
 log = structlog.get_logger(__name__)
+
+# What a delivery still owes once its copy is confirmed: an announcement, sent before the ack.
+Owed = Callable[[], Awaitable[None]]
 
 
 class Fate(StrEnum):
@@ -53,19 +56,38 @@ class Disposition:
     headers: Mapping[str, Any] = field(default_factory=dict)
     drop: tuple[str, ...] = ()
     delay_ms: int | None = None
-    owed: Callable[[], Awaitable[None]] | None = None
+    owed: Owed | None = None
     ran: bool = False
     finished: bool = False
 
     @classmethod
-    def dead_letter(cls, reason: str, error: str, **more: Any) -> Disposition:
+    def dead_letter(
+        cls, reason: str, error: str, *, owed: Owed | None = None, ran: bool = False, finished: bool = False
+    ) -> Disposition:
         """Keep it in ``<queue>.dead`` with ``reason`` and ``error``, then ack."""
-        return cls(Fate.DEAD_LETTER, reason=reason, error=error, **more)
+        return cls(Fate.DEAD_LETTER, reason=reason, error=error, owed=owed, ran=ran, finished=finished)
 
     @classmethod
-    def republish(cls, headers: Mapping[str, Any], **more: Any) -> Disposition:
+    def republish(
+        cls,
+        headers: Mapping[str, Any],
+        *,
+        drop: tuple[str, ...] = (),
+        delay_ms: int | None = None,
+        owed: Owed | None = None,
+        ran: bool = False,
+        finished: bool = False,
+    ) -> Disposition:
         """Publish a copy with ``headers`` set (to a delay queue if ``delay_ms``), then ack."""
-        return cls(Fate.REPUBLISH, headers=headers, **more)
+        return cls(
+            Fate.REPUBLISH,
+            headers=headers,
+            drop=drop,
+            delay_ms=delay_ms,
+            owed=owed,
+            ran=ran,
+            finished=finished,
+        )
 
 
 ACK: Disposition = Disposition(Fate.ACK)
