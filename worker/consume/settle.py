@@ -26,7 +26,7 @@ Owed = Callable[[], Awaitable[None]]
 class Fate(StrEnum):
     """What becomes of a task delivery."""
 
-    ACK = "ack"  # done with here: whatever it owed (result, event) has gone out
+    ACK = "ack"  # nothing more to do: whatever it owed (result, event) has gone out
     HAND_BACK = "hand_back"  # nack with requeue: it runs again, here or on another worker
     DEAD_LETTER = "dead_letter"  # must never run: a confirmed copy to ``<queue>.dead``, then ack
     REPUBLISH = "republish"  # runs later: a confirmed copy (retry, park, recount), then ack
