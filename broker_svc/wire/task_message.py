@@ -20,6 +20,7 @@ __all__ = [
     "WireMessage",
     "decode_task",
     "encode_task",
+    "eta_and_expires",
     "parse_iso_datetime",
     "safe_repr",
 ]
@@ -107,6 +108,14 @@ class TaskMessage:
         return self.shadow or self.task
 
 
+def eta_and_expires(message: TaskMessage) -> dict[str, str | None]:
+    """A task's ``eta`` and ``expires`` as Celery writes them (headers, ``task.request``, events)."""
+    return {
+        "eta": message.eta.isoformat() if message.eta else None,
+        "expires": message.expires.isoformat() if message.expires else None,
+    }
+
+
 def encode_task(message: TaskMessage, *, serializer: str) -> WireMessage:
     """Encode a task as Celery 5 does: headers for routing data, body ``[args, kwargs, embed]``.
 
@@ -119,8 +128,7 @@ def encode_task(message: TaskMessage, *, serializer: str) -> WireMessage:
         "task": message.task,
         "id": message.id,
         "shadow": message.shadow,
-        "eta": message.eta.isoformat() if message.eta else None,
-        "expires": message.expires.isoformat() if message.expires else None,
+        **eta_and_expires(message),
         "group": message.group,
         "group_index": message.group_index,
         "retries": message.retries,

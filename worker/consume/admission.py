@@ -12,6 +12,7 @@ worker restarts, and needs no queue arguments (task queues stay equal to Celery'
 
 Past ``delivery_limit`` the next delivery goes to ``<queue>.dead`` (reason ``delivery_limit``), so a
 poison task runs at most ``delivery_limit + 1`` times whether it kills its child or its worker.
+:class:`Admission` applies that to each decoded delivery, with the opt-in :class:`DedupeWindow`.
 """
 
 from __future__ import annotations
@@ -19,16 +20,30 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
+
+import structlog
+
+from broker_svc.wire.task_message import TaskMessage
+from worker.consume.settle import ACK, Disposition
+
+if TYPE_CHECKING:
+    import aio_pika.abc
+
+    from worker.consume.outcomes import OutcomeHandler
 
 __all__ = [
     "BROKER_COUNT_HEADER",
+    "Admission",
     "DELIVERIES_HEADER",
     "DELIVERY_LIMIT_REASON",
     "DedupeWindow",
     "carries_count",
     "delivery_count",
+    "recount",
 ]
+
+log = structlog.get_logger(__name__)
 
 # Ours: earlier deliveries that did not finish, written on the copies a worker publishes.
 DELIVERIES_HEADER: Final = "x-clockwork-deliveries"
@@ -134,3 +149,63 @@ class DedupeWindow:
             if expires > now:
                 break
             del self._finished[oldest_key]
+
+
+class Admission:
+    """Decides whether a decoded delivery may go on to run: the delivery limit, then dedupe.
+
+    Args:
+        outcomes: answers a message past the delivery limit as a dead child's task.
+        delivery_limit: how many deliveries of one message may end without finishing (its child or
+            worker died) before the next is dead-lettered.
+        dedupe: finished task ids, to skip duplicate deliveries; None: at-least-once (the default).
+    """
+
+    def __init__(self, *, outcomes: OutcomeHandler, delivery_limit: int, dedupe: DedupeWindow | None) -> None:
+        self._outcomes = outcomes
+        self._delivery_limit = delivery_limit
+        self._dedupe = dedupe
+
+    async def admit(
+        self, message: aio_pika.abc.AbstractIncomingMessage, request: TaskMessage
+    ) -> Disposition | None:
+        """None when ``request`` may go on to run; else what becomes of it.
+
+        A duplicate of a task finished (or running) here is acked unrun (with dedupe on). A message
+        whose earlier deliveries reached the delivery limit without finishing is dead-lettered with
+        a FAILURE for its client. A classic-queue redelivery is published again with its count
+        (the broker keeps none) and acked, so the count survives a worker that dies running it.
+        Pair every None with :meth:`release`.
+        """
+        dedupe = self._dedupe
+        if dedupe is not None and dedupe.seen((request.id, request.retries)):
+            dedupe.skipped += 1
+            log.info("task_duplicate_skipped")
+            return ACK
+        headers, redelivered = message.headers, message.redelivered
+        if redelivered or (headers and (DELIVERIES_HEADER in headers or BROKER_COUNT_HEADER in headers)):
+            count = delivery_count(headers, redelivered=redelivered)
+            if count > self._delivery_limit:
+                why = f"{count} deliveries did not finish (delivery_limit={self._delivery_limit})"
+                return await self._outcomes.limit_reached(request, error=None, why=why)
+            if not carries_count(headers, redelivered=redelivered):
+                log.info("task_redelivery_counted", deliveries=count)
+                return recount(count)
+        if dedupe is not None:
+            dedupe.start((request.id, request.retries))
+        return None
+
+    def release(self, request: TaskMessage) -> None:
+        """The admitted delivery of ``request`` is settled, whatever became of it."""
+        if self._dedupe is not None:
+            self._dedupe.release((request.id, request.retries))
+
+    def finished(self, request: TaskMessage) -> None:
+        """``request`` ran to a final outcome and its delivery is settled: later copies are duplicates."""
+        if self._dedupe is not None:
+            self._dedupe.finished((request.id, request.retries))
+
+
+def recount(count: int, *, ran: bool = False) -> Disposition:
+    """A copy back on its queue carrying ``count`` unfinished deliveries (the broker's count dropped)."""
+    return Disposition.republish({DELIVERIES_HEADER: count}, drop=(BROKER_COUNT_HEADER,), ran=ran)

@@ -19,15 +19,16 @@ from broker_svc.errors import MessageError
 from broker_svc.settings import Settings
 from broker_svc.topology import DELAY_HOLD_WINDOW_S
 from broker_svc.wire import codec
-from broker_svc.wire.task_message import TaskMessage, decode_task, safe_repr
-from worker.consume.admission import DedupeWindow
+from broker_svc.wire.task_message import TaskMessage, decode_task, eta_and_expires, safe_repr
+from worker.consume.admission import Admission, DedupeWindow
 from worker.consume.eta import EtaScheduler
 from worker.consume.job_request import delivery_info, request_context, time_limits
-from worker.consume.outcomes import OutcomeHandler, settle
+from worker.consume.outcomes import OutcomeHandler
 from worker.consume.publish import ReplyPublisher
 from worker.consume.rate_limits import RateLimits
 from worker.consume.redelivery import Redeliveries, channel_gone
 from worker.consume.rejections import Rejections
+from worker.consume.settle import ACK, HAND_BACK, LEFT_TO_BROKER, Disposition, Settler
 from worker.consume.slots import FairSlots
 from worker.events import EventDispatcher
 from worker.pool.pool import Job, JobOutcome, ProcessPool
@@ -41,8 +42,8 @@ RATE_RESERVED_HEADER: Final = "x-clockwork-rate-reserved"
 
 log = structlog.get_logger(__name__)
 
-# The pause before a delivery whose handling failed is handed back to the broker.
-_HAND_BACK_DELAY_S = 0.5
+# How long a delivery whose handling failed waits for the publishing channel before it is handed back.
+_PUBLISHER_REOPEN_WAIT_S = 5.0
 
 
 class TaskConsumer:
@@ -87,16 +88,19 @@ class TaskConsumer:
         # Signals sent by ``revoke(terminate=True)``, for the task-revoked event.
         self._signums: dict[str, int] = {}
         self.received = 0
+        self._replies = replies
         self._outcomes = OutcomeHandler(
-            app=app,
-            replies=replies,
-            eta=eta,
-            events=events,
+            app=app, replies=replies, eta=eta, events=events, delivery_limit=settings.delivery_limit
+        )
+        self._admission = Admission(
+            outcomes=self._outcomes,
             delivery_limit=settings.delivery_limit,
             dedupe=DedupeWindow(ttl_s=dedupe_window_s) if dedupe_window_s else None,
         )
         # Deliveries settled without a run: refused, unregistered, revoked (worker.consume.rejections).
         self._rejections = Rejections(replies=replies, events=events, outcomes=self._outcomes)
+        # The one place a task delivery is acked or handed back (worker.consume.settle).
+        self._settler = Settler(replies=replies, eta=eta)
         # Deliveries waiting for a child: the handler task → its delivery.
         self._reserved: dict[asyncio.Task[Any], aio_pika.abc.AbstractIncomingMessage] = {}
         self._handlers: set[asyncio.Task[Any]] = set()
@@ -168,10 +172,12 @@ class TaskConsumer:
                 # Typically the connection went away mid-publish. Never leave a delivery held:
                 # hand it back (it runs again: at-least-once) and keep consuming.
                 log.exception("delivery_failed", queue=queue)
-                # The publishing connection may still be reconnecting while this one is back:
-                # handed back at once, the delivery would come straight back and fail again.
-                await asyncio.sleep(_HAND_BACK_DELAY_S)
-                await settle(message.nack(requeue=True))
+                if not self._stopping:
+                    # The publishing connection may still be reconnecting while this one is back:
+                    # handed back at once, the delivery would come straight back and fail again.
+                    # (Stopping, nothing consumes here any more: it goes to another worker.)
+                    await self._replies.until_open(timeout_s=_PUBLISHER_REOPEN_WAIT_S)
+                await self._settler.settle(message, queue, HAND_BACK)
             finally:
                 if task is not None:
                     self._handlers.discard(task)
@@ -199,9 +205,27 @@ class TaskConsumer:
             await asyncio.wait(set(self._handlers), timeout=max(0.0, deadline - time.monotonic()))
 
     async def _handle(self, message: aio_pika.abc.AbstractIncomingMessage, queue: str) -> None:
-        if self._stopping:
-            await settle(message.nack(requeue=True))
+        admitted = await self._admit(message, queue)
+        if isinstance(admitted, Disposition):
+            await self._settler.settle(message, queue, admitted)
             return
+        request = admitted
+        try:
+            disposition = await self._handle_task(message, queue, request)
+            await self._settler.settle(message, queue, disposition)
+            if disposition.finished:
+                self._admission.finished(request)
+            if disposition.ran and not self._stopping:
+                self._redeliveries.remember_done(request.id, message)
+        finally:
+            self._admission.release(request)
+
+    async def _admit(
+        self, message: aio_pika.abc.AbstractIncomingMessage, queue: str
+    ) -> TaskMessage | Disposition:
+        # The decoded request, admitted to run (pair with ``Admission.release``), or its fate.
+        if self._stopping:
+            return HAND_BACK
         raw_id = (message.headers or {}).get("id")
         # aio-pika runs each delivery in a task of its own, with a copy of the context: what is
         # bound here is seen by this delivery's log lines only and goes with its task, so there is
@@ -219,45 +243,32 @@ class TaskConsumer:
                 priority=message.priority,
             )
         except MessageError as exc:
-            await self._rejections.refuse(message, queue, reason=type(exc).__name__, error=str(exc))
-            return
+            return await self._rejections.refuse(message, reason=type(exc).__name__, error=str(exc))
         self._clock.adjust(request.clock)
         bind_contextvars(task_name=request.display_name, attempt=request.retries + 1)
         # Delivery accounting (consume.admission): the delivery limit, classic redelivery counts, dedupe.
-        if not await self._outcomes.admit(message, queue, request):
-            return
-        try:
-            await self._handle_task(message, queue, request)
-        finally:
-            self._outcomes.release(request)
+        turned_away = await self._admission.admit(message, request)
+        return request if turned_away is None else turned_away
 
     async def _handle_task(
         self, message: aio_pika.abc.AbstractIncomingMessage, queue: str, request: TaskMessage
-    ) -> None:
+    ) -> Disposition:
+        # The guards, in order: each may decide the delivery's fate; one that passes them all runs.
         if request.task not in self._app.tasks:
-            await self._rejections.unregistered(message, queue, request)
-            return
+            return await self._rejections.unregistered(request)
         delivery = delivery_info(message)
         if delivery["delivery_count"] >= 1 and self._redeliveries.done_but_unacked(request.id):
             log.info("task_redelivery_already_done")
-            await settle(message.ack())
-            return
+            return ACK
         if request.id in self._revoked:
-            await self._rejections.skip_revoked(message, request, expired=False)
-            return
+            return await self._rejections.skip_revoked(request, expired=False)
         if request.expires is not None and request.expires <= dt.datetime.now(dt.UTC):
-            await self._rejections.skip_revoked(message, request, expired=True)
-            return
+            return await self._rejections.skip_revoked(request, expired=True)
         tracked = Tracked(request, delivery)
-        if request.eta is not None:
-            self._state.scheduled_tasks[request.id] = tracked
-            try:
-                if await self._eta.defer(message, queue=queue, eta=request.eta):
-                    return  # parked in a delay queue until nearly due (and acked here)
-            finally:
-                self._state.scheduled_tasks.pop(request.id, None)
-        if await self._rate_limited(message, queue, request):
-            return  # parked until its turn under the task's rate limit (and acked here)
+        if request.eta is not None and (parked := await self._until_due(tracked, request.eta)) is not None:
+            return parked  # parked in a delay queue until nearly due
+        if (parked := await self._rate_limited(message, request)) is not None:
+            return parked  # parked until its turn under the task's rate limit
         self.received += 1
         # Task events are off unless asked for (-E): check before building one, as every task
         # would pay for the reprs and a coroutine otherwise.
@@ -271,47 +282,54 @@ class TaskConsumer:
                 root_id=request.root_id,
                 parent_id=request.parent_id,
                 retries=request.retries,
-                eta=request.eta.isoformat() if request.eta else None,
-                expires=request.expires.isoformat() if request.expires else None,
+                **eta_and_expires(request),
             )
         outcome = await self._run(tracked, message, queue)
-        if outcome is None:
-            return  # handed back to the broker (shutdown), or revoked while it waited
+        if isinstance(outcome, Disposition):
+            return outcome  # handed back (shutdown), revoked while it waited, or joined
         signum = self._signums.pop(request.id, None)
-        await self._outcomes.finish(message, queue, request, outcome, stopping=self._stopping, signum=signum)
-        if not self._stopping:
-            self._redeliveries.remember_done(request.id, message)
+        return await self._outcomes.finish(message, request, outcome, stopping=self._stopping, signum=signum)
+
+    async def _until_due(self, tracked: Tracked, eta: dt.datetime) -> Disposition | None:
+        # Scheduled while it waits in memory for its ETA; parked when that is further off.
+        task_id = tracked.request.id
+        self._state.scheduled_tasks[task_id] = tracked
+        try:
+            bucket_ms = await self._eta.defer(eta)
+        finally:
+            self._state.scheduled_tasks.pop(task_id, None)
+        return None if bucket_ms is None else Disposition.republish({}, delay_ms=bucket_ms)
 
     async def _rate_limited(
-        self, message: aio_pika.abc.AbstractIncomingMessage, queue: str, request: TaskMessage
-    ) -> bool:
+        self, message: aio_pika.abc.AbstractIncomingMessage, request: TaskMessage
+    ) -> Disposition | None:
         # A token is taken once per task: a copy parked for its turn comes back marked, due.
         if (message.headers or {}).get(RATE_RESERVED_HEADER) is True:
-            return False
+            return None
         delay_s = self._limits.reserve(request.task)
         if delay_s <= 0:
-            return False
+            return None
         if delay_s <= DELAY_HOLD_WINDOW_S:
             await asyncio.sleep(delay_s)  # holds the delivery, never a child
-            return False
+            return None
         # Its turn is later: wait in the broker, not in our prefetch, so other tasks go on.
         due = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=delay_s)
-        headers = {"eta": due.isoformat(), RATE_RESERVED_HEADER: True}
-        await self._eta.publish_delayed(message, queue=queue, eta=due, headers=headers)
-        await settle(message.ack())
         log.debug("task_rate_limited", delay_s=round(delay_s, 3))
-        return True
+        return Disposition.republish(
+            {"eta": due.isoformat(), RATE_RESERVED_HEADER: True}, delay_ms=self._eta.bucket_for(due)
+        )
 
     async def _run(
         self, tracked: Tracked, message: aio_pika.abc.AbstractIncomingMessage, queue: str
-    ) -> JobOutcome | None:
+    ) -> JobOutcome | Disposition:
         request = tracked.request
         run = self._redeliveries.orphaned_run(request.id)
         if run is not None:
             # Our own delivery of this task came back (its channel closed while it ran, after
             # consumer_timeout or a lost connection): wait for that run rather than start a
-            # second one, then settle this copy with its outcome.
-            return await self._redeliveries.join(run, message)
+            # second one, then settle this copy with its outcome (cut short: hand it back).
+            joined = await self._redeliveries.join(run)
+            return HAND_BACK if joined is None else joined
         task = asyncio.current_task()
         assert task is not None
         self._reserved[task] = message
@@ -322,17 +340,15 @@ class TaskConsumer:
             # Reserved but never started: the broker gets it back for another worker.
             if channel_gone(message):
                 log.info("task_dropped_channel_gone")  # requeued by the broker already
-            else:
-                await settle(message.nack(requeue=True))
-                log.info("task_requeued_on_shutdown")
-            return None
+                return LEFT_TO_BROKER
+            log.info("task_requeued_on_shutdown")
+            return HAND_BACK
         finally:
             self._reserved.pop(task, None)
             self._state.reserved_tasks.pop(request.id, None)
         try:
             if request.id in self._revoked:  # revoked while it waited for a child
-                await self._rejections.skip_revoked(message, request, expired=False)
-                return None
+                return await self._rejections.skip_revoked(request, expired=False)
             hard, soft = time_limits(
                 request,
                 self._app.tasks[request.task],
@@ -363,7 +379,7 @@ class TaskConsumer:
             run.outcome.set_result(outcome)
             if run.joined:
                 log.info("task_settled_by_redelivery")  # the redelivered copy publishes and acks
-                return None
+                return LEFT_TO_BROKER
             return outcome
         finally:
             self._slots.release()

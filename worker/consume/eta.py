@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+from collections.abc import Mapping
 from typing import Any
 
 import aio_pika
@@ -60,38 +61,23 @@ class EtaScheduler:
         # Delay queues are durable and declared once per worker; a queue deleted behind our back
         # shows up as a returned publish, which drops it from here so the next park redeclares it.
         self._declared: set[str] = set()
-        self.parked = 0
 
-    @property
-    def held(self) -> int:
-        """Deliveries now waiting in memory for their ETA."""
-        return self._held
+    async def defer(self, eta: dt.datetime) -> int | None:
+        """Wait for a task's ETA in memory, or choose the delay queue to park it in.
 
-    async def defer(
-        self, message: aio_pika.abc.AbstractIncomingMessage, *, queue: str, eta: dt.datetime
-    ) -> bool:
-        """Wait for a task's ETA or park it; call before running a task that has an ``eta``.
-
-        Args:
-            message: the delivery, from ``queue``.
-            queue: the task queue it came from (and goes back to).
-            eta: when the task may start.
+        Call before running a task that has an ``eta``.
 
         Returns:
-            False when the task is due now (the caller runs it; it may have waited in memory for
-            up to the hold window first). True when it was parked and ``message`` acked: the caller
-            is done with it.
-
-        Raises:
-            aio_pika.exceptions.AMQPError: the copy was not confirmed (``message`` is not acked).
-            Unroutable: the delay queue was deleted under us (``message`` is not acked).
+            None when the task is due now (the caller runs it; it may have waited in memory for
+            up to the hold window first). Else the delay bucket (ms) to park a copy in: the caller
+            publishes it (:meth:`park`) and acks the original.
         """
         while True:
             # Decided afresh after every wait: the loop's timers are monotonic, the ETA is wall
             # time, and a timer may fire a little early. A task must never start before its ETA.
             remaining_s = seconds_until(eta)
             if remaining_s <= 0:
-                return False
+                return None
             bucket_ms = delay_bucket_ms(remaining_s, hold_window_s=self._hold_window_s)
             if bucket_ms is not None:
                 break
@@ -102,39 +88,42 @@ class EtaScheduler:
             # one (it then starts up to 128 ms late, never early).
             bucket_ms = delay_bucket_ms(remaining_s, hold_window_s=0) or MIN_DELAY_BUCKET_MS
             break
-        await self._publish(copy_message(message, dict(message.headers or {})), queue, bucket_ms)
-        self.parked += 1
         log.debug("task_parked", bucket_ms=bucket_ms, remaining_s=round(remaining_s, 3))
-        try:
-            await message.ack()
-        except (aio_pika.exceptions.ChannelInvalidStateError, aio_pika.exceptions.AMQPError) as exc:
-            # The channel went away: the broker redelivers the original and the parked copy comes
-            # back too, so the task may run twice (at-least-once).
-            log.warning("parked_ack_skipped_channel_gone", error=str(exc))
-        return True
+        return bucket_ms
 
-    async def publish_delayed(
+    def bucket_for(self, eta: dt.datetime) -> int | None:
+        """The delay bucket (ms) for a copy to run at ``eta``; None: due within the hold window."""
+        return delay_bucket_ms(seconds_until(eta), hold_window_s=self._hold_window_s)
+
+    async def park(
         self,
         message: aio_pika.abc.AbstractIncomingMessage,
         *,
         queue: str,
-        eta: dt.datetime,
-        headers: dict[str, Any],
+        bucket_ms: int,
+        headers: Mapping[str, Any],
     ) -> None:
-        """Publish a copy of ``message`` with ``headers`` merged in, to run at ``eta`` (a retry).
+        """Publish a copy of ``message`` with ``headers`` merged in to ``queue``'s delay queue.
 
-        It goes to a delay queue when ``eta`` is beyond the hold window, else straight to
-        ``queue``. Confirmed before return; ``message`` is not acked (the caller does that).
+        The copy is dead-lettered back to ``queue`` after ``bucket_ms``. Confirmed before return;
+        ``message`` is not acked (the caller does that).
 
         Raises:
             aio_pika.exceptions.AMQPError: the copy was not confirmed (the caller must not ack).
-            Unroutable: no queue took the copy (the caller must not ack).
+            Unroutable: the delay queue was deleted under us (the caller must not ack).
         """
         merged = dict(message.headers or {})
         merged.update(headers)
+        spec = delay_queue(queue, bucket_ms)
+        routing_key = spec.name
+        if routing_key not in self._declared:
+            await self._channel.declare_queue(routing_key, durable=spec.durable, arguments=spec.arguments)
+            self._declared.add(routing_key)
         copy = copy_message(message, merged)
-        bucket_ms = delay_bucket_ms(seconds_until(eta), hold_window_s=self._hold_window_s)
-        await self._publish(copy, queue, bucket_ms)
+        result = await self._channel.default_exchange.publish(copy, routing_key=routing_key, mandatory=True)
+        if isinstance(result, aiormq.abc.DeliveredMessage):  # basic.return: no such queue
+            self._declared.discard(routing_key)
+            raise Unroutable(f"no queue {routing_key!r} took the task")
 
     async def _hold(self, seconds: float) -> None:
         self._held += 1
@@ -142,20 +131,6 @@ class EtaScheduler:
             await asyncio.sleep(seconds)
         finally:
             self._held -= 1
-
-    async def _publish(self, copy: aio_pika.Message, queue: str, bucket_ms: int | None) -> None:
-        if bucket_ms is None:
-            routing_key = queue
-        else:
-            spec = delay_queue(queue, bucket_ms)
-            routing_key = spec.name
-            if routing_key not in self._declared:
-                await self._channel.declare_queue(routing_key, durable=spec.durable, arguments=spec.arguments)
-                self._declared.add(routing_key)
-        result = await self._channel.default_exchange.publish(copy, routing_key=routing_key, mandatory=True)
-        if isinstance(result, aiormq.abc.DeliveredMessage):  # basic.return: no such queue
-            self._declared.discard(routing_key)
-            raise Unroutable(f"no queue {routing_key!r} took the task")
 
 
 def seconds_until(eta: dt.datetime) -> float:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from broker_svc.task import Task
-from broker_svc.wire.task_message import RESENT_HEADER, TaskMessage
+from broker_svc.wire.task_message import RESENT_HEADER, TaskMessage, eta_and_expires
 from worker.consume.admission import delivery_count
 
 if TYPE_CHECKING:
@@ -59,8 +59,7 @@ def request_context(request: TaskMessage, delivery: dict[str, Any], *, hostname:
         "root_id": request.root_id,
         "parent_id": request.parent_id,
         "group": request.group,
-        "eta": request.eta.isoformat() if request.eta else None,
-        "expires": request.expires.isoformat() if request.expires else None,
+        **eta_and_expires(request),
         "reply_to": request.reply_to,
         "correlation_id": request.correlation_id,
         "origin": request.origin,

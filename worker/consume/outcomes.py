@@ -1,14 +1,12 @@
-"""What happens after a job ends: the result to the client, then ack, retry or dead-letter."""
+"""What happens after a job ends: the result to the client, and the delivery's disposition."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
 import datetime as dt
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
-import aio_pika
-import aio_pika.abc
 import structlog
 
 from broker_svc.app import App
@@ -16,20 +14,17 @@ from broker_svc.states import State
 from broker_svc.wire import codec
 from broker_svc.wire.result_message import CELERY_EXCEPTIONS_MODULE, Outcome, wire_exception
 from broker_svc.wire.task_message import TaskMessage, parse_iso_datetime, safe_repr
-from worker.consume.admission import (
-    BROKER_COUNT_HEADER,
-    DELIVERIES_HEADER,
-    DELIVERY_LIMIT_REASON,
-    DedupeWindow,
-    carries_count,
-    delivery_count,
-)
+from worker.consume.admission import DELIVERY_LIMIT_REASON, delivery_count, recount
 from worker.consume.eta import EtaScheduler
 from worker.consume.publish import ReplyPublisher
+from worker.consume.settle import LEFT_TO_BROKER, Disposition, Fate
 from worker.events import EventDispatcher
 from worker.pool.pool import JobOutcome, JobStatus
 
-__all__ = ["OutcomeHandler", "describe_repr", "reply_type", "settle"]
+if TYPE_CHECKING:
+    import aio_pika.abc
+
+__all__ = ["OutcomeHandler", "describe_repr", "reply_type"]
 
 log = structlog.get_logger(__name__)
 
@@ -44,16 +39,15 @@ _STATUS_TO_STATE: Final = {
 
 
 class OutcomeHandler:
-    """Publishes states and outcomes in order, and settles each delivery once its copy is safe.
+    """Publishes states and outcomes in order, and decides what becomes of each finished delivery.
 
     Args:
         app: the app (for per-task ``ignore_result``).
-        replies: the confirm-mode publisher for results, dead letters and copies.
+        replies: the confirm-mode publisher for results.
         eta: where retries are parked until due.
         events: where task-* events go.
         delivery_limit: how many deliveries of one message may end without finishing (its child or
             worker died) before the next is dead-lettered (``worker.consume.admission``).
-        dedupe: finished task ids, to skip duplicate deliveries; None: at-least-once (the default).
     """
 
     def __init__(
@@ -64,65 +58,16 @@ class OutcomeHandler:
         eta: EtaScheduler,
         events: EventDispatcher,
         delivery_limit: int,
-        dedupe: DedupeWindow | None = None,
     ) -> None:
         self._app = app
         self._replies = replies
         self._eta = eta
         self._events = events
         self._delivery_limit = delivery_limit
-        self._dedupe = dedupe
         # Each running task's chain of update publishes: updates, then the outcome, in order.
         self._updates: dict[str, asyncio.Future[None]] = {}
         self.processed = 0
         self.totals: collections.Counter[str] = collections.Counter()
-
-    async def admit(
-        self, message: aio_pika.abc.AbstractIncomingMessage, queue: str, request: TaskMessage
-    ) -> bool:
-        """Decide whether a decoded delivery may go on to run; settle it here if not.
-
-        A duplicate of a task finished (or running) here is acked unrun (with dedupe on). A message
-        whose earlier deliveries reached the delivery limit without finishing is dead-lettered with
-        a FAILURE for its client. A classic-queue redelivery is published again with its count
-        (the broker keeps none) and acked, so the count survives a worker that dies running it.
-        Pair every True with :meth:`release`.
-
-        Raises:
-            aio_pika.exceptions.AMQPError: a copy or dead letter was not confirmed (nothing acked).
-        """
-        dedupe = self._dedupe
-        if dedupe is not None and dedupe.seen((request.id, request.retries)):
-            dedupe.skipped += 1
-            log.info("task_duplicate_skipped")
-            await settle(message.ack())
-            return False
-        headers, redelivered = message.headers, message.redelivered
-        if redelivered or (headers and (DELIVERIES_HEADER in headers or BROKER_COUNT_HEADER in headers)):
-            count = delivery_count(headers, redelivered=redelivered)
-            if count > self._delivery_limit:
-                why = f"{count} deliveries did not finish (delivery_limit={self._delivery_limit})"
-                await self._delivery_limit_reached(message, queue, request, error=None, why=why)
-                return False
-            if not carries_count(headers, redelivered=redelivered):
-                await self._replies.republish(
-                    message, queue=queue, headers={DELIVERIES_HEADER: count}, drop=(BROKER_COUNT_HEADER,)
-                )
-                await settle(message.ack())
-                log.info("task_redelivery_counted", deliveries=count)
-                return False
-        if dedupe is not None:
-            dedupe.start((request.id, request.retries))
-        return True
-
-    def release(self, request: TaskMessage) -> None:
-        """The admitted delivery of ``request`` is settled, whatever became of it."""
-        if self._dedupe is not None:
-            self._dedupe.release((request.id, request.retries))
-
-    def _finished(self, request: TaskMessage) -> None:
-        if self._dedupe is not None:
-            self._dedupe.finished((request.id, request.retries))
 
     def update(self, request: TaskMessage, payload: dict[str, Any]) -> None:
         """A running task reported a state (``update_state``, STARTED): send it, in order."""
@@ -148,14 +93,13 @@ class OutcomeHandler:
     async def finish(
         self,
         message: aio_pika.abc.AbstractIncomingMessage,
-        queue: str,
         request: TaskMessage,
         outcome: JobOutcome,
         *,
         stopping: bool,
         signum: int | None = None,
-    ) -> None:
-        """Report a job's outcome to its client, then ack (or retry, or dead-letter) its message.
+    ) -> Disposition:
+        """Report a job's outcome to its client; what becomes of its delivery (ack, retry, dead letter).
 
         ``signum`` is the signal a ``revoke(terminate=True)`` sent, if any.
         """
@@ -164,16 +108,13 @@ class OutcomeHandler:
         runtime_ms = round(outcome.runtime_s * 1000, 3)
         if outcome.status == JobStatus.LOST:
             if stopping:
-                return  # killed at the shutdown deadline: unacked, so the broker redelivers it
-            await self._child_lost(message, queue, request, outcome)
-            return
+                return LEFT_TO_BROKER  # killed at the shutdown deadline: unacked, so the broker redelivers it
+            return await self._child_lost(message, request, outcome)
         pending_updates = self._updates.pop(request.id, None)
         if pending_updates is not None:
             await asyncio.wait([pending_updates])  # progress first, then the outcome
         if outcome.status == JobStatus.RETRY:
-            await self._retry(message, queue, request, outcome)
-            self._finished(request)
-            return
+            return self._retry(request, outcome)
         state = _STATUS_TO_STATE[outcome.status]
         if outcome.status == JobStatus.SUCCESS:
             log.info("task_succeeded", runtime_ms=runtime_ms, pid=outcome.pid)
@@ -209,76 +150,72 @@ class OutcomeHandler:
             )
         await self.reply(request, result)
         if outcome.retries_exhausted:
-            await self._replies.dead_letter(
-                message,
-                queue=queue,
-                reason="max_retries_exceeded",
-                error=f"failed after {request.retries} retries: {_describe(outcome.error)}",
+            return Disposition.dead_letter(
+                "max_retries_exceeded",
+                f"failed after {request.retries} retries: {_describe(outcome.error)}",
+                ran=True,
+                finished=True,
             )
-        await settle(message.ack())
-        self._finished(request)
+        return _FINISHED
 
-    async def _retry(
-        self,
-        message: aio_pika.abc.AbstractIncomingMessage,
-        queue: str,
-        request: TaskMessage,
-        outcome: JobOutcome,
-    ) -> None:
+    def _retry(self, request: TaskMessage, outcome: JobOutcome) -> Disposition:
         # The copy (same id, retries + 1, new eta) is confirmed by the broker before the original
-        # is acked: a failed republish raises here and the original goes back to the queue.
+        # is acked: a failed republish raises there and the original goes back to the queue. Only
+        # then are the retry's log line, event and RETRY state true.
         value = outcome.value if isinstance(outcome.value, dict) else {}
         when = _eta_of(value.get("eta"))
         eta = when.isoformat()
-        headers = {"retries": request.retries + 1, "eta": eta}
-        await self._eta.publish_delayed(message, queue=queue, eta=when, headers=headers)
-        log.info("task_retried", retries=request.retries + 1, eta=eta, error=_describe(outcome.error))
-        error = outcome.error or wire_exception("Retry", "retry", module=CELERY_EXCEPTIONS_MODULE)
-        await self._events.send(
-            "task-retried", uuid=request.id, exception=describe_repr(error), traceback=outcome.traceback or ""
+
+        async def announce() -> None:
+            log.info("task_retried", retries=request.retries + 1, eta=eta, error=_describe(outcome.error))
+            error = outcome.error or wire_exception("Retry", "retry", module=CELERY_EXCEPTIONS_MODULE)
+            await self._events.send(
+                "task-retried",
+                uuid=request.id,
+                exception=describe_repr(error),
+                traceback=outcome.traceback or "",
+            )
+            await self.reply(request, Outcome(
+                task_id=request.id, status=State.RETRY, result=error, traceback=outcome.traceback
+            ))  # fmt: skip
+
+        return Disposition.republish(
+            {"retries": request.retries + 1, "eta": eta},
+            delay_ms=self._eta.bucket_for(when),
+            owed=announce,
+            ran=True,
+            finished=True,
         )
-        await self.reply(request, Outcome(
-            task_id=request.id, status=State.RETRY, result=error, traceback=outcome.traceback
-        ))  # fmt: skip
-        await settle(message.ack())
 
     async def _child_lost(
-        self,
-        message: aio_pika.abc.AbstractIncomingMessage,
-        queue: str,
-        request: TaskMessage,
-        outcome: JobOutcome,
-    ) -> None:
+        self, message: aio_pika.abc.AbstractIncomingMessage, request: TaskMessage, outcome: JobOutcome
+    ) -> Disposition:
         # The broker saw nothing fail (our connection is fine), so the count goes on a copy.
         count = delivery_count(message.headers, redelivered=message.redelivered) + 1
         if count > self._delivery_limit:
             why = f"its child died; {count} deliveries did not finish (delivery_limit={self._delivery_limit})"
-            await self._delivery_limit_reached(message, queue, request, error=outcome.error, why=why)
-            return
+            return await self.limit_reached(request, error=outcome.error, why=why, ran=True)
         log.warning("task_child_lost_retrying", deliveries=count, error=outcome.error)
-        await self._replies.republish(
-            message, queue=queue, headers={DELIVERIES_HEADER: count}, drop=(BROKER_COUNT_HEADER,)
-        )
-        await settle(message.ack())
+        return recount(count, ran=True)
 
-    async def _delivery_limit_reached(
-        self,
-        message: aio_pika.abc.AbstractIncomingMessage,
-        queue: str,
-        request: TaskMessage,
-        *,
-        error: dict[str, Any] | None,
-        why: str,
-    ) -> None:
-        # Celery's name for a task whose process died under it, so clients see what they know.
+    async def limit_reached(
+        self, request: TaskMessage, *, error: dict[str, Any] | None, why: str, ran: bool = False
+    ) -> Disposition:
+        """Answer a message past the delivery limit as a task whose worker died; dead-letter it.
+
+        Celery's name for a task whose process died under it (``WorkerLostError``) goes to the
+        client first; the ``task-failed`` event follows once the dead letter is confirmed.
+        """
         log.error("task_delivery_limit_reached", why=why)
         failure = error or wire_exception("WorkerLostError", why, module="billiard.exceptions")
         await self.reply(request, Outcome(task_id=request.id, status=State.FAILURE, result=failure))
-        await self._replies.dead_letter(message, queue=queue, reason=DELIVERY_LIMIT_REASON, error=why)
-        await self._events.send(
-            "task-failed", uuid=request.id, exception=describe_repr(failure), traceback=""
-        )
-        await settle(message.ack())
+
+        async def announce() -> None:
+            await self._events.send(
+                "task-failed", uuid=request.id, exception=describe_repr(failure), traceback=""
+            )
+
+        return Disposition.dead_letter(DELIVERY_LIMIT_REASON, why, owed=announce, ran=ran)
 
     async def reply(self, request: TaskMessage, outcome: Outcome) -> None:
         """Publish a state to the task's ``reply_to``, unless results are ignored."""
@@ -293,6 +230,10 @@ class OutcomeHandler:
             correlation_id=request.correlation_id,
             content_type=reply_type(request.content_type),
         )
+
+
+# A run that ended in a final outcome (success, failure, revoked): its delivery is simply acked.
+_FINISHED: Final = Disposition(Fate.ACK, ran=True, finished=True)
 
 
 def _eta_of(value: Any) -> dt.datetime:
@@ -324,20 +265,3 @@ def reply_type(content_type: str | None) -> str:
     # Results go out in the request's content type; a refused type gets json, which every
     # Celery client accepts.
     return content_type if content_type in (codec.MSGPACK, codec.JSON) else codec.JSON
-
-
-async def settle(action: Any) -> None:
-    """Await an ack or nack, tolerating a channel that is gone."""
-    # After a reconnect the delivery's channel is gone: acking it would be a stale tag (406).
-    # The broker has already requeued it, so there is nothing left to do but note it.
-    try:
-        await action
-    except (aio_pika.exceptions.ChannelInvalidStateError, aio_pika.exceptions.AMQPError) as exc:
-        log.warning("settle_skipped_channel_gone", error=str(exc))
-    except asyncio.CancelledError:
-        # A channel that closes mid-ack cancels the ack's write instead of failing it; only a
-        # cancellation of this task itself goes on up.
-        task = asyncio.current_task()
-        if task is not None and task.cancelling():
-            raise
-        log.warning("settle_skipped_channel_gone", error="cancelled with its channel")

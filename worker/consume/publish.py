@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 from collections.abc import Iterable
 from typing import Any
@@ -23,12 +24,15 @@ from broker_svc.topology import (
     dead_letter_queue,
 )
 from broker_svc.wire import codec
-from broker_svc.wire.result_message import Outcome, exception_to_wire, wire_exception
+from broker_svc.wire.result_message import Outcome, wire_exception
 from broker_svc.wire.task_message import CLOCK_HEADER
 
 __all__ = ["ReplyPublisher", "copy_message"]
 
 log = structlog.get_logger(__name__)
+
+# How often to look at a closed channel that aio-pika has not yet seen close.
+_REOPEN_POLL_S = 0.05
 
 
 class ReplyPublisher:
@@ -45,6 +49,25 @@ class ReplyPublisher:
         self._delivery_mode = (
             aio_pika.DeliveryMode.PERSISTENT if persistent else aio_pika.DeliveryMode.NOT_PERSISTENT
         ).value
+
+    async def until_open(self, *, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until this publisher's channel is open; whether it is.
+
+        After a lost connection the robust channel reopens once its connection is back.
+        """
+        channel = self._channel
+        try:
+            async with asyncio.timeout(timeout_s):
+                while channel.is_closed:
+                    if isinstance(channel, aio_pika.abc.AbstractRobustChannel):
+                        await channel.ready()
+                    if channel.is_closed:
+                        # aio-pika learns of a close from aiormq a moment later (its callbacks run
+                        # as tasks): until then ``ready`` returns at once, so look again shortly.
+                        await asyncio.sleep(_REOPEN_POLL_S)
+        except TimeoutError:
+            return False
+        return True
 
     async def publish_result(
         self, outcome: Outcome, *, reply_to: str, correlation_id: str | None, content_type: str
@@ -165,8 +188,3 @@ def copy_message(message: aio_pika.abc.AbstractIncomingMessage, headers: dict[st
         type=message.type,
         app_id=message.app_id,
     )
-
-
-def failure_result(task_id: str, exc: BaseException) -> Outcome:
-    """A FAILURE outcome for an exception raised in the worker itself."""
-    return Outcome(task_id=task_id, status=State.FAILURE, result=exception_to_wire(exc))

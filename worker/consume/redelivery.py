@@ -19,7 +19,6 @@ import aio_pika.abc
 import aiormq.abc
 import structlog
 
-from worker.consume.outcomes import settle
 from worker.pool.pool import JobOutcome
 
 __all__ = ["Redeliveries", "Run", "channel_gone"]
@@ -73,8 +72,8 @@ class Redeliveries:
         if self._runs.get(task_id) is run:
             del self._runs[task_id]
 
-    async def join(self, run: Run, message: aio_pika.abc.AbstractIncomingMessage) -> JobOutcome | None:
-        """Wait for ``run`` on behalf of its redelivered copy ``message``; its outcome, or None."""
+    async def join(self, run: Run) -> JobOutcome | None:
+        """Wait for ``run`` on behalf of its redelivered copy; its outcome, or None if it was cut short."""
         run.joined = True
         log.info("task_redelivery_joined_run")
         try:
@@ -82,9 +81,7 @@ class Redeliveries:
         except asyncio.CancelledError:
             if not run.outcome.cancelled():
                 raise  # this handler itself was cancelled
-            # The run was cut short (shutdown): this copy goes back to the broker unstarted.
-            await settle(message.nack(requeue=True))
-            return None
+            return None  # cut short (shutdown): the caller hands this copy back unstarted
 
     def remember_done(self, task_id: str, message: aio_pika.abc.AbstractIncomingMessage) -> None:
         """Note that ``task_id`` finished here and was acked on ``message``'s channel."""

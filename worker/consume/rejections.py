@@ -1,11 +1,11 @@
-"""Rejections: settling a delivery that will never run here, with the reply and event it owes.
+"""Rejections: the fate of a delivery that will never run here, with the reply and event it owes.
 
 Three kinds of delivery are settled without a child: one that fails to decode or validate (refused:
 FAILURE reply if it can be addressed, dead-lettered), one naming a task this app does not register
 (FAILURE ``NotRegistered``, dead-lettered) and one revoked or expired before it started (REVOKED).
 Each still answers its caller, emits its task event and is acked, so the consumer loop goes on.
 They live apart from the consumer because they share one shape — reply, dead letter or not, event,
-ack — and none of the consumer's run bookkeeping.
+ack (carried out by ``worker.consume.settle``) — and none of the consumer's run bookkeeping.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import structlog
 from broker_svc.states import State
 from broker_svc.wire.result_message import Outcome, wire_exception
 from broker_svc.wire.task_message import TaskMessage
-from worker.consume.outcomes import OutcomeHandler, reply_type, settle
+from worker.consume.outcomes import OutcomeHandler, reply_type
 from worker.consume.publish import ReplyPublisher
+from worker.consume.settle import ACK, Disposition, Owed
 from worker.events import EventDispatcher
 
 __all__ = ["Rejections"]
@@ -26,7 +27,7 @@ log = structlog.get_logger(__name__)
 
 
 class Rejections:
-    """Settles deliveries that never run: refused, unregistered, revoked or expired.
+    """Decides the fate of deliveries that never run: refused, unregistered, revoked or expired.
 
     Args:
         replies: publishes results and dead letters.
@@ -40,8 +41,8 @@ class Rejections:
         self._outcomes = outcomes
 
     async def refuse(
-        self, message: aio_pika.abc.AbstractIncomingMessage, queue: str, *, reason: str, error: str
-    ) -> None:
+        self, message: aio_pika.abc.AbstractIncomingMessage, *, reason: str, error: str
+    ) -> Disposition:
         """Dead-letter a delivery that failed to decode or validate (poison input)."""
         headers = message.headers or {}
         log.error(
@@ -61,29 +62,22 @@ class Rejections:
                 correlation_id=message.correlation_id,
                 content_type=reply_type(message.content_type),
             )
-        await self._replies.dead_letter(message, queue=queue, reason=reason, error=error)
-        if isinstance(task_id, str):
-            await self._events.send("task-rejected", uuid=task_id, requeue=False)
-        await settle(message.ack())
+        return Disposition.dead_letter(
+            reason, error, owed=self._rejected(task_id) if isinstance(task_id, str) else None
+        )
 
-    async def unregistered(
-        self, message: aio_pika.abc.AbstractIncomingMessage, queue: str, request: TaskMessage
-    ) -> None:
+    async def unregistered(self, request: TaskMessage) -> Disposition:
         """Dead-letter a task this app does not register (FAILURE ``NotRegistered``)."""
         log.error("task_unknown", task_name=request.task)
         await self._outcomes.reply(request, Outcome(
             task_id=request.id, status=State.FAILURE, result=wire_exception("NotRegistered", request.task)
         ))  # fmt: skip
-        await self._replies.dead_letter(
-            message, queue=queue, reason="NotRegistered", error=f"task {request.task!r} is not registered"
+        return Disposition.dead_letter(
+            "NotRegistered", f"task {request.task!r} is not registered", owed=self._rejected(request.id)
         )
-        await self._events.send("task-rejected", uuid=request.id, requeue=False)
-        await settle(message.ack())
 
-    async def skip_revoked(
-        self, message: aio_pika.abc.AbstractIncomingMessage, request: TaskMessage, *, expired: bool
-    ) -> None:
-        """Settle a revoked (or expired) task without running it."""
+    async def skip_revoked(self, request: TaskMessage, *, expired: bool) -> Disposition:
+        """Answer a revoked (or expired) task without running it; its delivery is acked."""
         # A revoked (or expired) task never runs: REVOKED result, task-revoked event, then the ack.
         reason = "expired" if expired else "revoked"
         log.info("task_revoked_skipped", reason=reason)
@@ -93,4 +87,11 @@ class Rejections:
         await self._events.send(
             "task-revoked", uuid=request.id, terminated=False, signum=None, expired=expired
         )
-        await settle(message.ack())
+        return ACK
+
+    def _rejected(self, task_id: str) -> Owed:
+        # Sent once the dead letter is confirmed: the task is rejected only if it is kept there.
+        async def announce() -> None:
+            await self._events.send("task-rejected", uuid=task_id, requeue=False)
+
+        return announce

@@ -1,0 +1,67 @@
+"""One settle point: only worker/consume/settle.py acks, nacks or rejects a task delivery (DESIGN §5)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PACKAGES = ("worker", "control", "broker_svc")
+SETTLE_CALLS = frozenset({"ack", "nack", "reject", "basic_ack", "basic_nack", "basic_reject"})
+
+# Where settling is allowed, and why: each entry is a file, never a folder, so a new module that
+# settles anything has to be listed here with its reason.
+ALLOWED = {
+    # The settle point itself: every task delivery's disposition is carried out here.
+    "worker/consume/settle.py",
+    # Revocation-log stream entries, not task deliveries: a stream hands out more as these are acked.
+    "worker/remote/revoker.py",
+    # Members-stream events read by the control client (aio side), not task deliveries.
+    "control/aio/broadcaster.py",
+    # Members-stream events read by the blocking control client, not task deliveries.
+    "control/blocking/streams.py",
+}
+
+
+def settle_calls(source: str, filename: str = "<source>") -> list[int]:
+    """The lines of ``source`` that call ``.ack(``, ``.nack(``, ``.reject(`` or their ``basic_*`` forms."""
+    return sorted(
+        node.lineno
+        for node in ast.walk(ast.parse(source, filename=filename))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in SETTLE_CALLS
+    )
+
+
+def test_the_checker_finds_acks_nacks_and_rejects_on_any_object():
+    source = (
+        "async def handle(message, channel):\n"
+        "    await message.ack()\n"
+        "    await settle(message.nack(requeue=True))\n"
+        "    message.reject(requeue=False)\n"
+        "    channel.basic_ack(1)\n"
+        "    acknowledge = message.ack\n"  # a reference, not a call
+    )
+    assert settle_calls(source) == [2, 3, 4, 5]
+
+
+def test_the_checker_ignores_other_calls_named_alike():
+    assert settle_calls("pending.settle(None)\nack()\nmessage.acked()\n") == []
+
+
+def test_only_the_settle_point_settles_a_task_delivery():
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            name = path.relative_to(ROOT).as_posix()
+            lines = settle_calls(path.read_text(), filename=name)
+            if lines and name not in ALLOWED:
+                found[name] = lines
+    assert found == {}, "decide a Disposition and let worker/consume/settle.py carry it out"
+
+
+def test_every_allowed_file_still_settles_something():
+    # A stale entry would let a later task-delivery ack in that file pass unnoticed.
+    for name in sorted(ALLOWED):
+        assert settle_calls((ROOT / name).read_text(), filename=name), name

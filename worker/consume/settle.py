@@ -1,0 +1,162 @@
+"""The settle point: the one place a task delivery is acked or handed back, from its disposition."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import aio_pika
+import aio_pika.abc
+import structlog
+
+from worker.consume.eta import EtaScheduler
+from worker.consume.publish import ReplyPublisher
+
+__all__ = ["ACK", "HAND_BACK", "LEFT_TO_BROKER", "Disposition", "Fate", "Owed", "Settler"]
+
+log = structlog.get_logger(__name__)
+
+# What a delivery still owes once its copy is confirmed: an announcement, sent before the ack.
+Owed = Callable[[], Awaitable[None]]
+
+
+class Fate(StrEnum):
+    """What becomes of a task delivery."""
+
+    ACK = "ack"  # nothing more to do: whatever it owed (result, event) has gone out
+    HAND_BACK = "hand_back"  # nack with requeue: it runs again, here or on another worker
+    DEAD_LETTER = "dead_letter"  # must never run: a confirmed copy to ``<queue>.dead``, then ack
+    REPUBLISH = "republish"  # runs later: a confirmed copy (retry, park, recount), then ack
+    LEFT_TO_BROKER = "left_to_broker"  # nothing: its channel is gone or it stays unacked on purpose
+
+
+@dataclass(frozen=True, slots=True)
+class Disposition:
+    """A delivery's fate, decided by the step that handled it and carried out by :class:`Settler`.
+
+    Attributes:
+        fate: what becomes of the delivery.
+        reason: the dead-letter reason (``x-clockwork-reason``), for ``DEAD_LETTER``.
+        error: why, in words (``x-clockwork-error``), for ``DEAD_LETTER``.
+        headers: set on the copy, for ``REPUBLISH``.
+        drop: headers the copy must not carry, for ``REPUBLISH``.
+        delay_ms: the delay queue the copy waits in, for ``REPUBLISH``; None: straight to the queue.
+        owed: what the delivery still owes once its copy is confirmed and before the ack (the event
+            and reply that announce a retry or a dead letter only once it is true).
+        ran: a child ran it here to an outcome (remembered for a redelivery whose ack is lost).
+        finished: that outcome is final for this id and retry (later copies are duplicates).
+    """
+
+    fate: Fate
+    reason: str = ""
+    error: str = ""
+    headers: Mapping[str, Any] = field(default_factory=dict)
+    drop: tuple[str, ...] = ()
+    delay_ms: int | None = None
+    owed: Owed | None = None
+    ran: bool = False
+    finished: bool = False
+
+    @classmethod
+    def dead_letter(
+        cls, reason: str, error: str, *, owed: Owed | None = None, ran: bool = False, finished: bool = False
+    ) -> Disposition:
+        """Keep it in ``<queue>.dead`` with ``reason`` and ``error``, then ack."""
+        return cls(Fate.DEAD_LETTER, reason=reason, error=error, owed=owed, ran=ran, finished=finished)
+
+    @classmethod
+    def republish(
+        cls,
+        headers: Mapping[str, Any],
+        *,
+        drop: tuple[str, ...] = (),
+        delay_ms: int | None = None,
+        owed: Owed | None = None,
+        ran: bool = False,
+        finished: bool = False,
+    ) -> Disposition:
+        """Publish a copy with ``headers`` set (to a delay queue if ``delay_ms``), then ack."""
+        return cls(
+            Fate.REPUBLISH,
+            headers=headers,
+            drop=drop,
+            delay_ms=delay_ms,
+            owed=owed,
+            ran=ran,
+            finished=finished,
+        )
+
+
+ACK: Disposition = Disposition(Fate.ACK)
+HAND_BACK: Disposition = Disposition(Fate.HAND_BACK)
+LEFT_TO_BROKER: Disposition = Disposition(Fate.LEFT_TO_BROKER)
+
+
+class Settler:
+    """Carries out dispositions: the only code that acks or nacks a task delivery.
+
+    Every step of a delivery (decode, admission, the guards, the run's outcome) decides what becomes
+    of it as a :class:`Disposition`. A copy the delivery owes (a dead letter, a retry, a park, a
+    recount) is confirmed by the broker before the original is acked: a failed copy raises here
+    with the original still unacked, and the consumer hands it back.
+
+    Args:
+        replies: publishes dead letters and copies that go straight back to their queue.
+        eta: publishes copies that wait in a delay queue.
+    """
+
+    def __init__(self, *, replies: ReplyPublisher, eta: EtaScheduler) -> None:
+        self._replies = replies
+        self._eta = eta
+
+    async def settle(
+        self, message: aio_pika.abc.AbstractIncomingMessage, queue: str, disposition: Disposition
+    ) -> None:
+        """Carry out ``disposition`` for ``message`` from ``queue``.
+
+        Raises:
+            aio_pika.exceptions.AMQPError: a copy was not confirmed (``message`` is not acked).
+            Unroutable: no queue took a copy (``message`` is not acked).
+        """
+        fate = disposition.fate
+        if fate is Fate.LEFT_TO_BROKER:
+            return
+        if fate is Fate.HAND_BACK:
+            await _tolerate_gone_channel(message.nack(requeue=True))
+            return
+        if fate is Fate.DEAD_LETTER:
+            await self._replies.dead_letter(
+                message, queue=queue, reason=disposition.reason, error=disposition.error
+            )
+        elif fate is Fate.REPUBLISH:
+            if disposition.delay_ms is None:
+                await self._replies.republish(
+                    message, queue=queue, headers=dict(disposition.headers), drop=disposition.drop
+                )
+            else:
+                await self._eta.park(
+                    message, queue=queue, bucket_ms=disposition.delay_ms, headers=disposition.headers
+                )
+        if disposition.owed is not None:
+            await disposition.owed()
+        await _tolerate_gone_channel(message.ack())
+
+
+async def _tolerate_gone_channel(action: Awaitable[Any]) -> None:
+    # After a reconnect the delivery's channel is gone: acking it would be a stale tag (406).
+    # The broker has already requeued it, so there is nothing left to do but note it (after a
+    # confirmed copy the task then comes back twice: at-least-once).
+    try:
+        await action
+    except (aio_pika.exceptions.ChannelInvalidStateError, aio_pika.exceptions.AMQPError) as exc:
+        log.warning("settle_skipped_channel_gone", error=str(exc))
+    except asyncio.CancelledError:
+        # A channel that closes mid-ack cancels the ack's write instead of failing it; only a
+        # cancellation of this task itself goes on up.
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        log.warning("settle_skipped_channel_gone", error="cancelled with its channel")
