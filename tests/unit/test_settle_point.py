@@ -19,7 +19,7 @@ ALLOWED = {
     # Members-stream events read by the control client (aio side), not task deliveries.
     "control/aio/broadcaster.py",
     # Members-stream events read by the blocking control client, not task deliveries.
-    "control/blocking/streams.py",
+    "control/blocking/members_feed.py",
 }
 
 

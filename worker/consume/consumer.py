@@ -44,6 +44,8 @@ log = structlog.get_logger(__name__)
 
 # How long a delivery whose handling failed waits for the publishing channel before it is handed back.
 _PUBLISHER_REOPEN_WAIT_S = 5.0
+# How long a delivery whose handling failed for another reason waits before it is handed back.
+_FAILED_HAND_BACK_PAUSE_S = 0.5
 
 
 class TaskConsumer:
@@ -176,7 +178,13 @@ class TaskConsumer:
                     # The publishing connection may still be reconnecting while this one is back:
                     # handed back at once, the delivery would come straight back and fail again.
                     # (Stopping, nothing consumes here any more: it goes to another worker.)
-                    await self._replies.until_open(timeout_s=_PUBLISHER_REOPEN_WAIT_S)
+                    if self._replies.is_open:
+                        # No reconnect to wait for: whatever failed may fail again on the next
+                        # delivery of this message. A pause bounds that loop of redeliveries
+                        # and tracebacks to a few a second; it is a backoff, not a wait.
+                        await asyncio.sleep(_FAILED_HAND_BACK_PAUSE_S)
+                    else:
+                        await self._replies.until_open(timeout_s=_PUBLISHER_REOPEN_WAIT_S)
                 await self._settler.settle(message, queue, HAND_BACK)
             finally:
                 if task is not None:

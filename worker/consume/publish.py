@@ -50,6 +50,11 @@ class ReplyPublisher:
             aio_pika.DeliveryMode.PERSISTENT if persistent else aio_pika.DeliveryMode.NOT_PERSISTENT
         ).value
 
+    @property
+    def is_open(self) -> bool:
+        """Whether this publisher's channel is open now."""
+        return not self._channel.is_closed
+
     async def until_open(self, *, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` until this publisher's channel is open; whether it is.
 
