@@ -71,8 +71,6 @@ class EventDispatcher:
         self._clock = clock
         self._exchange: aio_pika.abc.AbstractExchange | None = None
         self.task_events = task_events
-        self.sent = 0
-        self.failed = 0
 
     async def start(self) -> None:
         """Declare ``celeryev`` (topic, durable; equal to Celery's declaration)."""
@@ -110,21 +108,8 @@ class EventDispatcher:
         )
         try:
             await exchange.publish(message, routing_key=event_type.replace("-", "."))
-            self.sent += 1
         except Exception as exc:  # events are best-effort: a broken channel must not fail a task
-            self.failed += 1
             log.warning("event_not_sent", event_type=event_type, error=str(exc))
-
-    def send_soon(self, event_type: str, **extra: Any) -> None:
-        """Schedule ``send`` without waiting for it (from synchronous callbacks)."""
-        if event_type.startswith(_TASK_GROUP) and not self.task_events:
-            return
-        task = asyncio.ensure_future(self.send(event_type, **extra))
-        _pending.add(task)
-        task.add_done_callback(_pending.discard)
-
-
-_pending: set[asyncio.Future[None]] = set()
 
 
 class Heart:

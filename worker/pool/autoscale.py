@@ -175,16 +175,6 @@ class Autoscaler:
         self._lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
 
-    @property
-    def maximum(self) -> int:
-        """The most children."""
-        return self._maximum
-
-    @property
-    def minimum(self) -> int:
-        """The least children."""
-        return self._minimum
-
     def info(self) -> dict[str, Any]:
         """Celery's ``stats["autoscaler"]``: ``max``, ``min``, ``current`` (children) and ``qty``.
 
