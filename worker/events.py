@@ -113,7 +113,7 @@ class EventDispatcher:
 
 
 class Heart:
-    """Sends ``worker-online`` on start, ``worker-heartbeat`` every ``freq_s``, ``worker-offline`` on stop.
+    """Sends ``worker-online``, then ``worker-heartbeat`` every ``freq_s`` (``run``), and ``worker-offline``.
 
     Args:
         events: the dispatcher.
@@ -131,7 +131,6 @@ class Heart:
         self._events = events
         self._stats = stats
         self._freq_s = freq_s
-        self._task: asyncio.Task[None] | None = None
 
     def _fields(self) -> dict[str, Any]:
         active, processed = self._stats()
@@ -149,29 +148,20 @@ class Heart:
             "loadavg": loadavg,
         }
 
-    async def start(self) -> None:
-        """Announce the node and start beating."""
-        await self._events.send("worker-online", **self._fields())
-        if self._task is None:
-            self._task = asyncio.create_task(self._beat(), name="heartbeat")
-
     async def online(self) -> None:
-        """Announce the node again (after a reconnect)."""
+        """Announce the node (at start, and again after a reconnect)."""
         await self._events.send("worker-online", **self._fields())
 
     async def beat(self) -> None:
         """One heartbeat now (the ``heartbeat`` control command)."""
         await self._events.send("worker-heartbeat", **self._fields())
 
-    async def stop(self) -> None:
-        """Stop beating and say goodbye."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+    async def offline(self) -> None:
+        """Say goodbye (at stop, once ``run`` has been cancelled)."""
         await self._events.send("worker-offline", **self._fields())
 
-    async def _beat(self) -> None:
+    async def run(self) -> None:
+        """Beat every ``freq_s`` until cancelled."""
         # Scheduled on a fixed grid, so a slow send does not stretch the interval receivers expect.
         loop = asyncio.get_running_loop()
         next_at = loop.time() + self._freq_s

@@ -173,7 +173,6 @@ class Autoscaler:
         self._keepalive_s, self._tick_s = keepalive_s, tick_s
         self._last_needed = 0.0  # loop time when every child was last needed
         self._lock = asyncio.Lock()
-        self._task: asyncio.Task[None] | None = None
 
     def info(self) -> dict[str, Any]:
         """Celery's ``stats["autoscaler"]``: ``max``, ``min``, ``current`` (children) and ``qty``.
@@ -188,18 +187,15 @@ class Autoscaler:
             "qty": self._slots.in_use + self._slots.waiting,
         }
 
-    async def start(self) -> None:
-        """Start looking every ``tick_s``."""
+    async def run(self) -> None:
+        """Look every ``tick_s`` until cancelled (at shutdown, before the consumers are cancelled)."""
         self._last_needed = asyncio.get_running_loop().time()
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="autoscaler")
-
-    async def stop(self) -> None:
-        """Stop resizing (at shutdown, before the consumers are cancelled)."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        while True:
+            await asyncio.sleep(self._tick_s)
+            try:
+                await self.scale()
+            except Exception:  # one failed look (the channel is reconnecting) must not end autoscaling
+                log.exception("autoscale_failed")
 
     async def scale(self) -> int:
         """Look once and resize the pool if it should; returns the size."""
@@ -254,14 +250,6 @@ class Autoscaler:
             await self._sizer.resize(min(max(size, new_min, 1), new_max))
         log.info("autoscale_updated", max=new_max, min=new_min, old_size=size, new_size=self._sizer.size)
         return new_max, new_min
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self._tick_s)
-            try:
-                await self.scale()
-            except Exception:  # one failed look (the channel is reconnecting) must not end autoscaling
-                log.exception("autoscale_failed")
 
 
 def _check_range(maximum: int, minimum: int) -> None:
