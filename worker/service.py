@@ -34,6 +34,7 @@ from worker.pool.autoscale import Autoscaler, PoolSizer
 from worker.pool.pool import ProcessPool
 from worker.remote.commands import WorkerCommands
 from worker.remote.mingle import mingle
+from worker.remote.revocation_log import RevocationLog
 from worker.remote.revoked_set import RevokedSet
 from worker.remote.revoker import Revoker
 
@@ -168,18 +169,14 @@ class WorkerService:
                 minimum=config.autoscale[1],
                 keepalive_s=config.autoscale_keepalive_s,
             )
-        revoker = Revoker(
-            self._revoked,
-            terminate=consumer.terminate,
-            clock=self._clock,
-            hostname=config.hostname,
-            state_path=config.state_path,
-            namespace=config.namespace,
+        revoker = Revoker(self._revoked, terminate=consumer.terminate, state_path=config.state_path)
+        revocation_log = RevocationLog(
+            revoker, clock=self._clock, hostname=config.hostname, namespace=config.namespace
         )
         # Every revoke we can know of is known before the first task is taken: the state file,
         # then the broker's log read up to now.
         revoker.load()
-        await revoker.follow_log(await consuming.channel(publisher_confirms=False), publish_channel)
+        await revocation_log.follow(await consuming.channel(publisher_confirms=False), publish_channel)
         heart = Heart(events, lambda: (consumer.running_count, consumer.received), freq_s=config.heartbeat_s)
         commands = WorkerCommands(
             app=self._app,
@@ -191,6 +188,7 @@ class WorkerService:
             sizer=sizer,
             autoscaler=autoscaler,
             revoker=revoker,
+            revocation_log=revocation_log,
             limits=self._limits,
             events=events,
             heart=heart,

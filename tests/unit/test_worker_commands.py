@@ -14,7 +14,7 @@ def commands_of(**collaborators: Any) -> WorkerCommands:
     """A WorkerCommands whose collaborators are the ones given, the rest None (unused by the test)."""
     names = (
         "app", "config", "clock", "consumer", "queues", "pool", "sizer", "autoscaler", "revoker",
-        "limits", "events", "heart",
+        "revocation_log", "limits", "events", "heart",
     )  # fmt: skip
     given = {name: collaborators.get(name, cast(Any, None)) for name in names}
     return WorkerCommands(**given, request_stop=collaborators.get("request_stop", lambda: None))

@@ -26,6 +26,7 @@ from worker.events import EventDispatcher, Heart
 from worker.pool.autoscale import Autoscaler, PoolSizer
 from worker.pool.pool import ProcessPool
 from worker.remote.mingle import HELLO_REVOKED_LIMIT
+from worker.remote.revocation_log import RevocationLog
 from worker.remote.revoker import Revoker
 
 __all__ = ["COMMAND_NAMES", "WorkerCommands", "queue_info"]
@@ -56,7 +57,8 @@ class WorkerCommands:
         pool: the process pool.
         sizer: resizes the pool (``pool_grow``, ``pool_shrink``) and knows the prefetch applied.
         autoscaler: the autoscaler, or None without ``--autoscale``.
-        revoker: the revoked set and the revocation log.
+        revoker: the revoked set (``revoke``, ``revoked``, ``hello``).
+        revocation_log: journals a revoke that did not come through our client.
         limits: the rate limits enforced (``rate_limit``).
         events: the event dispatcher (``enable_events``, ``disable_events``).
         heart: sends ``worker-heartbeat`` (``heartbeat``).
@@ -75,6 +77,7 @@ class WorkerCommands:
         sizer: PoolSizer,
         autoscaler: Autoscaler | None,
         revoker: Revoker,
+        revocation_log: RevocationLog,
         limits: RateLimits,
         events: EventDispatcher,
         heart: Heart,
@@ -83,7 +86,7 @@ class WorkerCommands:
         self._app, self._config, self._clock = app, config, clock
         self._consumer, self._queues = consumer, queues
         self._pool, self._sizer, self._autoscaler = pool, sizer, autoscaler
-        self._revoker, self._limits = revoker, limits
+        self._revoker, self._revocation_log, self._limits = revoker, revocation_log, limits
         self._events, self._heart, self._request_stop = events, heart, request_stop
         self._started = time.monotonic()
 
@@ -207,7 +210,9 @@ class WorkerCommands:
         if not (request_headers.get() or {}).get(LOGGED_HEADER):
             # A revoke that did not come through our client (celery control revoke, Flower) is
             # journaled too, so workers that are down now still learn it.
-            await self._revoker.journal(ids, terminate=terminate, signal_name=str(signal) if signal else None)
+            await self._revocation_log.journal(
+                ids, terminate=terminate, signal_name=str(signal) if signal else None
+            )
         return await self._revoker.revoke(ids, terminate=terminate, signal_name=signal)
 
     async def terminate(self, task_id: str | list[str], signal: str | int | None) -> dict[str, Any]:
