@@ -44,7 +44,7 @@ log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class _Running:
+class Running:
     """What ``start()`` built and ``shutdown()`` takes down."""
 
     pool: ProcessPool
@@ -122,7 +122,7 @@ class WorkerService:
         publishing: aio_pika.abc.AbstractRobustConnection,
         pool: ProcessPool,
         background: Background,
-    ) -> _Running:
+    ) -> Running:
         """Build the collaborators in dependency order, learn every revoke, then consume and beat."""
         config = self._config
         # Everything that publishes, or answers by publishing, is on the publishing connection.
@@ -224,13 +224,13 @@ class WorkerService:
             revoked=len(self._revoked),
             pid=os.getpid(),
         )
-        return _Running(pool, consumer, queues, heart, revoker, background)
+        return Running(pool, consumer, queues, heart, revoker, background)
 
     async def serve(self) -> None:
         """Serve until asked to stop (SIGTERM, SIGINT, the ``shutdown`` command)."""
         await self._stop.wait()
 
-    async def shutdown(self, running: _Running) -> None:
+    async def shutdown(self, running: Running) -> None:
         """Stop consuming, let running tasks finish within the deadline, hand back the rest, go offline."""
         config, consumer = self._config, running.consumer
         log.info("worker_stopping", in_flight=consumer.in_flight, timeout_s=config.shutdown_timeout_s)
