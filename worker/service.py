@@ -128,24 +128,7 @@ class WorkerService:
         # Everything that publishes, or answers by publishing, is on the publishing connection.
         publish_channel = await publishing.channel(publisher_confirms=True)
         events = await self._start_events(publishing)
-        consumer = self._consumer = TaskConsumer(
-            app=self._app,
-            pool=pool,
-            replies=ReplyPublisher(
-                publish_channel, clock=self._clock, persistent=config.settings.result_persistent
-            ),
-            clock=self._clock,
-            settings=config.settings,
-            hostname=config.hostname,
-            concurrency=config.concurrency,
-            dedupe_window_s=config.dedupe_window_s,
-            # Held ETA deliveries count against the prefetch: leave one per child for due tasks.
-            eta=EtaScheduler(publish_channel, max_held=max(1, config.prefetch_count - config.concurrency)),
-            events=events,
-            revoked=self._revoked,
-            limits=self._limits,
-            default_time_limits=(config.time_limit_s, config.soft_time_limit_s),
-        )
+        consumer = self._consumer = self._task_consumer(pool, publish_channel, events)
         consume_channel = await consuming.channel(publisher_confirms=False)
         await consume_channel.set_qos(prefetch_count=config.prefetch_count)  # per consumer
         # The task queues consumed (worker.amqp.subscriptions), and the consume channel's faults
@@ -162,11 +145,12 @@ class WorkerService:
         )
         autoscaler = None
         if config.autoscale is not None:
+            maximum, minimum = config.autoscale
             autoscaler = Autoscaler(
                 sizer,
                 consumer.slots,
-                maximum=config.autoscale[0],
-                minimum=config.autoscale[1],
+                maximum=maximum,
+                minimum=minimum,
                 keepalive_s=config.autoscale_keepalive_s,
             )
         revoker = Revoker(self._revoked, terminate=consumer.terminate, state_path=config.state_path)
@@ -270,6 +254,29 @@ class WorkerService:
                 hint="the broker closes the channel of a delivery held past consumer_timeout "
                 "(checked every 60 s) and redelivers it: lower the limit or raise consumer_timeout",
             )
+
+    def _task_consumer(
+        self, pool: ProcessPool, publish_channel: aio_pika.abc.AbstractChannel, events: EventDispatcher
+    ) -> TaskConsumer:
+        config = self._config
+        return TaskConsumer(
+            app=self._app,
+            pool=pool,
+            replies=ReplyPublisher(
+                publish_channel, clock=self._clock, persistent=config.settings.result_persistent
+            ),
+            clock=self._clock,
+            settings=config.settings,
+            hostname=config.hostname,
+            concurrency=config.concurrency,
+            dedupe_window_s=config.dedupe_window_s,
+            # Held ETA deliveries count against the prefetch: leave one per child for due tasks.
+            eta=EtaScheduler(publish_channel, max_held=max(1, config.prefetch_count - config.concurrency)),
+            events=events,
+            revoked=self._revoked,
+            limits=self._limits,
+            default_time_limits=(config.time_limit_s, config.soft_time_limit_s),
+        )
 
     async def _start_events(self, publishing: aio_pika.abc.AbstractRobustConnection) -> EventDispatcher:
         config = self._config
