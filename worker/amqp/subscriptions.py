@@ -6,7 +6,7 @@ prefetch, which means subscribing each queue anew. ``QueueConsumers`` holds the 
 map and the lock those changes take, so a change never races another or the consumer watchdog
 (worker.amqp.channel_watch), which reads the map. It is apart from the service because it is the one
 piece of state about the consume channel's subscriptions, with its own invariant (one consumer per
-queue, every one at the current prefetch); the service only wires it up and forwards commands.
+queue, every one at the current prefetch); the service wires it up and the control commands call it.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ price: below MAX, a busy worker holds one task another worker might have started
 is no headroom, as without autoscale.
 
 basic.qos only binds consumers created after it, so a new prefetch means re-subscribing each
-queue (``WorkerService.set_prefetch``). The broker counts the new consumer's deliveries afresh:
+queue (``QueueConsumers.set_prefetch``). The broker counts the new consumer's deliveries afresh:
 for a moment the worker may hold the old consumer's unacked deliveries on top of the new
 prefetch; they drain as those tasks finish.
 """
@@ -78,7 +78,7 @@ class PoolSizer:
     Args:
         pool: the process pool.
         slots: the consumer's slots; their capacity is always the pool's target size.
-        set_prefetch: applies a per-consumer prefetch (``WorkerService.set_prefetch``).
+        set_prefetch: applies a per-consumer prefetch (``QueueConsumers.set_prefetch``).
         multiplier: deliveries per child (``--prefetch-multiplier``).
         autoscale_max: the autoscaler's maximum (below it the prefetch has one delivery of
             headroom); None without autoscale.
