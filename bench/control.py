@@ -106,9 +106,7 @@ def ping_figures(url: str, workers: int, runs: int) -> dict[str, object]:
             client.inspect("ping", timeout_s=5.0)  # connect and learn the members first
             answered = len(client.inspect("ping", timeout_s=5.0))
             ours = _timed(lambda: client.inspect("ping", timeout_s=5.0), runs)
-        ctl = _cli(
-            [sys.executable, "-m", "control.cli", "-b", url, "--timeout", "5", "inspect", "ping"], 5
-        )
+        ctl = _cli([sys.executable, "-m", "control.cli", "-b", url, "--timeout", "5", "inspect", "ping"], 5)
     from celery import Celery
 
     with celery_workers(url, workers, queue):

@@ -71,8 +71,6 @@ class EventDispatcher:
         self._clock = clock
         self._exchange: aio_pika.abc.AbstractExchange | None = None
         self.task_events = task_events
-        self.sent = 0
-        self.failed = 0
 
     async def start(self) -> None:
         """Declare ``celeryev`` (topic, durable; equal to Celery's declaration)."""
@@ -110,25 +108,12 @@ class EventDispatcher:
         )
         try:
             await exchange.publish(message, routing_key=event_type.replace("-", "."))
-            self.sent += 1
         except Exception as exc:  # events are best-effort: a broken channel must not fail a task
-            self.failed += 1
             log.warning("event_not_sent", event_type=event_type, error=str(exc))
-
-    def send_soon(self, event_type: str, **extra: Any) -> None:
-        """Schedule ``send`` without waiting for it (from synchronous callbacks)."""
-        if event_type.startswith(_TASK_GROUP) and not self.task_events:
-            return
-        task = asyncio.ensure_future(self.send(event_type, **extra))
-        _pending.add(task)
-        task.add_done_callback(_pending.discard)
-
-
-_pending: set[asyncio.Future[None]] = set()
 
 
 class Heart:
-    """Sends ``worker-online`` on start, ``worker-heartbeat`` every ``freq_s``, ``worker-offline`` on stop.
+    """Sends ``worker-online``, then ``worker-heartbeat`` every ``freq_s`` (``run``), and ``worker-offline``.
 
     Args:
         events: the dispatcher.
@@ -146,7 +131,6 @@ class Heart:
         self._events = events
         self._stats = stats
         self._freq_s = freq_s
-        self._task: asyncio.Task[None] | None = None
 
     def _fields(self) -> dict[str, Any]:
         active, processed = self._stats()
@@ -164,29 +148,20 @@ class Heart:
             "loadavg": loadavg,
         }
 
-    async def start(self) -> None:
-        """Announce the node and start beating."""
-        await self._events.send("worker-online", **self._fields())
-        if self._task is None:
-            self._task = asyncio.create_task(self._beat(), name="heartbeat")
-
     async def online(self) -> None:
-        """Announce the node again (after a reconnect)."""
+        """Announce the node (at start, and again after a reconnect)."""
         await self._events.send("worker-online", **self._fields())
 
     async def beat(self) -> None:
         """One heartbeat now (the ``heartbeat`` control command)."""
         await self._events.send("worker-heartbeat", **self._fields())
 
-    async def stop(self) -> None:
-        """Stop beating and say goodbye."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+    async def offline(self) -> None:
+        """Say goodbye (at stop, once ``run`` has been cancelled)."""
         await self._events.send("worker-offline", **self._fields())
 
-    async def _beat(self) -> None:
+    async def run(self) -> None:
+        """Beat every ``freq_s`` until cancelled."""
         # Scheduled on a fixed grid, so a slow send does not stretch the interval receivers expect.
         loop = asyncio.get_running_loop()
         next_at = loop.time() + self._freq_s

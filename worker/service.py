@@ -1,4 +1,4 @@
-"""The worker service: one asyncio loop owning the connection, consumers and the process pool."""
+"""The worker service: one asyncio loop owning the connections, the consumer and the process pool."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 import aio_pika
@@ -16,11 +17,13 @@ from broker_svc.app import App
 from broker_svc.clock import LamportClock
 from control.aio.broadcaster import AsyncBroadcaster, declare_members_stream
 from control.aio.node import MailboxNode
+from control.protocol.commands import CommandRegistry
 from control.protocol.signing import ControlSecurity
 from worker.amqp.channel_watch import ConsumeChannelWatch
 from worker.amqp.connection import connect
 from worker.amqp.header_ints import install_header_int_guard
 from worker.amqp.subscriptions import QueueConsumers
+from worker.background import Background
 from worker.config import WorkerConfig, time_limits_over_consumer_timeout
 from worker.consume.consumer import TaskConsumer
 from worker.consume.eta import EtaScheduler
@@ -29,8 +32,9 @@ from worker.consume.rate_limits import RateLimits
 from worker.events import EventDispatcher, Heart
 from worker.pool.autoscale import Autoscaler, PoolSizer
 from worker.pool.pool import ProcessPool
-from worker.remote.commands import build_registry, register_pool_commands, register_rate_limit
+from worker.remote.commands import WorkerCommands
 from worker.remote.mingle import mingle
+from worker.remote.revocation_log import RevocationLog
 from worker.remote.revoked_set import RevokedSet
 from worker.remote.revoker import Revoker
 
@@ -39,8 +43,23 @@ __all__ = ["WorkerService"]
 log = structlog.get_logger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class Running:
+    """What ``start()`` built and ``shutdown()`` takes down."""
+
+    pool: ProcessPool
+    consumer: TaskConsumer
+    queues: QueueConsumers
+    heart: Heart
+    revoker: Revoker
+    background: Background
+
+
 class WorkerService:
     """Runs one worker until SIGTERM/SIGINT (graceful) or a second signal (immediate).
+
+    ``run()`` is ``start()``, ``serve()`` and ``shutdown()`` in turn, inside the pool, the two
+    connections and the owner of the background work.
 
     Args:
         config: worker options.
@@ -53,18 +72,10 @@ class WorkerService:
         self._clock = LamportClock()
         self._stop = asyncio.Event()
         self._signals = 0
-        self._consumer: TaskConsumer | None = None
         self._revoked = RevokedSet()
         self._limits = RateLimits.for_tasks(app.tasks)
-        self._heart: Heart | None = None
-        # The task queues consumed, on the consume channel (worker.amqp.subscriptions).
-        self._queues = QueueConsumers(settings=config.settings, consumer=lambda: self._consumer)
-        self._sizer: PoolSizer | None = None
-        self._autoscaler: Autoscaler | None = None
-        self._background: set[asyncio.Task[Any]] = set()
-        self._mingle: Callable[[], Coroutine[Any, Any, None]] | None = None
-        # The consume channel's faults and the consumer watchdog (RELIABILITY.md R4-R7).
-        self._channel_watch = ConsumeChannelWatch(self._queues, consumer=lambda: self._consumer)
+        # Set by start(); the pool, which starts first, relays its children's updates to it.
+        self._consumer: TaskConsumer | None = None
 
     @property
     def clock(self) -> LamportClock:
@@ -92,13 +103,130 @@ class WorkerService:
         consuming = await self._connect("consume")
         try:
             publishing = await self._connect("publish")
-            async with consuming, publishing:
-                await self._serve(consuming, publishing, pool)
+            async with consuming, publishing, Background() as background:
+                running = await self.start(consuming, publishing, pool, background)
+                try:
+                    await self.serve()
+                    await self.shutdown(running)
+                finally:
+                    running.revoker.save()
         finally:
             await consuming.close()
             await pool.close(timeout_s=0)
         log.info("worker_stopped", hostname=config.hostname)
         return 0
+
+    async def start(
+        self,
+        consuming: aio_pika.abc.AbstractRobustConnection,
+        publishing: aio_pika.abc.AbstractRobustConnection,
+        pool: ProcessPool,
+        background: Background,
+    ) -> Running:
+        """Build the collaborators in dependency order, learn every revoke, then consume and beat."""
+        config = self._config
+        # Everything that publishes, or answers by publishing, is on the publishing connection.
+        publish_channel = await publishing.channel(publisher_confirms=True)
+        events = await self._start_events(publishing)
+        consumer = self._consumer = self._task_consumer(pool, publish_channel, events)
+        consume_channel = await consuming.channel(publisher_confirms=False)
+        await consume_channel.set_qos(prefetch_count=config.prefetch_count)  # per consumer
+        # The task queues consumed (worker.amqp.subscriptions), and the consume channel's faults
+        # and the consumer watchdog (RELIABILITY.md R4-R7).
+        queues = QueueConsumers(consume_channel, settings=config.settings, consumer=consumer)
+        watch = ConsumeChannelWatch(consume_channel, queues, consumer=consumer)
+        await watch.install()
+        sizer = PoolSizer(
+            pool,
+            consumer.slots,
+            set_prefetch=queues.set_prefetch,
+            multiplier=config.prefetch_multiplier,
+            autoscale_max=config.autoscale[0] if config.autoscale else None,
+        )
+        autoscaler = None
+        if config.autoscale is not None:
+            maximum, minimum = config.autoscale
+            autoscaler = Autoscaler(
+                sizer,
+                consumer.slots,
+                maximum=maximum,
+                minimum=minimum,
+                keepalive_s=config.autoscale_keepalive_s,
+            )
+        revoker = Revoker(self._revoked, terminate=consumer.terminate, state_path=config.state_path)
+        revocation_log = RevocationLog(
+            revoker, clock=self._clock, hostname=config.hostname, namespace=config.namespace
+        )
+        # Every revoke we can know of is known before the first task is taken: the state file,
+        # then the broker's log read up to now.
+        revoker.load()
+        await revocation_log.follow(await consuming.channel(publisher_confirms=False), publish_channel)
+        heart = Heart(
+            events, lambda: (consumer.running_count, consumer.received), freq_s=config.event_heartbeat_s
+        )
+        commands = WorkerCommands(
+            app=self._app,
+            config=config,
+            clock=self._clock,
+            consumer=consumer,
+            queues=queues,
+            pool=pool,
+            sizer=sizer,
+            autoscaler=autoscaler,
+            revoker=revoker,
+            revocation_log=revocation_log,
+            limits=self._limits,
+            events=events,
+            heart=heart,
+            request_stop=self.request_stop,
+        )
+        await self._start_mailbox(publishing, commands.register(CommandRegistry()))
+        mingle_step = await self._mingle_step(publishing, revoker) if config.mingle else None
+        if mingle_step is not None:
+            await mingle_step()  # before the first task: peers' revokes hold for it too
+        for name in config.queues:
+            await queues.add(name)
+        await heart.online()
+        background.spawn(heart.run(), name="heartbeat")
+        if autoscaler is not None:
+            background.spawn(autoscaler.run(), name="autoscaler")
+
+        async def on_reconnect(_connection: Any) -> None:
+            # The broker may have forgotten us (and we it): announce the node again.
+            log.info("worker_reconnected", hostname=config.hostname)
+            background.spawn(heart.online(), name="worker-online")
+            if mingle_step is not None:
+                background.spawn(mingle_step(), name="mingle")
+
+        publishing.reconnect_callbacks.add(on_reconnect)
+        background.spawn(watch.watch_consumers(), name="consumer-watch")
+        log.info(
+            "worker_ready",
+            hostname=config.hostname,
+            queues=list(config.queues),
+            concurrency=config.concurrency,
+            autoscale=list(config.autoscale) if config.autoscale else None,
+            prefetch=config.prefetch_count,
+            revoked=len(self._revoked),
+            pid=os.getpid(),
+        )
+        return Running(pool, consumer, queues, heart, revoker, background)
+
+    async def serve(self) -> None:
+        """Serve until asked to stop (SIGTERM, SIGINT, the ``shutdown`` command)."""
+        await self._stop.wait()
+
+    async def shutdown(self, running: Running) -> None:
+        """Stop consuming, let running tasks finish within the deadline, hand back the rest, go offline."""
+        config, consumer = self._config, running.consumer
+        log.info("worker_stopping", in_flight=consumer.in_flight, timeout_s=config.shutdown_timeout_s)
+        await running.background.stop("autoscaler")
+        for name in running.queues.consuming():
+            await running.queues.cancel(name)
+        await consumer.stop(timeout_s=config.shutdown_timeout_s)
+        await running.pool.close(timeout_s=0)
+        await running.background.stop("heartbeat")
+        await running.heart.offline()
 
     async def _connect(self, role: str) -> aio_pika.abc.AbstractRobustConnection:
         config = self._config
@@ -129,206 +257,84 @@ class WorkerService:
                 "(checked every 60 s) and redelivers it: lower the limit or raise consumer_timeout",
             )
 
-    async def _serve(
-        self,
-        consuming: aio_pika.abc.AbstractRobustConnection,
-        publishing: aio_pika.abc.AbstractRobustConnection,
-        pool: ProcessPool,
-    ) -> None:
+    def _task_consumer(
+        self, pool: ProcessPool, publish_channel: aio_pika.abc.AbstractChannel, events: EventDispatcher
+    ) -> TaskConsumer:
         config = self._config
-        consume_channel = await consuming.channel(publisher_confirms=False)
-        await consume_channel.set_qos(prefetch_count=config.prefetch_count)  # per consumer
-        self._queues.attach(consume_channel)
-        await self._channel_watch.attach(consume_channel)
-        # Everything below publishes, or answers by publishing: the publishing connection.
-        publish_channel = await publishing.channel(publisher_confirms=True)
-        replies = ReplyPublisher(
-            publish_channel, clock=self._clock, persistent=config.settings.result_persistent
-        )
-        events_channel = await publishing.channel(publisher_confirms=False)
-        events = EventDispatcher(
-            events_channel, hostname=config.hostname, clock=self._clock, task_events=config.task_events
-        )
-        await events.start()
-        try:
-            # Before worker-online: a client that starts later learns of us from the stream.
-            await declare_members_stream(events_channel, config.namespace)
-        except aio_pika.exceptions.AMQPError as exc:
-            log.error("members_stream_unavailable", error=str(exc))
-            events_channel = await publishing.channel(publisher_confirms=False)
-            events = EventDispatcher(
-                events_channel, hostname=config.hostname, clock=self._clock, task_events=config.task_events
-            )
-            await events.start()
-        # Held ETA deliveries count against the prefetch: leave one per child for due tasks.
-        eta = EtaScheduler(publish_channel, max_held=max(1, config.prefetch_count - config.concurrency))
-        consumer = TaskConsumer(
+        return TaskConsumer(
             app=self._app,
             pool=pool,
-            replies=replies,
+            replies=ReplyPublisher(
+                publish_channel, clock=self._clock, persistent=config.settings.result_persistent
+            ),
             clock=self._clock,
             settings=config.settings,
             hostname=config.hostname,
             concurrency=config.concurrency,
             dedupe_window_s=config.dedupe_window_s,
-            eta=eta,
+            # Held ETA deliveries count against the prefetch: leave one per child for due tasks.
+            eta=EtaScheduler(publish_channel, max_held=max(1, config.prefetch_count - config.concurrency)),
             events=events,
             revoked=self._revoked,
             limits=self._limits,
             default_time_limits=(config.time_limit_s, config.soft_time_limit_s),
         )
-        self._consumer = consumer
-        self._sizer = PoolSizer(
-            pool,
-            consumer.slots,
-            set_prefetch=self.set_prefetch,
-            multiplier=config.prefetch_multiplier,
-            autoscale_max=config.autoscale[0] if config.autoscale else None,
-        )
-        if config.autoscale is not None:
-            self._autoscaler = Autoscaler(
-                self._sizer,
-                consumer.slots,
-                maximum=config.autoscale[0],
-                minimum=config.autoscale[1],
-                keepalive_s=config.autoscale_keepalive_s,
-            )
-        revoker = Revoker(
-            self._revoked,
-            terminate=consumer.terminate,
-            clock=self._clock,
-            hostname=config.hostname,
-            state_path=config.state_path,
-            namespace=config.namespace,
-        )
-        # Every revoke we can know of is known before the first task is taken: the state file,
-        # then the broker's log read up to now.
-        revoker.load()
-        await revoker.follow_log(await consuming.channel(publisher_confirms=False), publish_channel)
-        heart = Heart(
-            events, lambda: (consumer.running_count, consumer.received), freq_s=config.event_heartbeat_s
-        )
-        self._heart = heart
-        await self._start_mailbox(publishing, consumer, pool, revoker, events)
-        if config.mingle:
-            broadcast_channel = await publishing.channel(publisher_confirms=False)
-            broadcaster = AsyncBroadcaster(
-                broadcast_channel,
-                clock=self._clock,
-                namespace=config.namespace,
-                security=ControlSecurity.from_settings(config.settings),
-            )
-            await broadcaster.start()
 
-            async def run_mingle() -> None:
-                members_channel = await publishing.channel(publisher_confirms=False)
-                try:
-                    await mingle(
-                        broadcaster,
-                        members_channel,
-                        nodename=config.hostname,
-                        revoker=revoker,
-                        clock=self._clock,
-                        namespace=config.namespace,
-                    )
-                finally:
-                    await members_channel.close()
-
-            self._mingle = run_mingle
-            await run_mingle()  # before the first task: peers' revokes hold for it too
-        for name in config.queues:
-            await self.add_consumer(name)
-        await heart.start()
-        if self._autoscaler is not None:
-            await self._autoscaler.start()
-        publishing.reconnect_callbacks.add(self._on_reconnect)
-        watch = asyncio.create_task(self._channel_watch.watch_consumers(), name="consumer-watch")
-        log.info(
-            "worker_ready",
-            hostname=config.hostname,
-            queues=list(config.queues),
-            concurrency=config.concurrency,
-            autoscale=list(config.autoscale) if config.autoscale else None,
-            prefetch=config.prefetch_count,
-            revoked=len(self._revoked),
-            pid=os.getpid(),
+    async def _start_events(self, publishing: aio_pika.abc.AbstractRobustConnection) -> EventDispatcher:
+        config = self._config
+        channel = await publishing.channel(publisher_confirms=False)
+        events = EventDispatcher(
+            channel, hostname=config.hostname, clock=self._clock, task_events=config.task_events
         )
+        await events.start()
         try:
-            await self._stop.wait()
-            log.info("worker_stopping", in_flight=consumer.in_flight, timeout_s=config.shutdown_timeout_s)
-            if self._autoscaler is not None:
-                await self._autoscaler.stop()
-            for name in self._queues.consuming():
-                await self.cancel_consumer(name)
-            await consumer.stop(timeout_s=config.shutdown_timeout_s)
-            await pool.close(timeout_s=0)
-            await heart.stop()
-        finally:
-            watch.cancel()
-            revoker.save()
+            # Before worker-online: a client that starts later learns of us from the stream.
+            await declare_members_stream(channel, config.namespace)
+        except aio_pika.exceptions.AMQPError as exc:
+            # The refused declare closed the channel: events go on a new one.
+            log.error("members_stream_unavailable", error=str(exc))
+            channel = await publishing.channel(publisher_confirms=False)
+            events = EventDispatcher(
+                channel, hostname=config.hostname, clock=self._clock, task_events=config.task_events
+            )
+            await events.start()
+        return events
 
-    # -- what control commands change (worker.remote.commands.ServiceControls) ----------------------------
+    async def _mingle_step(
+        self, publishing: aio_pika.abc.AbstractRobustConnection, revoker: Revoker
+    ) -> Callable[[], Coroutine[Any, Any, None]]:
+        """Mingle, as a step run at start and again after each reconnect."""
+        config = self._config
+        broadcaster = AsyncBroadcaster(
+            await publishing.channel(publisher_confirms=False),
+            clock=self._clock,
+            namespace=config.namespace,
+            security=ControlSecurity.from_settings(config.settings),
+        )
+        await broadcaster.start()
 
-    async def add_consumer(self, queue: str) -> str:
-        """Declare ``queue`` (as Celery does) and consume it."""
-        return await self._queues.add(queue)
+        async def run_mingle() -> None:
+            members_channel = await publishing.channel(publisher_confirms=False)
+            try:
+                await mingle(
+                    broadcaster,
+                    members_channel,
+                    nodename=config.hostname,
+                    revoker=revoker,
+                    clock=self._clock,
+                    namespace=config.namespace,
+                )
+            finally:
+                await members_channel.close()
 
-    async def cancel_consumer(self, queue: str) -> str:
-        """Stop consuming ``queue``; deliveries already taken still run."""
-        return await self._queues.cancel(queue)
-
-    async def set_prefetch(self, count: int) -> None:
-        """Give every task-queue consumer a per-consumer prefetch of ``count`` (never a global QoS)."""
-        await self._queues.set_prefetch(count)
-
-    def consuming(self) -> list[str]:
-        """The task queues consumed now."""
-        return self._queues.consuming()
-
-    async def heartbeat(self) -> None:
-        """Send a worker-heartbeat now."""
-        if self._heart is not None:
-            await self._heart.beat()
-
-    async def _on_reconnect(self, _connection: Any) -> None:
-        # The broker may have forgotten us (and we it): announce the node again.
-        log.info("worker_reconnected", hostname=self._config.hostname)
-        steps: list[Callable[[], Coroutine[Any, Any, None]] | None] = [
-            self._heart.online if self._heart else None,
-            self._mingle,
-        ]
-        for step in steps:
-            if step is not None:
-                task = asyncio.create_task(step())
-                self._background.add(task)
-                task.add_done_callback(_log_failure)
-                task.add_done_callback(self._background.discard)
+        return run_mingle
 
     async def _start_mailbox(
-        self,
-        connection: aio_pika.abc.AbstractRobustConnection,
-        consumer: TaskConsumer,
-        pool: ProcessPool,
-        revoker: Revoker,
-        events: EventDispatcher,
+        self, connection: aio_pika.abc.AbstractRobustConnection, registry: CommandRegistry
     ) -> None:
         # The control plane is a side door: a worker whose mailbox cannot start (another node of
         # the same name holds its exclusive queue) still serves tasks, and says so.
         config = self._config
-        registry = build_registry(
-            app=self._app,
-            clock=self._clock,
-            nodename=config.hostname,
-            revoker=revoker,
-            consumer=consumer,
-            pool=pool,
-            config=config,
-            events=events,
-            controls=self,
-        )
-        register_rate_limit(registry, app=self._app, limits=self._limits)
-        assert self._sizer is not None
-        register_pool_commands(registry, pool=pool, sizer=self._sizer, autoscaler=self._autoscaler)
         node = MailboxNode(
             await connection.channel(),
             nodename=config.hostname,
@@ -361,8 +367,3 @@ class WorkerService:
             os._exit(1)
         log.info("worker_signal", signal=sig.name)
         self._stop.set()
-
-
-def _log_failure(task: asyncio.Task[Any]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("background_step_failed", task=task.get_name(), error=repr(task.exception()))

@@ -269,7 +269,7 @@ def test_a_bad_rate_limit_on_a_base_class_fails_at_decoration():
 
 async def test_the_rate_limit_command_answers_as_celery_does():
     from control.protocol.commands import CommandRegistry
-    from worker.remote.commands import register_rate_limit
+    from tests.unit.test_worker_commands import commands_of
 
     app = App("t")
 
@@ -277,8 +277,7 @@ async def test_the_rate_limit_command_answers_as_celery_does():
     def job() -> None: ...
 
     limits = RateLimits(FakeClock())
-    registry = CommandRegistry()
-    register_rate_limit(registry, app=app, limits=limits)
+    registry = commands_of(app=app, limits=limits).register(CommandRegistry())
 
     async def command(**arguments: object) -> Any:
         return await registry.dispatch("rate_limit", arguments)

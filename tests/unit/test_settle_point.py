@@ -15,7 +15,7 @@ ALLOWED = {
     # The settle point itself: every task delivery's disposition is carried out here.
     "worker/consume/settle.py",
     # Revocation-log stream entries, not task deliveries: a stream hands out more as these are acked.
-    "worker/remote/revoker.py",
+    "worker/remote/revocation_log.py",
     # Members-stream events read by the control client (aio side), not task deliveries.
     "control/aio/broadcaster.py",
     # Members-stream events read by the blocking control client, not task deliveries.

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import aio_pika
@@ -41,19 +40,22 @@ class ConsumeChannelWatch:
     """Watches the consume channel and the task-queue consumers on it.
 
     Args:
+        channel: the consume channel.
         queues: the task-queue consumers that should be on the channel (read only).
-        consumer: returns the task consumer, None until the service has made it.
+        consumer: the task consumer (its reserved deliveries go stale when the channel closes).
     """
 
-    def __init__(self, queues: QueueConsumers, *, consumer: Callable[[], TaskConsumer | None]) -> None:
+    def __init__(
+        self, channel: aio_pika.abc.AbstractChannel, queues: QueueConsumers, *, consumer: TaskConsumer
+    ) -> None:
+        self._consume_channel = channel
         self._queues = queues
         self._consumer = consumer
-        self._consume_channel: aio_pika.abc.AbstractChannel | None = None
         self._consume_closed_at: float | None = None
 
-    async def attach(self, channel: aio_pika.abc.AbstractChannel) -> None:
-        """Hook ``channel``'s close, reopen and consumer-cancel callbacks."""
-        self._consume_channel = channel
+    async def install(self) -> None:
+        """Hook the channel's close, reopen and consumer-cancel callbacks (before anything is consumed)."""
+        channel = self._consume_channel
         channel.close_callbacks.add(self._on_consume_channel_closed)
         if isinstance(channel, aio_pika.abc.AbstractRobustChannel):
             channel.reopen_callbacks.add(self._on_consume_channel_reopened)
@@ -65,8 +67,8 @@ class ConsumeChannelWatch:
         # dropped here (another copy comes back), and no ack goes out with their stale tags.
         self._consume_closed_at = time.monotonic()
         timed_out = isinstance(exc, ChannelPreconditionFailed) and "timed out" in str(exc)
-        consumer = self._consumer()
-        dropped = consumer.drop_stale_reserved() if consumer is not None else 0
+        consumer = self._consumer
+        dropped = consumer.drop_stale_reserved()
         # Closed by us (shutdown): aio-pika reports that as a CancelledError, and it is no fault.
         ours = exc is None or isinstance(exc, asyncio.CancelledError)
         (log.error if timed_out else log.info if ours else log.warning)(
@@ -74,7 +76,7 @@ class ConsumeChannelWatch:
             reason=type(exc).__name__ if exc is not None else None,
             error=str(exc) if exc is not None else None,
             consumer_timeout=timed_out,
-            running=consumer.running_count if consumer is not None else 0,
+            running=consumer.running_count,
             dropped_reserved=dropped,
         )
 
@@ -108,7 +110,7 @@ class ConsumeChannelWatch:
 
     async def _missing_consumers(self) -> list[str]:
         channel = self._consume_channel
-        if channel is None or self._queues.changing():
+        if self._queues.changing():
             return []
         if channel.is_closed:
             return self._queues.consuming()

@@ -6,13 +6,12 @@ prefetch, which means subscribing each queue anew. ``QueueConsumers`` holds the 
 map and the lock those changes take, so a change never races another or the consumer watchdog
 (worker.amqp.channel_watch), which reads the map. It is apart from the service because it is the one
 piece of state about the consume channel's subscriptions, with its own invariant (one consumer per
-queue, every one at the current prefetch); the service only wires it up and forwards commands.
+queue, every one at the current prefetch); the service wires it up and the control commands call it.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import aio_pika
@@ -35,22 +34,21 @@ class QueueConsumers:
     """The consumers of the worker's task queues on its consume channel.
 
     Args:
+        channel: the consume channel, its per-consumer QoS already set.
         settings: the client settings (each queue is declared with its configured type).
-        consumer: returns the task consumer, None until the service has made it.
+        consumer: the task consumer, which handles each queue's deliveries.
     """
 
-    def __init__(self, *, settings: Settings, consumer: Callable[[], TaskConsumer | None]) -> None:
+    def __init__(
+        self, channel: aio_pika.abc.AbstractChannel, *, settings: Settings, consumer: TaskConsumer
+    ) -> None:
+        self._channel = channel
         self._settings = settings
         self._consumer = consumer
-        self._channel: aio_pika.abc.AbstractChannel | None = None
         # Task queues consumed now: name → (queue, consumer tag).
         self._consuming: dict[str, tuple[aio_pika.abc.AbstractQueue, str]] = {}
         # Held while consumers are added, cancelled or re-subscribed (a new prefetch).
         self._consumers_lock = asyncio.Lock()
-
-    def attach(self, channel: aio_pika.abc.AbstractChannel) -> None:
-        """Consume on ``channel`` (the consume channel, its per-consumer QoS already set)."""
-        self._channel = channel
 
     def tags(self) -> dict[str, str]:
         """The consumer tag of each task queue consumed now."""
@@ -62,8 +60,7 @@ class QueueConsumers:
 
     async def add(self, queue: str) -> str:
         """Declare ``queue`` (as Celery does) and consume it."""
-        channel, consumer = self._channel, self._consumer()
-        assert channel is not None and consumer is not None
+        channel, consumer = self._channel, self._consumer
         if queue in self._consuming:
             return f"already consuming from {queue!r}"
         await declare_queue(channel, dead_letter_queue(queue))
@@ -97,8 +94,7 @@ class QueueConsumers:
         as usual; the broker no longer counts them against the new consumer, so until they finish
         the worker may hold them on top of the new prefetch.
         """
-        channel, consumer = self._channel, self._consumer()
-        assert channel is not None and consumer is not None
+        channel, consumer = self._channel, self._consumer
         async with self._consumers_lock:
             try:
                 await channel.set_qos(prefetch_count=count)  # per consumer (global=False)

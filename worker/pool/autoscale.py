@@ -16,7 +16,7 @@ price: below MAX, a busy worker holds one task another worker might have started
 is no headroom, as without autoscale.
 
 basic.qos only binds consumers created after it, so a new prefetch means re-subscribing each
-queue (``WorkerService.set_prefetch``). The broker counts the new consumer's deliveries afresh:
+queue (``QueueConsumers.set_prefetch``). The broker counts the new consumer's deliveries afresh:
 for a moment the worker may hold the old consumer's unacked deliveries on top of the new
 prefetch; they drain as those tasks finish.
 """
@@ -78,7 +78,7 @@ class PoolSizer:
     Args:
         pool: the process pool.
         slots: the consumer's slots; their capacity is always the pool's target size.
-        set_prefetch: applies a per-consumer prefetch (``WorkerService.set_prefetch``).
+        set_prefetch: applies a per-consumer prefetch (``QueueConsumers.set_prefetch``).
         multiplier: deliveries per child (``--prefetch-multiplier``).
         autoscale_max: the autoscaler's maximum (below it the prefetch has one delivery of
             headroom); None without autoscale.
@@ -173,17 +173,6 @@ class Autoscaler:
         self._keepalive_s, self._tick_s = keepalive_s, tick_s
         self._last_needed = 0.0  # loop time when every child was last needed
         self._lock = asyncio.Lock()
-        self._task: asyncio.Task[None] | None = None
-
-    @property
-    def maximum(self) -> int:
-        """The most children."""
-        return self._maximum
-
-    @property
-    def minimum(self) -> int:
-        """The least children."""
-        return self._minimum
 
     def info(self) -> dict[str, Any]:
         """Celery's ``stats["autoscaler"]``: ``max``, ``min``, ``current`` (children) and ``qty``.
@@ -198,18 +187,15 @@ class Autoscaler:
             "qty": self._slots.in_use + self._slots.waiting,
         }
 
-    async def start(self) -> None:
-        """Start looking every ``tick_s``."""
+    async def run(self) -> None:
+        """Look every ``tick_s`` until cancelled (at shutdown, before the consumers are cancelled)."""
         self._last_needed = asyncio.get_running_loop().time()
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="autoscaler")
-
-    async def stop(self) -> None:
-        """Stop resizing (at shutdown, before the consumers are cancelled)."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        while True:
+            await asyncio.sleep(self._tick_s)
+            try:
+                await self.scale()
+            except Exception:  # one failed look (the channel is reconnecting) must not end autoscaling
+                log.exception("autoscale_failed")
 
     async def scale(self) -> int:
         """Look once and resize the pool if it should; returns the size."""
@@ -264,14 +250,6 @@ class Autoscaler:
             await self._sizer.resize(min(max(size, new_min, 1), new_max))
         log.info("autoscale_updated", max=new_max, min=new_min, old_size=size, new_size=self._sizer.size)
         return new_max, new_min
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self._tick_s)
-            try:
-                await self.scale()
-            except Exception:  # one failed look (the channel is reconnecting) must not end autoscaling
-                log.exception("autoscale_failed")
 
 
 def _check_range(maximum: int, minimum: int) -> None:

@@ -9,8 +9,6 @@ import multiprocessing
 import os
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from multiprocessing.process import BaseProcess
 from typing import Any, Final
 
 import structlog
@@ -20,35 +18,19 @@ from worker.loader import load_app, split_spec
 from worker.pool import child as child_module
 from worker.pool import ipc
 from worker.pool.child import PoolStartError
+from worker.pool.handle import EXIT_GRACE_S, ChildHandle
 from worker.pool.ipc import Job, JobOutcome, JobStatus
 
 __all__ = ["Job", "JobOutcome", "JobStatus", "PoolClosedError", "PoolStartError", "ProcessPool"]
 
 log = structlog.get_logger(__name__)
 
-# A child whose socket closed gets this long to exit before SIGKILL.
-_EXIT_GRACE_S: Final = 5.0
 # Back-off between failed attempts to replace a child (the app stopped importing, no memory, ...).
 _RESPAWN_DELAY_S: Final = (0.5, 30.0)
 
 
 class PoolClosedError(BrokerSvcError, RuntimeError):
     """The pool is closing or closed and takes no more jobs."""
-
-
-@dataclass(eq=False, slots=True)
-class _Child:
-    process: BaseProcess
-    pid: int
-    reader: asyncio.StreamReader
-    writer: asyncio.StreamWriter
-    job: Job | None = None
-    outcome: asyncio.Future[JobOutcome] | None = None
-    started_at: float = 0.0
-    kill_status: JobStatus | None = None  # why we signalled it: the outcome if it dies
-    doomed: bool = False  # SIGKILLed: never hand it another job
-    retired: bool = False  # the pool shrank: it was told to exit, and its slot ends with it
-    timers: list[asyncio.TimerHandle] = field(default_factory=list)
 
 
 class ProcessPool:
@@ -83,9 +65,9 @@ class ProcessPool:
         self._app_spec, self._concurrency = app_spec, concurrency
         self._on_update, self._start_timeout_s = on_update, start_timeout_s
         self._context = multiprocessing.get_context("forkserver")
-        self._children: dict[int, _Child] = {}  # ready children, idle or busy, by pid
-        self._idle: collections.deque[_Child] = collections.deque()
-        self._waiters: collections.deque[asyncio.Future[_Child]] = collections.deque()
+        self._children: dict[int, ChildHandle] = {}  # ready children, idle or busy, by pid
+        self._idle: collections.deque[ChildHandle] = collections.deque()
+        self._waiters: collections.deque[asyncio.Future[ChildHandle]] = collections.deque()
         self._slots: list[asyncio.Task[None]] = []
         self._closing = asyncio.Event()  # also wakes slots backing off between failed restarts
         # Each slot keeps one child alive: live slots == target + children still due to retire.
@@ -262,19 +244,19 @@ class ProcessPool:
             child.writer.close()  # EOF: an idle child exits, and its slot reaps it
         if self._slots:
             # A slot starting a child waits for it in a thread, which cancelling would not stop.
-            _, stuck = await asyncio.wait(self._slots, timeout=self._start_timeout_s + 2 * _EXIT_GRACE_S)
+            _, stuck = await asyncio.wait(self._slots, timeout=self._start_timeout_s + 2 * EXIT_GRACE_S)
             for slot in stuck:
                 slot.cancel()
             await asyncio.gather(*self._slots, return_exceptions=True)
 
     # -- dispatch ---------------------------------------------------------------------------------
 
-    async def _acquire(self) -> _Child:
+    async def _acquire(self) -> ChildHandle:
         if self._closing.is_set():
             raise PoolClosedError("the process pool is closed")
         if self._idle:
             return self._idle.popleft()
-        waiter: asyncio.Future[_Child] = asyncio.get_running_loop().create_future()
+        waiter: asyncio.Future[ChildHandle] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         try:
             return await waiter
@@ -286,7 +268,7 @@ class ProcessPool:
                 self._release(waiter.result())  # handed a child as we were cancelled: pass it on
             raise
 
-    def _release(self, child: _Child) -> None:
+    def _release(self, child: ChildHandle) -> None:
         if child.doomed:
             return  # SIGKILLed; its slot reaps it
         if self._to_retire and not self._closing.is_set():
@@ -299,26 +281,19 @@ class ProcessPool:
                 return
         self._idle.append(child)
 
-    def _retire(self, child: _Child) -> None:
+    def _retire(self, child: ChildHandle) -> None:
         """Tell an idle child to exit (EOF on its socket); its slot ends once it is reaped."""
         self._to_retire -= 1
         child.retired = True
         child.writer.close()
 
-    def _signal(self, child: _Child, sig: int, status: JobStatus | None = None) -> None:
+    def _signal(self, child: ChildHandle, sig: int, status: JobStatus | None = None) -> None:
         if self._children.get(child.pid) is not child:
             return  # gone already: never signal a pid that may have been reused
         child.kill_status = child.kill_status or status
         child.doomed = child.doomed or sig == signal.SIGKILL
         with contextlib.suppress(ProcessLookupError):
             os.kill(child.pid, sig)
-
-    def _settle(self, child: _Child, outcome: JobOutcome) -> None:
-        for timer in child.timers:
-            timer.cancel()
-        if child.outcome is not None and not child.outcome.done():
-            child.outcome.set_result(outcome)
-        child.timers, child.job, child.outcome, child.kill_status = [], None, None, None
 
     # -- children ---------------------------------------------------------------------------------
 
@@ -359,12 +334,12 @@ class ProcessPool:
             if first_start is not None and not first_start.done():
                 first_start.set_result(None)
             delay_s = _RESPAWN_DELAY_S[0]
-            child = _Child(process=process, pid=process.pid or 0, reader=reader, writer=writer)
+            child = ChildHandle(process=process, pid=process.pid or 0, reader=reader, writer=writer)
             await self._serve(child)
             if child.retired:
                 return
 
-    async def _serve(self, child: _Child) -> None:
+    async def _serve(self, child: ChildHandle) -> None:
         """Hand the child out for jobs and relay its frames until it exits; then settle its job."""
         self._children[child.pid] = child
         if self._closing.is_set():
@@ -372,14 +347,14 @@ class ProcessPool:
         else:
             self._release(child)
         try:
-            while (frame := await _read_frame(child.reader)) is not None:
+            while (frame := await child.next_frame()) is not None:
                 self._on_frame(child, frame)
         except (DecodeError, MessageTooLarge) as exc:
             log.error("pool_child_protocol_error", pid=child.pid, error=str(exc))
         finally:
             with contextlib.suppress(ValueError):
                 self._idle.remove(child)
-            exitcode = await _reap(child)
+            exitcode = await child.reap()
             if self._children.get(child.pid) is child:
                 del self._children[child.pid]
             if child.job is not None:
@@ -387,13 +362,13 @@ class ProcessPool:
                 outcome = JobOutcome.for_dead_child(
                     child.job, child.kill_status, exitcode=exitcode, runtime_s=runtime_s, pid=child.pid
                 )
-                self._settle(child, outcome)
+                child.settle(outcome)
             elif child.retired:
                 log.debug("pool_child_retired", pid=child.pid, exit=ipc.describe_exit(exitcode))
             elif not self._closing.is_set():
                 log.warning("pool_child_died_idle", pid=child.pid, exit=ipc.describe_exit(exitcode))
 
-    def _on_frame(self, child: _Child, frame: dict[str, Any]) -> None:
+    def _on_frame(self, child: ChildHandle, frame: dict[str, Any]) -> None:
         job, op = child.job, frame["op"]
         if op == "update":
             payload = frame.get("payload")
@@ -404,7 +379,7 @@ class ProcessPool:
                 except Exception:  # a broken hook must not take the child's job down with it
                     log.exception("pool_on_update_failed", task_id=frame["task_id"])
         elif op == "done" and job is not None:
-            self._settle(child, JobOutcome.from_frame(frame, pid=child.pid))
+            child.settle(JobOutcome.from_frame(frame, pid=child.pid))
             self._release(child)
         else:
             raise DecodeError(f"unexpected {op!r} frame from pool child {child.pid}")
@@ -414,22 +389,3 @@ def _report_crash(slot: asyncio.Task[None]) -> None:
     # A slot ends only at close(); one that crashed (a bug) no longer replaces its children.
     if not slot.cancelled() and slot.exception() is not None:
         log.error("pool_slot_crashed", exc_info=slot.exception())
-
-
-async def _read_frame(reader: asyncio.StreamReader) -> dict[str, Any] | None:
-    """The next frame, or None once the child is gone (a frame cut short means it died writing)."""
-    try:
-        header = await reader.readexactly(ipc.HEADER.size)
-        body = await reader.readexactly(ipc.frame_length(header))
-    except (asyncio.IncompleteReadError, ConnectionError):
-        return None
-    return ipc.decode_frame(body)
-
-
-async def _reap(child: _Child) -> int | None:
-    """Close our end, wait for the child to exit (SIGKILL after a grace period); its exit code."""
-    child.writer.close()
-    exitcode = await asyncio.to_thread(child_module.reap, child.process, grace_s=_EXIT_GRACE_S)
-    with contextlib.suppress(ConnectionError):
-        await child.writer.wait_closed()
-    return exitcode

@@ -1,11 +1,12 @@
-"""Control command handlers bound to one worker's state."""
+"""Control command handlers bound to one worker's state: one ``WorkerCommands`` method per command."""
 
 from __future__ import annotations
 
 import os
 import resource
 import time
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, Final
 from urllib.parse import urlsplit
 
 import structlog
@@ -17,70 +18,118 @@ from control.aio.node import request_headers
 from control.protocol.commands import CommandRegistry
 from control.protocol.request import nok, ok
 from control.protocol.revoke_log import LOGGED_HEADER
+from worker.amqp.subscriptions import QueueConsumers
 from worker.config import WorkerConfig
 from worker.consume.consumer import TaskConsumer
 from worker.consume.rate_limits import RateLimits, parse_rate
-from worker.events import EventDispatcher
+from worker.events import EventDispatcher, Heart
 from worker.pool.autoscale import Autoscaler, PoolSizer
 from worker.pool.pool import ProcessPool
 from worker.remote.mingle import HELLO_REVOKED_LIMIT
+from worker.remote.revocation_log import RevocationLog
 from worker.remote.revoker import Revoker
 
-__all__ = ["ServiceControls", "build_registry", "queue_info", "register_pool_commands", "register_rate_limit"]
+__all__ = ["COMMAND_NAMES", "WorkerCommands", "queue_info"]
 
 log = structlog.get_logger(__name__)
 
+# Every command a worker answers; each is the name of a WorkerCommands method.
+COMMAND_NAMES: Final = (
+    "active", "stats", "ping", "clock", "registered", "revoked", "hello", "reserved", "scheduled",
+    "query_task", "active_queues", "conf", "revoke", "terminate", "time_limit", "rate_limit",
+    "add_consumer", "cancel_consumer", "enable_events", "disable_events", "heartbeat", "shutdown",
+    "pool_grow", "pool_shrink", "autoscale",
+)  # fmt: skip
 
-class ServiceControls(Protocol):
-    """What the commands that change the worker itself need from the service."""
-
-    async def add_consumer(self, queue: str) -> str:
-        """Start consuming ``queue``; a message for the reply."""
-
-    async def cancel_consumer(self, queue: str) -> str:
-        """Stop consuming ``queue``; a message for the reply."""
-
-    def consuming(self) -> list[str]:
-        """The queues consumed now."""
-
-    async def heartbeat(self) -> None:
-        """Send a worker-heartbeat event now."""
-
-    def request_stop(self) -> None:
-        """Begin a graceful shutdown."""
+# Celery's exact refusals (celery/worker/control.py).
+_NOT_WITH_AUTOSCALE = "{} is not supported with autoscale. Adjust autoscale range instead."
 
 
-def build_registry(
-    *,
-    app: App,
-    clock: LamportClock,
-    nodename: str,
-    revoker: Revoker,
-    consumer: TaskConsumer,
-    pool: ProcessPool,
-    config: WorkerConfig,
-    events: EventDispatcher,
-    controls: ServiceControls,
-) -> CommandRegistry:
-    """The registry of every command this worker answers, bound to its state."""
-    registry = CommandRegistry()
-    started = time.monotonic()
+class WorkerCommands:
+    """One worker's control commands, each a method named as its command (Celery's replies, WIRE.md §6.2).
 
-    async def active(safe: bool) -> list[dict[str, Any]]:
-        return consumer.state.active(safe=safe)
+    Args:
+        app: the application (its tasks and their options).
+        config: the worker's options.
+        clock: the process's Lamport clock.
+        consumer: the task consumer (its state, counters and time-limit overrides).
+        queues: the task-queue consumers (``add_consumer``, ``cancel_consumer``, ``active_queues``).
+        pool: the process pool.
+        sizer: resizes the pool (``pool_grow``, ``pool_shrink``) and knows the prefetch applied.
+        autoscaler: the autoscaler, or None without ``--autoscale``.
+        revoker: the revoked set (``revoke``, ``revoked``, ``hello``).
+        revocation_log: journals a revoke that did not come through our client.
+        limits: the rate limits enforced (``rate_limit``).
+        events: the event dispatcher (``enable_events``, ``disable_events``).
+        heart: sends ``worker-heartbeat`` (``heartbeat``).
+        request_stop: begins a graceful shutdown (``shutdown``).
+    """
 
-    async def stats() -> dict[str, Any]:
+    def __init__(
+        self,
+        *,
+        app: App,
+        config: WorkerConfig,
+        clock: LamportClock,
+        consumer: TaskConsumer,
+        queues: QueueConsumers,
+        pool: ProcessPool,
+        sizer: PoolSizer,
+        autoscaler: Autoscaler | None,
+        revoker: Revoker,
+        revocation_log: RevocationLog,
+        limits: RateLimits,
+        events: EventDispatcher,
+        heart: Heart,
+        request_stop: Callable[[], None],
+    ) -> None:
+        self._app, self._config, self._clock = app, config, clock
+        self._consumer, self._queues = consumer, queues
+        self._pool, self._sizer, self._autoscaler = pool, sizer, autoscaler
+        self._revoker, self._revocation_log, self._limits = revoker, revocation_log, limits
+        self._events, self._heart, self._request_stop = events, heart, request_stop
+        self._started = time.monotonic()
+
+    def register(self, registry: CommandRegistry) -> CommandRegistry:
+        """Attach every command's handler to ``registry``; returns it."""
+        for name in COMMAND_NAMES:
+            registry.register(name, getattr(self, name))
+        return registry
+
+    # -- inspect: what the worker holds and runs ------------------------------------------------------
+
+    async def active(self, safe: bool) -> list[dict[str, Any]]:
+        return self._consumer.state.active(safe=safe)
+
+    async def reserved(self) -> list[dict[str, Any]]:
+        return self._consumer.state.reserved()
+
+    async def scheduled(self) -> list[dict[str, Any]]:
+        return self._consumer.state.scheduled()
+
+    async def query_task(self, ids: str | list[str]) -> dict[str, Any]:
+        return self._consumer.state.query([ids] if isinstance(ids, str) else [str(i) for i in ids])
+
+    async def registered(self, taskinfoitems: list[Any] | None, builtins: bool) -> list[str]:
+        return sorted(name for name in self._app.tasks if builtins or not name.startswith("celery."))
+
+    async def active_queues(self) -> list[dict[str, Any]]:
+        return [queue_info(name) for name in self._queues.consuming()]
+
+    async def stats(self) -> dict[str, Any]:
+        """Celery's ``stats``; with autoscale it gains Celery's ``autoscaler`` map."""
+        config = self._config
         url = urlsplit(config.settings.broker_url)
         usage = resource.getrusage(resource.RUSAGE_SELF)
-        return {
-            "total": consumer.totals,
+        reply: dict[str, Any] = {
+            "total": self._consumer.totals,
             "pid": os.getpid(),
-            "clock": str(clock.value),  # a string, as Celery sends it
-            "uptime": int(time.monotonic() - started),
+            "clock": str(self._clock.value),  # a string, as Celery sends it
+            "uptime": int(time.monotonic() - self._started),
             "pool": {
                 "implementation": "clockwork.worker.pool:ProcessPool",
-                "max-concurrency": pool.target,  # follows pool_grow/pool_shrink and the autoscaler
-                "processes": pool.pids(),
+                "max-concurrency": self._pool.target,  # follows pool_grow/pool_shrink and the autoscaler
+                "processes": self._pool.pids(),
                 "max-tasks-per-child": None,
                 "put-guarded-by-semaphore": False,
                 "timeouts": [config.soft_time_limit_s, config.time_limit_s],
@@ -102,42 +151,15 @@ def build_registry(
                 "failover_strategy": "round-robin",
                 "alternates": [],
             },  # fmt: skip
-            "prefetch_count": config.prefetch_count,
+            "prefetch_count": self._sizer.prefetch_count,  # the prefetch applied now
             "rusage": {"utime": usage.ru_utime, "stime": usage.ru_stime, "maxrss": usage.ru_maxrss},
         }
+        if self._autoscaler is not None:
+            reply["autoscaler"] = self._autoscaler.info()
+        return reply
 
-    async def ping() -> dict[str, Any]:
-        return ok("pong")
-
-    async def clock_value() -> dict[str, Any]:
-        return {"clock": clock.value}
-
-    async def registered(taskinfoitems: list[Any] | None, builtins: bool) -> list[str]:
-        return sorted(name for name in app.tasks if builtins or not name.startswith("celery."))
-
-    async def revoked_ids() -> list[str]:
-        return list(revoker.revoked)
-
-    async def hello(from_node: str, revoked: dict[str, Any] | list[Any]) -> dict[str, Any] | None:
-        if from_node == nodename:
-            return None
-        revoker.merge_peer(revoked)
-        return {"revoked": revoker.revoked.to_wire(limit=HELLO_REVOKED_LIMIT), "clock": clock.forward()}
-
-    async def reserved() -> list[dict[str, Any]]:
-        return consumer.state.reserved()
-
-    async def scheduled() -> list[dict[str, Any]]:
-        return consumer.state.scheduled()
-
-    async def query_task(ids: str | list[str]) -> dict[str, Any]:
-        return consumer.state.query([ids] if isinstance(ids, str) else [str(i) for i in ids])
-
-    async def active_queues() -> list[dict[str, Any]]:
-        return [queue_info(name) for name in controls.consuming()]
-
-    async def conf(with_defaults: bool) -> dict[str, Any]:
-        settings = config.settings
+    async def conf(self, with_defaults: bool) -> dict[str, Any]:
+        config, settings = self._config, self._config.settings
         return {
             "broker_url": settings.safe_broker_url,
             "task_serializer": settings.serializer,
@@ -147,77 +169,138 @@ def build_registry(
             "worker_prefetch_multiplier": config.prefetch_multiplier,
             "task_time_limit": config.time_limit_s,
             "task_soft_time_limit": config.soft_time_limit_s,
-            "worker_send_task_events": events.task_events,
+            "worker_send_task_events": self._events.task_events,
             "result_persistent": settings.result_persistent,
         }
 
-    async def revoke(task_id: str | list[str], terminate: bool, signal: str | int | None) -> dict[str, Any]:
+    # -- the node: liveness, clock, peers -------------------------------------------------------------
+
+    async def ping(self) -> dict[str, Any]:
+        return ok("pong")
+
+    async def clock(self) -> dict[str, Any]:
+        return {"clock": self._clock.value}
+
+    async def heartbeat(self) -> None:
+        await self._heart.beat()
+
+    async def hello(self, from_node: str, revoked: dict[str, Any] | list[Any]) -> dict[str, Any] | None:
+        if from_node == self._config.hostname:
+            return None
+        self._revoker.merge_peer(revoked)
+        return {
+            "revoked": self._revoker.revoked.to_wire(limit=HELLO_REVOKED_LIMIT),
+            "clock": self._clock.forward(),
+        }
+
+    async def shutdown(self, msg: str | None) -> None:
+        log.warning("shutdown_requested", message=msg)
+        self._request_stop()
+
+    # -- revokes ------------------------------------------------------------------------------------------
+
+    async def revoked(self) -> list[str]:
+        return list(self._revoker.revoked)
+
+    async def revoke(
+        self, task_id: str | list[str], terminate: bool, signal: str | int | None
+    ) -> dict[str, Any]:
         ids = [task_id] if isinstance(task_id, str) else [str(t) for t in task_id]
         log.info("revoke_received", task_ids=len(ids), first=ids[0] if ids else None, terminate=terminate)
         if not (request_headers.get() or {}).get(LOGGED_HEADER):
             # A revoke that did not come through our client (celery control revoke, Flower) is
             # journaled too, so workers that are down now still learn it.
-            await revoker.journal(ids, terminate=terminate, signal_name=str(signal) if signal else None)
-        return await revoker.revoke(ids, terminate=terminate, signal_name=signal)
+            await self._revocation_log.journal(
+                ids, terminate=terminate, signal_name=str(signal) if signal else None
+            )
+        return await self._revoker.revoke(ids, terminate=terminate, signal_name=signal)
 
-    async def terminate(task_id: str | list[str], signal: str | int | None) -> dict[str, Any]:
-        return await revoke(task_id, True, signal)
+    async def terminate(self, task_id: str | list[str], signal: str | int | None) -> dict[str, Any]:
+        return await self.revoke(task_id, True, signal)
 
-    async def time_limit(task_name: str, soft: float | None, hard: float | None) -> dict[str, Any]:
-        if task_name not in app.tasks:
+    # -- runtime changes: limits, queues, events ------------------------------------------------------
+
+    async def time_limit(self, task_name: str, soft: float | None, hard: float | None) -> dict[str, Any]:
+        if task_name not in self._app.tasks:
             return nok("unknown task")
-        consumer.time_limits[task_name] = (hard, soft)
+        self._consumer.time_limits[task_name] = (hard, soft)
         return ok("time limits set successfully")
 
+    async def rate_limit(self, task_name: str, rate_limit: str | int | float | None) -> dict[str, Any]:
+        """Change ``limits``; as Celery, a malformed rate is refused before the task name is looked up.
+
+        The reply says "disabled" when the new rate means no limit (None, ``""``, 0, ``"0/m"``).
+        """
+        try:
+            per_second = parse_rate(rate_limit)
+        except ValueError as exc:
+            return nok(f"Invalid rate limit string: {exc!r}")
+        if task_name not in self._app.tasks:
+            log.warning("rate_limit_unknown_task", task_name=task_name)
+            return nok("unknown task")
+        # As Celery, rewrite the task's option too: it stays what this worker enforces.
+        type(self._app.tasks[task_name]).rate_limit = rate_limit
+        self._limits.set(task_name, per_second)
+        if per_second is None:
+            log.info("rate_limit_disabled", task_name=task_name)
+            return ok("rate limit disabled successfully")
+        log.info("rate_limit_set", task_name=task_name, rate_limit=rate_limit, per_second=per_second)
+        return ok("new rate limit set successfully")
+
     async def add_consumer(
-        queue: str, exchange: str | None, exchange_type: str, routing_key: str | None, options: Any
+        self, queue: str, exchange: str | None, exchange_type: str, routing_key: str | None, options: Any
     ) -> dict[str, Any]:
-        return ok(await controls.add_consumer(queue))
+        return ok(await self._queues.add(queue))
 
-    async def cancel_consumer(queue: str) -> dict[str, Any]:
-        return ok(await controls.cancel_consumer(queue))
+    async def cancel_consumer(self, queue: str) -> dict[str, Any]:
+        return ok(await self._queues.cancel(queue))
 
-    async def enable_events() -> dict[str, Any]:
-        if events.task_events:
+    async def enable_events(self) -> dict[str, Any]:
+        if self._events.task_events:
             return ok("task events already enabled")
-        events.task_events = True
+        self._events.task_events = True
         return ok("task events enabled")
 
-    async def disable_events() -> dict[str, Any]:
-        if not events.task_events:
+    async def disable_events(self) -> dict[str, Any]:
+        if not self._events.task_events:
             return ok("task events already disabled")
-        events.task_events = False
+        self._events.task_events = False
         return ok("task events disabled")
 
-    async def heartbeat() -> None:
-        await controls.heartbeat()
+    # -- the pool: its size and the autoscaler --------------------------------------------------------
+    # Errors read as Celery's (kombu replies ``repr(exc)`` for a handler's exception), e.g.
+    # ``autoscale`` on a worker without it gives ``{"error": "ValueError('Autoscale not enabled')"}``.
 
-    async def shutdown(msg: str | None) -> None:
-        log.warning("shutdown_requested", message=msg)
-        controls.request_stop()
+    async def pool_grow(self, n: int) -> dict[str, Any]:
+        sizer = self._sizer
+        if self._autoscaler is not None:
+            return nok(_NOT_WITH_AUTOSCALE.format("pool_grow"))
+        if n < 0:
+            return nok(repr(ValueError(f"n must not be negative, got {n}")))
+        size = await sizer.resize(sizer.size + n)
+        log.info("pool_grow", n=n, size=size, prefetch=sizer.prefetch_count)
+        return ok("pool will grow")
 
-    registry.register("active", active)
-    registry.register("stats", stats)
-    registry.register("ping", ping)
-    registry.register("clock", clock_value)
-    registry.register("registered", registered)
-    registry.register("revoked", revoked_ids)
-    registry.register("hello", hello)
-    registry.register("reserved", reserved)
-    registry.register("scheduled", scheduled)
-    registry.register("query_task", query_task)
-    registry.register("active_queues", active_queues)
-    registry.register("conf", conf)
-    registry.register("revoke", revoke)
-    registry.register("terminate", terminate)
-    registry.register("time_limit", time_limit)
-    registry.register("add_consumer", add_consumer)
-    registry.register("cancel_consumer", cancel_consumer)
-    registry.register("enable_events", enable_events)
-    registry.register("disable_events", disable_events)
-    registry.register("heartbeat", heartbeat)
-    registry.register("shutdown", shutdown)
-    return registry
+    async def pool_shrink(self, n: int) -> dict[str, Any]:
+        sizer = self._sizer
+        if self._autoscaler is not None:
+            return nok(_NOT_WITH_AUTOSCALE.format("pool_shrink"))
+        if n < 0:
+            return nok(repr(ValueError(f"n must not be negative, got {n}")))
+        if n > 0 and sizer.size <= 1:
+            return nok(repr(ValueError("Can't shrink the pool below one process")))
+        size = await sizer.resize(max(sizer.size - n, 1))
+        log.info("pool_shrink", n=n, size=size, prefetch=sizer.prefetch_count, busy=self._pool.busy_count)
+        return ok("pool will shrink")
+
+    async def autoscale(self, max: int | None, min: int | None) -> dict[str, Any]:  # Celery's argument names
+        if self._autoscaler is None:
+            return nok(repr(ValueError("Autoscale not enabled")))
+        try:
+            new_max, new_min = await self._autoscaler.update(max, min)
+        except ValueError as exc:
+            return nok(repr(exc))
+        return ok(f"autoscale now max={new_max} min={new_min}")
 
 
 def queue_info(name: str) -> dict[str, Any]:
@@ -249,88 +332,3 @@ def queue_info(name: str) -> dict[str, Any]:
         "max_length_bytes": None,
         "max_priority": None,
     }  # fmt: skip
-
-
-def register_rate_limit(registry: CommandRegistry, *, app: App, limits: RateLimits) -> None:
-    """Answer ``rate_limit`` (Celery's replies, WIRE.md §6.2) by changing ``limits``.
-
-    As in Celery, a malformed rate is refused before the task name is looked up. The reply says
-    "disabled" when the new rate means no limit (None, ``""``, 0, ``"0/m"``).
-    """
-
-    async def set_rate_limit(task_name: str, rate_limit: str | int | float | None) -> dict[str, Any]:
-        try:
-            per_second = parse_rate(rate_limit)
-        except ValueError as exc:
-            return nok(f"Invalid rate limit string: {exc!r}")
-        if task_name not in app.tasks:
-            log.warning("rate_limit_unknown_task", task_name=task_name)
-            return nok("unknown task")
-        # As Celery, rewrite the task's option too: it stays what this worker enforces.
-        type(app.tasks[task_name]).rate_limit = rate_limit
-        limits.set(task_name, per_second)
-        if per_second is None:
-            log.info("rate_limit_disabled", task_name=task_name)
-            return ok("rate limit disabled successfully")
-        log.info("rate_limit_set", task_name=task_name, rate_limit=rate_limit, per_second=per_second)
-        return ok("new rate limit set successfully")
-
-    registry.register("rate_limit", set_rate_limit)
-
-
-# Celery's exact refusals (celery/worker/control.py).
-_NOT_WITH_AUTOSCALE = "{} is not supported with autoscale. Adjust autoscale range instead."
-
-
-def register_pool_commands(
-    registry: CommandRegistry, *, pool: ProcessPool, sizer: PoolSizer, autoscaler: Autoscaler | None
-) -> None:
-    """Answer ``pool_grow``, ``pool_shrink`` and ``autoscale`` with Celery's replies (WIRE.md §6.2).
-
-    Also wraps ``stats``: ``prefetch_count`` becomes the prefetch applied now, and with autoscale
-    it gains Celery's ``autoscaler`` map (``max``, ``min``, ``current``, ``qty``). Errors read as
-    Celery's (kombu replies ``repr(exc)`` for a handler's exception), e.g. ``autoscale`` on a worker
-    without it gives ``{"error": "ValueError('Autoscale not enabled')"}``.
-    """
-    base_stats = registry.handler("stats")
-
-    async def stats() -> dict[str, Any]:
-        reply: dict[str, Any] = await base_stats()
-        reply["prefetch_count"] = sizer.prefetch_count
-        if autoscaler is not None:
-            reply["autoscaler"] = autoscaler.info()
-        return reply
-
-    async def pool_grow(n: int) -> dict[str, Any]:
-        if autoscaler is not None:
-            return nok(_NOT_WITH_AUTOSCALE.format("pool_grow"))
-        if n < 0:
-            return nok(repr(ValueError(f"n must not be negative, got {n}")))
-        size = await sizer.resize(sizer.size + n)
-        log.info("pool_grow", n=n, size=size, prefetch=sizer.prefetch_count)
-        return ok("pool will grow")
-
-    async def pool_shrink(n: int) -> dict[str, Any]:
-        if autoscaler is not None:
-            return nok(_NOT_WITH_AUTOSCALE.format("pool_shrink"))
-        if n < 0:
-            return nok(repr(ValueError(f"n must not be negative, got {n}")))
-        if n > 0 and sizer.size <= 1:
-            return nok(repr(ValueError("Can't shrink the pool below one process")))
-        size = await sizer.resize(max(sizer.size - n, 1))
-        log.info("pool_shrink", n=n, size=size, prefetch=sizer.prefetch_count, busy=pool.busy_count)
-        return ok("pool will shrink")
-
-    async def autoscale(max: int | None, min: int | None) -> dict[str, Any]:  # Celery's argument names
-        if autoscaler is None:
-            return nok(repr(ValueError("Autoscale not enabled")))
-        try:
-            new_max, new_min = await autoscaler.update(max, min)
-        except ValueError as exc:
-            return nok(repr(exc))
-        return ok(f"autoscale now max={new_max} min={new_min}")
-
-    registry.register("stats", stats)
-    registry.register("pool_grow", pool_grow)
-    registry.register("pool_shrink", pool_shrink)
-    registry.register("autoscale", autoscale)
