@@ -30,8 +30,8 @@ from broker_svc.errors import (
 from broker_svc.lazy_exports import lazy_exports
 from broker_svc.result import AsyncResult
 from broker_svc.settings import Settings
-from broker_svc.states import State
 from broker_svc.task import Signature, Task
+from broker_svc.wire.states import State
 from broker_svc.wire.task_message import TaskMessage
 
 __all__ = [

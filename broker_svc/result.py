@@ -12,9 +12,9 @@ import structlog
 
 from broker_svc.connection.pending import Delivery, PendingPublish
 from broker_svc.errors import MessageError, ResultTimeout, TaskError
-from broker_svc.states import READY_STATES, State
 from broker_svc.wire import codec
 from broker_svc.wire.result_message import Outcome, exception_from_wire
+from broker_svc.wire.states import READY_STATES, State
 
 __all__ = ["AsyncResult", "ResultStore"]
 

@@ -1,1 +1,1 @@
-"""Celery's formats, pure: task and result messages, codecs, AMQP fields, ids, rate strings."""
+"""Celery's formats, pure: task and result messages, states, codecs, AMQP fields, ids, rate strings."""

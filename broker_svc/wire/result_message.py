@@ -17,7 +17,7 @@ from broker_svc.errors import (
     TaskError,
     TaskRevokedError,
 )
-from broker_svc.states import READY_STATES
+from broker_svc.wire.states import READY_STATES
 
 __all__ = [
     "CELERY_EXCEPTIONS_MODULE",

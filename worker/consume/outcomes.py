@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any, Final
 import structlog
 
 from broker_svc.app import App
-from broker_svc.states import State
 from broker_svc.wire import codec
 from broker_svc.wire.result_message import CELERY_EXCEPTIONS_MODULE, Outcome, wire_exception
+from broker_svc.wire.states import State
 from broker_svc.wire.task_message import TaskMessage, parse_iso_datetime, safe_repr
 from worker.consume.admission import DELIVERY_LIMIT_REASON, delivery_count, recount
 from worker.consume.eta import EtaScheduler

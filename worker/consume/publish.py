@@ -16,7 +16,6 @@ from aiormq import spec
 
 from broker_svc.clock import LamportClock
 from broker_svc.errors import Unroutable
-from broker_svc.states import State
 from broker_svc.topology import (
     DEAD_LETTER_ERROR_HEADER,
     DEAD_LETTER_QUEUE_HEADER,
@@ -25,6 +24,7 @@ from broker_svc.topology import (
 )
 from broker_svc.wire import codec
 from broker_svc.wire.result_message import Outcome, wire_exception
+from broker_svc.wire.states import State
 from broker_svc.wire.task_message import CLOCK_HEADER
 
 __all__ = ["ReplyPublisher", "copy_message"]

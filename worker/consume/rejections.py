@@ -13,8 +13,8 @@ from __future__ import annotations
 import aio_pika.abc
 import structlog
 
-from broker_svc.states import State
 from broker_svc.wire.result_message import Outcome, wire_exception
+from broker_svc.wire.states import State
 from broker_svc.wire.task_message import TaskMessage
 from worker.consume.outcomes import OutcomeHandler, reply_type
 from worker.consume.publish import ReplyPublisher
