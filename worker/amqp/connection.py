@@ -207,6 +207,9 @@ async def _until_stopped(work: Any, stop: asyncio.Event | None) -> None:
     stopped = asyncio.ensure_future(stop.wait())
     try:
         await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()  # our caller was cancelled: its attempt must not go on (and connect) alone
+        raise
     finally:
         stopped.cancel()
     if not task.done():
