@@ -14,6 +14,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from broker_svc import App, BrokerUnavailable, Settings
+from broker_svc.connection.pika_internals import underlying_channel
 from broker_svc.topology import EVENT_EXCHANGE, members_stream, revocation_log
 from control import ControlClient
 from control.api import Control
@@ -90,7 +91,9 @@ def read_revocation_log(url: str, count: int) -> list[tuple[dict[str, Any], Revo
         )
         # pika's channel close would reject the deliveries it still holds, and a stream answers
         # a reject by closing the connection; closing the channel underneath just drops them.
-        ch._impl.close()
+        impl = underlying_channel(ch)
+        assert impl is not None
+        impl.close()
         wait_for(lambda: ch.connection.process_data_events(time_limit=0.05) or ch.is_closed, timeout_s=5,
                  message="stream channel closed")  # fmt: skip
     return entries

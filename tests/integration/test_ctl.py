@@ -19,6 +19,7 @@ import pika
 import pytest
 
 from broker_svc import Settings
+from broker_svc.connection.pika_internals import underlying_channel
 from broker_svc.topology import EVENT_EXCHANGE, revocation_log
 from control import ControlClient
 from control.cli.main import build_parser
@@ -183,7 +184,9 @@ def read_log_entries(url: str, count: int) -> list[RevokeEntry]:
             timeout_s=10,
             message="revocation log entries",
         )
-        ch._impl.close()  # see test_control_client.read_revocation_log: a stream refuses rejects
+        impl = underlying_channel(ch)  # see test_control_client.read_revocation_log: streams refuse rejects
+        assert impl is not None
+        impl.close()
         wait_for(lambda: ch.connection.process_data_events(time_limit=0.05) or ch.is_closed, timeout_s=5,
                  message="stream channel closed")  # fmt: skip
     return entries
