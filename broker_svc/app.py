@@ -45,11 +45,14 @@ class App:
 
     Args:
         main: the app's name; tasks defined in ``__main__`` are named ``<main>.<function>``.
-        broker_url: shorthand for ``settings=Settings(broker_url=...)``.
-        settings: full settings (use ``Settings.from_env()`` in entry points).
+        broker_url: the broker; without it, ``$CLOCKWORK_BROKER_URL``, else the local default.
+        settings: full settings, used as given. Without them, every setting comes from its
+            ``CLOCKWORK_<FIELD>`` variable where one is set (``Settings.from_env``), as the worker
+            and ``ctl`` read them, so an app and its worker agree on the broker.
 
     Raises:
         TypeError: both ``broker_url`` and ``settings`` given.
+        ConfigurationError: a ``CLOCKWORK_*`` variable holds an invalid value.
     """
 
     def __init__(
@@ -58,7 +61,9 @@ class App:
         if broker_url is not None and settings is not None:
             raise TypeError("pass broker_url or settings, not both")
         self.main = main
-        self.settings = settings or (Settings(broker_url=broker_url) if broker_url else Settings())
+        if settings is None:
+            settings = Settings.from_env(broker_url=broker_url) if broker_url else Settings.from_env()
+        self.settings = settings
         self.clock = LamportClock()
         self.tasks: dict[str, Task] = {}
         self._reply_queue = new_reply_queue_name()
