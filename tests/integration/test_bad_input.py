@@ -139,3 +139,16 @@ def test_a_deleted_dead_letter_queue_is_recreated_not_looped_on(
     dead = wait_for(lambda: drain(test_vhost_url, f"{queue}.dead"), timeout_s=20, message="not dead-lettered")
     assert dead[0].headers["x-clockwork-reason"] == "NotRegistered"
     assert client.send_task(ADD, (1, 2), queue=queue).get(timeout=30) == 3
+
+
+def test_a_result_whose_caller_left_is_dropped_at_info_not_warning(
+    test_vhost_url: str, queue: str, worker: WorkerProcess, client: App
+):
+    # A client that sent a task and exited: its reply queue is gone. That is normal (fire and
+    # forget from a short script), so it must not raise a warning per task.
+    headers = {"task": ADD, "id": "left-1"}
+    publish_raw(test_vhost_url, queue, VALID_BODY, headers=headers, reply_to="gone.reply")
+    line = worker.first("result_unroutable")
+    assert line["level"] == "info" and line["task_id"] == "left-1"
+    assert client.send_task(ADD, (1, 2), queue=queue).get(timeout=30) == 3  # still consuming
+    assert [e["event"] for e in worker.events() if e.get("level") in ("warning", "error")] == []

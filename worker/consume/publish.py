@@ -102,8 +102,9 @@ class ReplyPublisher:
         try:
             await self._send(payload, properties, reply_to)
         except (aio_pika.exceptions.DeliveryError, Unroutable):
-            # Its client and result queue are gone: nobody can receive it any more.
-            log.warning("result_unroutable", reply_to=reply_to, task_id=outcome.task_id)
+            # Its client and result queue are gone (a caller that sent and left, which is normal):
+            # nobody can receive it any more.
+            log.info("result_unroutable", reply_to=reply_to, task_id=outcome.task_id)
 
     async def dead_letter(
         self, message: aio_pika.abc.AbstractIncomingMessage, *, queue: str, reason: str, error: str
