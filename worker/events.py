@@ -107,7 +107,9 @@ class EventDispatcher:
             headers={"hostname": self._hostname},
         )
         try:
-            await exchange.publish(message, routing_key=event_type.replace("-", "."))
+            # Not mandatory, as Celery's events are: with no one listening the broker drops them,
+            # which is normal; mandatory, each would come back as a basic.return logged at ERROR.
+            await exchange.publish(message, routing_key=event_type.replace("-", "."), mandatory=False)
         except Exception as exc:  # events are best-effort: a broken channel must not fail a task
             log.warning("event_not_sent", event_type=event_type, error=str(exc))
 

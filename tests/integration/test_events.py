@@ -136,3 +136,16 @@ def test_abusive_request_clocks_are_ignored_and_the_node_keeps_answering(
         tap.wait(lambda ev: bool(tap.of("worker-heartbeat", hostname=worker.name)), message="heartbeat")
         assert all(e["clock"] < 10_000 for e in tap.events if e.get("hostname") == worker.name)
         assert worker.proc.poll() is None
+
+
+def test_events_with_no_one_listening_log_no_warning_or_error(test_vhost_url: str, queue: str, client: App):
+    # -E with nobody consuming celeryev (no Flower, no ctl events): the broker drops the events,
+    # which is normal, so the worker must not log a return or a failure for each one.
+    with WorkerProcess(test_vhost_url, queues=[queue], concurrency=1, extra_args=["-E"]) as worker:
+        worker.wait_ready()
+        for i in range(3):
+            result = client.send_task("tests.integration.e2e_tasks.add", (i, 1), queue=queue)
+            assert result.get(timeout=30) == i + 1
+        assert worker.terminate() == 0  # whatever the returns would log is written by now
+        noisy = [e for e in worker.events() if e.get("level") in ("warning", "error")]
+        assert noisy == [], noisy
