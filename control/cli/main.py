@@ -23,7 +23,7 @@ from broker_svc.errors import BrokerUnavailable, ConfigurationError
 from broker_svc.logging import configure_logging
 from broker_svc.settings import Settings
 from control.blocking.client import ControlClient
-from control.cli.render import format_event, format_nodes, is_ok, show, summarize
+from control.cli.render import format_event, format_nodes, is_error, is_ok, show, summarize
 from control.protocol.commands import COMMANDS, CommandKind, Param
 from control.protocol.event_order import ReorderBuffer
 from control.protocol.replies import BroadcastResult
@@ -315,6 +315,10 @@ def _status(result: BroadcastResult, err: TextIO) -> int:
         return EX_UNAVAILABLE
     if result.missing:
         err.write(f"ctl: no reply from {format_nodes(result.missing)}\n")
+        return EX_FAILURE
+    failed = frozenset(node for node, value in flatten_replies(result.replies).items() if is_error(value))
+    if failed:
+        err.write(f"ctl: the command failed on {format_nodes(failed)}\n")
         return EX_FAILURE
     return EX_OK
 

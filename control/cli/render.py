@@ -26,6 +26,11 @@ def is_ok(value: Any) -> bool:
     return isinstance(value, dict) and "ok" in value and "error" not in value
 
 
+def is_error(value: Any) -> bool:
+    """Whether a reply is Celery's error reply, ``{"error": ...}`` (the command failed there)."""
+    return isinstance(value, dict) and "error" in value
+
+
 def summarize(value: Any) -> str:
     """One reply in a few words: ``OK pong``, ``ERROR ...``, ``3 items``, ``5 keys``."""
     if isinstance(value, dict) and len(value) == 1 and ("ok" in value or "error" in value):

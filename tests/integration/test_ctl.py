@@ -122,6 +122,15 @@ def test_registered_as_a_table_names_the_workers_tasks(vhost_url: str, node: Wor
     assert "- tests.integration.e2e_tasks.add" in proc.stdout
 
 
+def test_an_error_reply_exits_1_and_names_the_node(vhost_url: str, node: WorkerProcess):
+    proc, _ = ctl(
+        "-b", vhost_url, "-d", node.name, "--timeout", "5", "control", "rate-limit", "no.such.task", "1/s"
+    )
+    assert proc.returncode == 1, output(proc)
+    assert "unknown task" in proc.stdout
+    assert proc.stderr == f"ctl: the command failed on 1 node: {node.name}\n"
+
+
 def test_a_destination_nobody_answers_for_exits_69(vhost_url: str, node: WorkerProcess):
     proc, _ = ctl("-b", vhost_url, "inspect", "ping", "-d", "nobody@nowhere", "--timeout", "0.5")
     assert proc.returncode == 69, output(proc)
