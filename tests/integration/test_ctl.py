@@ -18,7 +18,7 @@ from typing import Any
 import pika
 import pytest
 
-from broker_svc import Settings
+from broker_svc import App, Settings
 from broker_svc.connection.pika_internals import underlying_channel
 from broker_svc.topology import EVENT_EXCHANGE, revocation_log
 from control import ControlClient
@@ -213,6 +213,40 @@ def test_revoke_with_a_worker_shows_its_reply(vhost_url: str, node: WorkerProces
     proc, _ = ctl("-b", vhost_url, "--json", "revoke", "some-task", "-d", node.name, "--timeout", "5")
     assert proc.returncode == 0, output(proc)
     assert list(json.loads(proc.stdout)) == [node.name]
+
+
+def test_revoke_terminate_names_the_task_it_killed_to_every_copy_of_the_request(
+    vhost_url: str, node: WorkerProcess
+):
+    # ctl logs a revoke durably, then broadcasts it, so a worker learns it twice; the first copy
+    # to arrive kills the task, and the reply to either must still say it was terminated.
+    with (
+        App("ctl-terminate", settings=Settings(broker_url=vhost_url)) as app,
+        ControlClient(Settings(broker_url=vhost_url)) as client,
+    ):
+        result = app.send_task("tests.integration.e2e_tasks.sleep_s", (60,), queue=node.queues[0])
+        wait_for(
+            lambda: any(
+                t["id"] == result.id for t in client.inspect("active", timeout_s=5).get(node.name, [])
+            ),
+            timeout_s=30,
+            message="the task running",
+        )
+        for _ in range(2):
+            proc, _ = ctl(
+                "-b",
+                vhost_url,
+                "--json",
+                "revoke",
+                result.id,
+                "--terminate",
+                "-d",
+                node.name,
+                "--timeout",
+                "5",
+            )
+            assert proc.returncode == 0, output(proc)
+            assert json.loads(proc.stdout) == {node.name: {"ok": f"terminate: {result.id}"}}
 
 
 # -- events ------------------------------------------------------------------------------------------------

@@ -26,6 +26,11 @@ log = structlog.get_logger(__name__)
 
 # Changes are written at most this often (and always at stop): a burst of revokes is one write.
 _SAVE_DELAY_S: Final = 0.5
+# Ids this worker terminated, remembered this long for the revoke that asks again: a ``ctl revoke
+# --terminate`` reaches the worker twice, through the revocation log and the mailbox, and the
+# first to arrive does the killing.
+_TERMINATED_MEMORY_S: Final = 300.0
+_TERMINATED_MAX: Final = 1000
 
 
 def parse_signal(value: str | int | None) -> signal.Signals:
@@ -68,6 +73,7 @@ class Revoker:
         self._terminate = terminate
         self._state_path = state_path
         self._save_handle: asyncio.TimerHandle | None = None
+        self._terminated: dict[str, float] = {}  # id -> when this worker signalled its child
 
     @property
     def revoked(self) -> RevokedSet:
@@ -130,11 +136,22 @@ class Revoker:
         self.add(task_ids)
         if sig is None:
             return ok(f"tasks {_set_repr(task_ids)} flagged as revoked")
-        terminated = [task_id for task_id in task_ids if await self._terminate(task_id, sig)]
+        terminated = [task_id for task_id in task_ids if await self._terminated_here(task_id, sig)]
         if terminated:
-            log.info("tasks_terminated", task_ids=terminated, signal=sig.name)
             return ok(f"terminate: {', '.join(terminated)}")
         return ok("terminate: tasks unknown")
+
+    async def _terminated_here(self, task_id: str, sig: signal.Signals) -> bool:
+        # Signal the child running it; or it was already, by the other copy of the same revoke.
+        now = time.monotonic()
+        if await self._terminate(task_id, sig):
+            log.info("task_terminated", terminated_id=task_id, signal=sig.name)
+            self._terminated[task_id] = now
+            while len(self._terminated) > _TERMINATED_MAX:
+                del self._terminated[next(iter(self._terminated))]
+            return True
+        at = self._terminated.get(task_id)
+        return at is not None and now - at < _TERMINATED_MEMORY_S
 
 
 def _set_repr(task_ids: list[str]) -> str:
