@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from broker_svc.clock import LamportClock
+from broker_svc.control_plane import Destination
 from broker_svc.errors import BrokerSvcError
 from broker_svc.settings import Settings
 from control.blocking.client import ControlClient
@@ -28,8 +29,6 @@ if TYPE_CHECKING:
 __all__ = ["Control", "Inspect"]
 
 log = structlog.get_logger(__name__)
-
-Destination = str | Sequence[str] | None
 
 
 class Control:

@@ -145,7 +145,7 @@ class Revoker:
         # Signal the child running it; or it was already, by the other copy of the same revoke.
         now = time.monotonic()
         if await self._terminate(task_id, sig):
-            log.info("task_terminated", terminated_id=task_id, signal=sig.name)
+            log.info("tasks_terminated", task_ids=[task_id], signal=sig.name)
             self._terminated[task_id] = now
             while len(self._terminated) > _TERMINATED_MAX:
                 del self._terminated[next(iter(self._terminated))]
