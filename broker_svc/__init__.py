@@ -30,6 +30,7 @@ from broker_svc.errors import (
 from broker_svc.lazy_exports import lazy_exports
 from broker_svc.result import AsyncResult
 from broker_svc.settings import Settings
+from broker_svc.shared import current_app, shared_task
 from broker_svc.task import Signature, Task
 from broker_svc.wire.states import State
 from broker_svc.wire.task_message import TaskMessage
@@ -41,6 +42,8 @@ __all__ = [
     "Signature",
     "State",
     "Task",
+    "current_app",
+    "shared_task",
     # publishing and configuration
     "LamportClock",
     "Publisher",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import datetime as dt
+import importlib
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -12,20 +13,23 @@ from typing import TYPE_CHECKING, Any, overload
 
 import structlog
 
+from broker_svc import shared
 from broker_svc.clock import LamportClock
+from broker_svc.conf import Config
 from broker_svc.connection.pending import PendingPublish
 from broker_svc.control_plane import ControlPlane, load_control
 from broker_svc.errors import BrokerSvcError, NotRegistered
 from broker_svc.result import AsyncResult, ResultStore
+from broker_svc.routes import route_for
 from broker_svc.settings import Settings
 from broker_svc.task import (
     SEND_OPTIONS,
     Signature,
-    Task,
     build_task_class,
     countdown_to_eta,
     current_request,
 )
+from broker_svc.task import Task as TaskBase
 from broker_svc.topology import new_reply_queue_name, result_queue
 from broker_svc.wire import codec
 from broker_svc.wire.task_message import TaskMessage
@@ -45,36 +49,141 @@ class App:
 
     Args:
         main: the app's name; tasks defined in ``__main__`` are named ``<main>.<function>``.
-        broker_url: the broker; without it, ``$CLOCKWORK_BROKER_URL``, else the local default.
+        broker: the broker URL (Celery's name); ``broker_url`` is the same.
+        backend: where results go: only ``"rpc://"`` (or None), as results travel on RabbitMQ.
+        include: modules a worker imports at start, for the tasks they define.
         settings: full settings, used as given. Without them, every setting comes from its
             ``CLOCKWORK_<FIELD>`` variable where one is set (``Settings.from_env``), as the worker
             and ``ctl`` read them, so an app and its worker agree on the broker.
+        config_source: an object or dotted name for ``config_from_object``.
+        set_as_current: make this the app that ``shared_task`` proxies use (Celery's default).
+        **conf: more settings by Celery's names (``task_default_queue="jobs"``), as ``app.conf``.
 
     Raises:
-        TypeError: both ``broker_url`` and ``settings`` given.
-        ConfigurationError: a ``CLOCKWORK_*`` variable holds an invalid value.
+        TypeError: both a broker URL and ``settings`` given.
+        ConfigurationError: a ``CLOCKWORK_*`` variable or a setting holds an invalid value.
     """
 
     def __init__(
-        self, main: str | None = None, *, broker_url: str | None = None, settings: Settings | None = None
+        self,
+        main: str | None = None,
+        *,
+        broker: str | None = None,
+        broker_url: str | None = None,
+        backend: str | None = None,
+        include: Iterable[str] | None = None,
+        settings: Settings | None = None,
+        config_source: Any = None,
+        set_as_current: bool = True,
+        **conf: Any,
     ) -> None:
-        if broker_url is not None and settings is not None:
-            raise TypeError("pass broker_url or settings, not both")
+        url = broker_url or broker
+        if url is not None and settings is not None:
+            raise TypeError("pass a broker URL or settings, not both")
         self.main = main
         if settings is None:
-            settings = Settings.from_env(broker_url=broker_url) if broker_url else Settings.from_env()
+            settings = Settings.from_env(broker_url=url) if url else Settings.from_env()
         self.settings = settings
         self.clock = LamportClock()
-        self.tasks: dict[str, Task] = {}
+        self.tasks: dict[str, TaskBase] = {}
+        self._publisher: Publisher | None = None
+        self.conf = Config(self._apply_settings)
+        if config_source is not None:
+            self.conf.from_object(config_source)
+        initial: dict[str, Any] = dict(conf)
+        if backend is not None:
+            initial["result_backend"] = backend
+        if include is not None:
+            initial["include"] = list(include)
+        self.conf.update(initial)
+        self._autodiscover: list[tuple[Any, str]] = []
         self._reply_queue = new_reply_queue_name()
         self._store = ResultStore(
             accept=codec.accept_set(self.settings.accept_content), max_bytes=self.settings.max_body_bytes
         )
-        self._publisher: Publisher | None = None
         self._control: ControlPlane | None = None
         self._close_hooks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         _open_apps.add(self)
+        shared.app_created(self, set_as_current=set_as_current)
+
+    # -- configuration ---------------------------------------------------------------------------
+
+    def _apply_settings(self, fields: dict[str, Any]) -> None:
+        # app.conf changed a Settings field. A connection made already keeps what it was made with.
+        self.settings = self.settings.with_options(**fields)
+        if self._publisher is not None:
+            log.warning("setting_changed_after_connect", settings=sorted(fields), app=self.main)
+
+    def config_from_object(
+        self, obj: Any, *, silent: bool = False, force: bool = False, namespace: str | None = None
+    ) -> None:
+        """Take settings from a module, class or object, or its dotted name, as Celery does.
+
+        ``namespace="CELERY"`` reads only ``CELERY_*`` names (a Django settings module). ``force``
+        is accepted: settings apply at once here.
+
+        Raises:
+            ImportError: (unless ``silent``) the dotted name does not import.
+            ConfigurationError: a value is invalid.
+        """
+        del force
+        try:
+            self.conf.from_object(obj, namespace=namespace)
+        except ImportError:
+            if not silent:
+                raise
+
+    def autodiscover_tasks(
+        self,
+        packages: Iterable[str] | Callable[[], Iterable[str]] | None = None,
+        related_name: str = "tasks",
+        force: bool = False,
+    ) -> None:
+        """Find ``<package>.<related_name>`` modules to import for their tasks.
+
+        They are imported when a worker loads the app (``import_task_modules``), or now with
+        ``force=True``. A package without such a module is skipped, as in Celery.
+        """
+        self._autodiscover.append((packages or (), related_name))
+        if force:
+            self.import_task_modules()
+
+    def import_task_modules(self) -> list[str]:
+        """Import the modules ``imports``, ``include`` and ``autodiscover_tasks`` name; their names.
+
+        A worker calls this when it loads the app, so the tasks those modules define are registered.
+
+        Raises:
+            ImportError: a module named by ``imports`` or ``include`` does not import.
+        """
+        names: list[str] = []
+        for key in ("imports", "include"):
+            value = self.conf.get(key) or ()
+            names.extend([value] if isinstance(value, str) else value)
+        for packages, related_name in self._autodiscover:
+            listed = packages() if callable(packages) else packages
+            for package in listed:
+                candidate = f"{package}.{related_name}"
+                try:
+                    importlib.import_module(candidate)
+                except ModuleNotFoundError as exc:
+                    if exc.name not in (candidate, package):
+                        raise  # the module exists but one of its own imports is missing
+                    continue
+                names.append(candidate)
+        for name in names:
+            importlib.import_module(name)
+        return list(dict.fromkeys(names))
+
+    def set_current(self) -> None:
+        """Make this the app ``shared_task`` proxies send through (``current_app``)."""
+        shared.app_created(self, set_as_current=True)
+
+    @property
+    def Task(self) -> type[TaskBase]:  # Celery's name
+        """The base class of this app's tasks, to subclass for ``base=`` (``class Base(app.Task)``)."""
+        return TaskBase
 
     def __repr__(self) -> str:
         return f"<App {self.main or '__main__'} broker={self.settings.safe_broker_url}>"
@@ -90,16 +199,16 @@ class App:
     # -- tasks -----------------------------------------------------------------------------------
 
     @overload
-    def task(self, fn: Callable[..., Any], /) -> Task: ...
+    def task(self, fn: Callable[..., Any], /) -> TaskBase: ...
 
     @overload
     def task(
-        self, fn: None = None, /, *, base: type[Task] = Task, **options: Any
-    ) -> Callable[[Callable[..., Any]], Task]: ...
+        self, fn: None = None, /, *, base: type[TaskBase] = TaskBase, **options: Any
+    ) -> Callable[[Callable[..., Any]], TaskBase]: ...
 
     def task(
-        self, fn: Callable[..., Any] | None = None, /, *, base: type[Task] = Task, **options: Any
-    ) -> Task | Callable[[Callable[..., Any]], Task]:
+        self, fn: Callable[..., Any] | None = None, /, *, base: type[TaskBase] = TaskBase, **options: Any
+    ) -> TaskBase | Callable[[Callable[..., Any]], TaskBase]:
         """Register a function as a task: ``@app.task`` or ``@app.task(name=..., bind=True, ...)``.
 
         Raises:
@@ -107,16 +216,30 @@ class App:
             ValueError: another task already has this name.
         """
 
-        def register(func: Callable[..., Any]) -> Task:
-            name = options.pop("name", None) or self._default_name(func)
-            cls = build_task_class(self, func, name=name, base=base, options=options)
-            if name in self.tasks:
-                raise ValueError(f"a task named {name!r} is already registered; pass name= to rename")
-            instance = cls()
-            self.tasks[name] = instance
-            return instance
+        def register(func: Callable[..., Any]) -> TaskBase:
+            return self._register(func, base=base, options=dict(options))
 
         return register(fn) if fn is not None else register
+
+    def _register(
+        self,
+        func: Callable[..., Any],
+        *,
+        base: type[TaskBase],
+        options: dict[str, Any],
+        shared_name: str | None = None,
+    ) -> TaskBase:
+        name = options.pop("name", None) or shared_name or self._default_name(func)
+        existing = self.tasks.get(name)
+        if existing is not None and shared_name is not None:
+            if getattr(type(existing), "__wrapped__", None) is func:
+                return existing  # the same shared task, offered again
+        cls = build_task_class(self, func, name=name, base=base, options=options)
+        if existing is not None:
+            raise ValueError(f"a task named {name!r} is already registered; pass name= to rename")
+        instance = cls()
+        self.tasks[name] = instance
+        return instance
 
     def _default_name(self, fn: Callable[..., Any]) -> str:
         module = fn.__module__
@@ -124,7 +247,7 @@ class App:
             module = self.main
         return f"{module}.{fn.__name__}"
 
-    def get_task(self, name: str) -> Task:
+    def get_task(self, name: str) -> TaskBase:
         """The registered task of this name.
 
         Raises:
@@ -185,6 +308,11 @@ class App:
             raise TypeError(f"unknown send option(s) {sorted(unknown)}; known: {sorted(SEND_OPTIONS)}")
         if not isinstance(sig.kwargs, Mapping):
             raise TypeError("kwargs must be a mapping")
+        if "queue" not in options:
+            routed = route_for(self.conf.get("task_routes"), sig.task, sig.args, sig.kwargs, options)
+            options = {**routed, **options}
+        if "priority" not in options and self.conf.get("task_default_priority") is not None:
+            options = {**options, "priority": self.conf["task_default_priority"]}
         eta = options.get("eta")
         if options.get("countdown") is not None:
             eta = countdown_to_eta(float(options["countdown"]))
@@ -197,7 +325,7 @@ class App:
         eta = _aware(eta)
         expires = _aware(expires)
         task_id = options.get("task_id") or TaskMessage.new_id()
-        ignore_result = bool(options.get("ignore_result", False))
+        ignore_result = bool(options.get("ignore_result", self.conf.get("task_ignore_result", False)))
         # A task sent from inside a running task is its child: parent_id/root_id link the tree.
         parent = current_request()
         if parent is not None and not parent.called_directly:

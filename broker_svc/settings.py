@@ -234,6 +234,15 @@ class Settings:
         Raises:
             ConfigurationError: a variable holds an invalid value.
         """
+        return cls(**{**cls.env_options(environ), **options})
+
+    @classmethod
+    def env_options(cls, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """The fields that ``CLOCKWORK_*`` variables set, by field name (see ``from_env``).
+
+        Raises:
+            ConfigurationError: a variable holds an invalid value.
+        """
         env = os.environ if environ is None else environ
         found: dict[str, Any] = {}
         hints = get_type_hints(cls)
@@ -241,8 +250,7 @@ class Settings:
             var = next((v for v in names if env.get(v)), None)
             if var is not None:
                 found[name] = _from_text(hints[name], var, env[var])
-        found.update(options)
-        return cls(**found)
+        return found
 
 
 # Fields also read from an older variable name, which stays an alias.

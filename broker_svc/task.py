@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import datetime as dt
+import inspect
 import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -160,12 +161,31 @@ class Task:
     retry_backoff: ClassVar[bool | float] = False
     retry_backoff_max: ClassVar[float] = 600.0
     retry_jitter: ClassVar[bool] = True
+    # Passed to ``retry`` by ``autoretry_for`` (``max_retries``, ``countdown``), as Celery's.
+    retry_kwargs: ClassVar[Mapping[str, Any]] = {}
+    # Errors that ``autoretry_for`` would match but must not retry.
+    dont_autoretry_for: ClassVar[tuple[type[BaseException], ...]] = ()
+    # Expected errors: a failure with one of these is logged at info, without a traceback.
+    throws: ClassVar[tuple[type[BaseException], ...]] = ()
+    # Defaults for every send of this task (``apply_async`` options win).
+    expires: ClassVar[float | dt.datetime | None] = None
+    priority: ClassVar[int | None] = None
+    # Check the arguments against the function's signature when the task is sent (Celery's default).
+    typing: ClassVar[bool] = True
+    # With ``ignore_result``, still send the result of a failure.
+    store_errors_even_if_ignored: ClassVar[bool] = False
+    # Accepted for Celery code; Clockwork always acks after the run and redelivers a task whose
+    # child died (up to ``delivery_limit``): docs/migrating-from-celery.md.
+    acks_late: ClassVar[bool | None] = None
+    reject_on_worker_lost: ClassVar[bool | None] = None
 
     OPTIONS: ClassVar[frozenset[str]] = frozenset(
         {
             "name", "bind", "ignore_result", "queue", "serializer", "time_limit", "soft_time_limit",
             "track_started", "max_retries", "default_retry_delay", "autoretry_for", "retry_backoff",
-            "retry_backoff_max", "retry_jitter", "rate_limit",
+            "retry_backoff_max", "retry_jitter", "rate_limit", "retry_kwargs", "dont_autoretry_for",
+            "throws", "expires", "priority", "typing", "store_errors_even_if_ignored", "acks_late",
+            "reject_on_worker_lost",
         }
     )  # fmt: skip
 
@@ -238,8 +258,12 @@ class Task:
         except Retry:
             raise
         except self.autoretry_for as exc:
-            countdown = self.backoff_delay(self.request.retries) if self.retry_backoff else None
-            raise self.retry(exc=exc, countdown=countdown) from exc
+            if self.dont_autoretry_for and isinstance(exc, self.dont_autoretry_for):
+                raise
+            options = dict(self.retry_kwargs)
+            if self.retry_backoff:
+                options["countdown"] = self.backoff_delay(self.request.retries)
+            raise self.retry(exc=exc, **options) from exc
 
     # Hooks: override in a base class. Exceptions they raise are logged, never change the outcome.
 
@@ -312,9 +336,32 @@ class Task:
             MessageTooLarge: the encoded task is over ``max_body_bytes``.
             PublishError: (``confirm="each"``) the broker did not confirm it.
         """
+        if self.typing:
+            self.check_arguments(args or (), kwargs or {})
         merged = self._default_options()
         merged.update(options)
         return self.app.send_task(self.name, args, kwargs, **merged)
+
+    def check_arguments(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+        """Raise ``TypeError`` now if the task's function would not take these arguments.
+
+        Raises:
+            TypeError: the arguments do not fit the function's signature (as Celery's ``typing``).
+        """
+        function = getattr(type(self), "__wrapped__", None)
+        if function is None:
+            return
+        try:
+            signature = inspect.signature(function)
+        except (TypeError, ValueError):
+            return  # a builtin or C function: nothing to check against
+        try:
+            if self.bind:
+                signature.bind(self, *args, **kwargs)
+            else:
+                signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{self.name}: {exc}") from None
 
     def s(self, *args: Any, **kwargs: Any) -> Signature:
         """A signature of this task with these arguments, for ``app.send_many``."""
@@ -340,6 +387,10 @@ class Task:
             options["time_limit"] = self.time_limit
         if self.soft_time_limit is not None:
             options["soft_time_limit"] = self.soft_time_limit
+        if self.expires is not None:
+            options["expires"] = self.expires
+        if self.priority is not None:
+            options["priority"] = self.priority
         return options
 
 
@@ -367,6 +418,7 @@ def build_task_class(
         "name": name,
         "app": app,
         "run": fn if bind else staticmethod(fn),
+        "__wrapped__": staticmethod(fn),
         "__doc__": fn.__doc__,
         "__module__": fn.__module__,
         "__qualname__": getattr(fn, "__qualname__", fn.__name__),

@@ -28,15 +28,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse the worker's command line (Celery's option names)."""
     parser = argparse.ArgumentParser(prog="python -m worker", description="Run a Clockwork worker.")
     parser.add_argument("-A", "--app", required=True, help="the app: package.module:app")
-    parser.add_argument("-c", "--concurrency", type=int, default=os.cpu_count() or 1, help="child processes")
+    parser.add_argument(
+        "-c", "--concurrency", type=int, default=None,
+        help="child processes (default: the app's worker_concurrency, else the number of CPUs)",
+    )  # fmt: skip
     parser.add_argument("-n", "--hostname", default=DEFAULT_HOSTNAME, help="node name (%%h = host)")
-    parser.add_argument("-Q", "--queues", default=None, help="comma-separated queues (default: celery)")
-    parser.add_argument("-b", "--broker", default=None, help="AMQP URL (else $CLOCKWORK_BROKER_URL)")
+    parser.add_argument(
+        "-Q", "--queues", default=None, help="comma-separated queues (default: the app's default queue)"
+    )
+    parser.add_argument(
+        "-b", "--broker", default=None, help="AMQP URL (else $CLOCKWORK_BROKER_URL, else the app's)"
+    )
     parser.add_argument("-l", "--loglevel", default="info", help="debug, info, warning, error")
     parser.add_argument(
         "--prefetch-multiplier",
         type=int,
-        default=1,
+        default=None,
         help="unacked deliveries per child and queue, running ones included (1: take only what can start)",
     )
     parser.add_argument(
@@ -116,13 +123,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(args.loglevel)
     os.environ["CLOCKWORK_LOGLEVEL"] = args.loglevel  # pool children log at the same level
-    settings = Settings.from_env()
+    # The app's settings (app.conf, or settings= as given), then CLOCKWORK_* variables, then this
+    # command line: the closer to the deployment, the later it wins.
+    app = load_app(args.app)
+    settings = app.settings.with_options(**Settings.env_options())
     if args.broker:
         settings = settings.with_options(broker_url=args.broker)
     if args.quorum_queues is not None:
         settings = settings.with_options(quorum_queues=split_names(args.quorum_queues))
     if args.delivery_limit is not None:
         settings = settings.with_options(delivery_limit=args.delivery_limit)
+    conf = app.conf
+    concurrency = args.concurrency or conf.get("worker_concurrency") or os.cpu_count() or 1
     queues = tuple(q.strip() for q in (args.queues or settings.default_queue).split(",") if q.strip())
     hostname = expand_hostname(args.hostname)
     if args.statedb is None:
@@ -135,11 +147,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         hostname=hostname,
         queues=queues,
         # As Celery, an autoscaled pool starts at its minimum (here at least one child).
-        concurrency=max(args.autoscale[1], 1) if args.autoscale else args.concurrency,
-        prefetch_multiplier=args.prefetch_multiplier,
+        concurrency=max(args.autoscale[1], 1) if args.autoscale else concurrency,
+        prefetch_multiplier=args.prefetch_multiplier or conf.get("worker_prefetch_multiplier") or 1,
         shutdown_timeout_s=args.shutdown_timeout,
-        time_limit_s=args.time_limit,
-        soft_time_limit_s=args.soft_time_limit,
+        time_limit_s=args.time_limit if args.time_limit is not None else conf.get("task_time_limit"),
+        soft_time_limit_s=(
+            args.soft_time_limit if args.soft_time_limit is not None else conf.get("task_soft_time_limit")
+        ),
         state_path=state_path,
         task_events=args.task_events,
         event_heartbeat_s=args.heartbeat_interval,
@@ -150,7 +164,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         broker_heartbeat_s=args.broker_heartbeat,
         consumer_timeout_s=args.consumer_timeout or None,
     )
-    app = load_app(args.app)
     return _run(WorkerService(config, app).run())
 
 

@@ -31,7 +31,7 @@ def split_spec(spec: str) -> tuple[str, str]:
 
 
 def load_app(spec: str) -> App:
-    """Import the module of ``spec`` and return its ``App``.
+    """Import the module of ``spec`` and return its ``App``, with the modules it includes imported.
 
     Raises:
         ValueError: the spec is malformed, or the attribute is not a ``broker_svc.App``.
@@ -74,6 +74,8 @@ def load_app(spec: str) -> App:
             f"app spec {spec!r} names a {type(value).__name__}, not a broker_svc.App; "
             f"point it at the App instance your tasks are registered on (e.g. 'proj.tasks:app')"
         )
+    # The modules the app names (include=, imports, autodiscover_tasks) hold tasks too.
+    value.import_task_modules()
     return value
 
 

@@ -137,9 +137,12 @@ class OutcomeHandler:
                 expired=False,
             )
         else:
-            log.warning(
-                "task_failed", runtime_ms=runtime_ms, status=outcome.status.value, error=outcome.error
-            )
+            if self._expected(request.task, outcome.error):
+                log.info("task_failed_expected", runtime_ms=runtime_ms, error=_describe(outcome.error))
+            else:
+                log.warning(
+                    "task_failed", runtime_ms=runtime_ms, status=outcome.status.value, error=outcome.error
+                )
             error = outcome.error or wire_exception("Exception", "unknown failure", module="builtins")
             result = Outcome(task_id=request.id, status=state, result=error, traceback=outcome.traceback)
             await self._events.send(
@@ -148,7 +151,7 @@ class OutcomeHandler:
                 exception=describe_repr(error),
                 traceback=outcome.traceback or "",
             )
-        await self.reply(request, result)
+        await self.reply(request, result, failed=state == State.FAILURE)
         if outcome.retries_exhausted:
             return Disposition.dead_letter(
                 "max_retries_exceeded",
@@ -217,12 +220,24 @@ class OutcomeHandler:
 
         return Disposition.dead_letter(DELIVERY_LIMIT_REASON, why, owed=announce, ran=ran)
 
-    async def reply(self, request: TaskMessage, outcome: Outcome) -> None:
-        """Publish a state to the task's ``reply_to``, unless results are ignored."""
-        if request.reply_to is None or request.ignore_result:
+    def _expected(self, name: str, error: dict[str, Any] | None) -> bool:
+        # A failure with one of the task's ``throws`` classes is part of its contract, not an error.
+        task = self._app.tasks.get(name)
+        if task is None or not task.throws or not error:
+            return False
+        kind, module = error.get("exc_type"), error.get("exc_module")
+        return any(cls.__name__ == kind and module in (None, cls.__module__) for cls in task.throws)
+
+    async def reply(self, request: TaskMessage, outcome: Outcome, *, failed: bool = False) -> None:
+        """Publish a state to the task's ``reply_to``, unless results are ignored.
+
+        ``failed``: a final failure, which ``store_errors_even_if_ignored`` sends all the same.
+        """
+        if request.reply_to is None:
             return
         task = self._app.tasks.get(request.task)
-        if task is not None and task.ignore_result:
+        ignored = request.ignore_result or (task is not None and task.ignore_result)
+        if ignored and not (failed and task is not None and task.store_errors_even_if_ignored):
             return
         await self._replies.publish_result(
             outcome,

@@ -1,0 +1,93 @@
+"""``task_routes``: which queue a task goes to, by Celery's rules.
+
+Celery's forms are all taken: a map from task name (exact, glob ``"proj.*"`` or compiled regex) to
+a queue name or a dict of options; a router function ``(name, args, kwargs, options, task=None,
+**kw)`` returning the same or None; a dotted path to such a function; or a list of these, tried in
+order, the first answer winning. Within a map, an exact name wins over a pattern.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final
+
+from broker_svc.conf import load_object
+from broker_svc.errors import ConfigurationError
+
+__all__ = ["ROUTE_OPTIONS", "route_for"]
+
+# What a route may set; Clockwork sends to a queue on the default exchange (docs: migrating).
+ROUTE_OPTIONS: Final = frozenset({"queue", "priority", "serializer"})
+
+
+def route_for(
+    routes: Any, name: str, args: Sequence[Any], kwargs: Mapping[str, Any], options: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The options ``routes`` give task ``name`` (``{}`` when none matches).
+
+    Raises:
+        ConfigurationError: a route of an unknown form, or one that sets what Clockwork cannot
+            honour (an ``exchange`` or ``routing_key`` other than the queue's own).
+    """
+    if routes is None:
+        return {}
+    for router in routes if isinstance(routes, list | tuple) else (routes,):
+        found = _ask(router, name, args, kwargs, options)
+        if found is not None:
+            return _checked(found, name)
+    return {}
+
+
+def _ask(
+    router: Any, name: str, args: Sequence[Any], kwargs: Mapping[str, Any], options: Mapping[str, Any]
+) -> Any:
+    if isinstance(router, str):
+        router = load_object(router)
+    if isinstance(router, Mapping):
+        return _from_map(router, name)
+    if callable(router):
+        answer: Callable[..., Any] = router
+        return answer(name, args, kwargs, options, task=None)
+    raise ConfigurationError(f"task_routes: {router!r} is not a map, a router function or a dotted path")
+
+
+def _from_map(routes: Mapping[Any, Any], name: str) -> Any:
+    if name in routes:
+        return routes[name]
+    for pattern, target in routes.items():
+        if isinstance(pattern, re.Pattern):
+            if pattern.match(name):
+                return target
+        elif isinstance(pattern, str) and any(c in pattern for c in "*?["):
+            if fnmatch.fnmatchcase(name, pattern):
+                return target
+    return None
+
+
+def _checked(found: Any, name: str) -> dict[str, Any]:
+    route = {"queue": found} if isinstance(found, str) else found
+    if not isinstance(route, Mapping):
+        raise ConfigurationError(f"task_routes gave {found!r} for {name!r}: expected a queue name or a dict")
+    result = dict(route)
+    queue = result.get("queue")
+    if isinstance(queue, Mapping):  # Celery also takes {"queue": {"name": ...}} style entries
+        queue = queue.get("name")
+    exchange = result.pop("exchange", None)
+    routing_key = result.pop("routing_key", None)
+    if queue is None and routing_key is not None and exchange in (None, "", queue):
+        queue = routing_key  # the default exchange routes by queue name
+    elif routing_key not in (None, queue) or exchange not in (None, "", queue):
+        raise ConfigurationError(
+            f"task_routes for {name!r} names exchange {exchange!r} / routing_key {routing_key!r}: Clockwork "
+            "sends tasks to a queue on the default exchange; route by 'queue' instead"
+        )
+    if queue is not None:
+        result["queue"] = queue
+    unknown = set(result) - ROUTE_OPTIONS
+    if unknown:
+        raise ConfigurationError(
+            f"task_routes for {name!r} sets {sorted(unknown)}; known: {sorted(ROUTE_OPTIONS)}"
+        )
+    return result

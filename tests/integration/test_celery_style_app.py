@@ -1,0 +1,68 @@
+"""A Celery project whose only change is its import lines runs on our worker and our client."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from broker_svc import App
+from tests.support.amqp import delete_queues
+from tests.support.workers import WorkerProcess, unique_queue
+
+TASKS = "tests.integration.proj.tasks"
+
+
+@pytest.fixture(scope="module")
+def project(test_vhost_url: str) -> Iterator[tuple[App, Any, WorkerProcess, str, str]]:
+    queue, slow = unique_queue("proj"), unique_queue("proj-slow")
+    env = {"PROJ_BROKER_URL": test_vhost_url, "PROJ_QUEUE": queue, "PROJ_SLOW_QUEUE": slow}
+    monkeypatch = pytest.MonkeyPatch()
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    module = importlib.reload(importlib.import_module("tests.integration.proj.celery"))
+    tasks = importlib.import_module(TASKS)
+    app: App = module.app
+    app.set_current()
+    # The app module does not import its tasks: the worker finds them through include=.
+    worker = WorkerProcess(
+        test_vhost_url, app="tests.integration.proj.celery:app", queues=[queue, slow], concurrency=1, env=env
+    )
+    try:
+        worker.wait_ready()
+        yield app, tasks, worker, queue, slow
+    finally:
+        worker.close()
+        app.close()
+        monkeypatch.undo()
+        delete_queues(test_vhost_url, queue, slow, f"{queue}.dead", f"{slow}.dead")
+
+
+def test_shared_tasks_run_through_the_current_app_with_its_conf(project):
+    app, tasks, _worker, queue, slow = project
+    assert app.settings.serializer == "json"
+    assert tasks.add.delay(2, 3).get(timeout=30) == 5
+    assert tasks.whoami.delay().get(timeout=30) == {"task": f"{TASKS}.whoami", "queue": queue}
+    # task_routes sends slow_* to its own queue.
+    assert tasks.slow_echo.delay("routed").get(timeout=30) == ["routed", slow]
+    # An explicit queue beats the route, as in Celery.
+    assert tasks.slow_echo.apply_async(("direct",), queue=queue).get(timeout=30) == ["direct", queue]
+
+
+def test_expected_errors_stay_out_of_warning_logs_and_ignored_failures_still_report(project):
+    _app, tasks, worker, _queue, _slow = project
+    with pytest.raises(KeyError):
+        tasks.lookup.delay("absent").get(timeout=30)
+    worker.first("task_failed_expected", timeout_s=10)
+    assert worker.count("task_failed") == 0
+    with pytest.raises(ValueError, match="reported although"):
+        tasks.quiet_failure.delay().get(timeout=30)
+
+
+def test_retry_kwargs_bound_autoretries(project):
+    _app, tasks, worker, _queue, _slow = project
+    with pytest.raises(OSError, match="disk on fire"):
+        tasks.always_oserror.delay().get(timeout=30)
+    assert worker.count("task_retried") == 1
