@@ -10,6 +10,7 @@ from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
+from broker_svc.errors import ConfigurationError
 from broker_svc.logging import configure_logging
 from broker_svc.settings import Settings, split_names
 from worker.config import (
@@ -21,6 +22,7 @@ from worker.config import (
     parse_autoscale,
 )
 from worker.loader import load_app
+from worker.process_files import redirect_output, write_pidfile
 from worker.service import WorkerService
 
 
@@ -61,6 +63,36 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="SECONDS",
         help="how long a child the pool did not need stays before autoscale retires it (default 30)",
     )
+    parser.add_argument(
+        "--max-tasks-per-child",
+        type=int,
+        default=None,
+        metavar="N",
+        help="replace a pool child after N tasks (default: the app's worker_max_tasks_per_child, else never)",
+    )
+    parser.add_argument(
+        "--max-memory-per-child",
+        type=int,
+        default=None,
+        metavar="KIB",
+        help="replace a pool child whose resident memory passed KIB kilobytes, after its task",
+    )
+    parser.add_argument("--logfile", "-f", type=Path, default=None, help="append all output to this file")
+    parser.add_argument("--pidfile", type=Path, default=None, help="write the worker's pid here")
+    parser.add_argument(
+        "-O",
+        dest="optimization",
+        choices=("fair", "default"),
+        default="fair",
+        help="accepted for Celery's command lines: dispatch is always fair (a task goes to an idle child)",
+    )
+    parser.add_argument(
+        "-P",
+        "--pool",
+        default="prefork",
+        help="prefork only (the default); other pools are not built yet",
+    )
+    parser.add_argument("-B", "--beat", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish tasks")
     parser.add_argument("--time-limit", type=float, default=None, help="default hard time limit (s)")
     parser.add_argument("--soft-time-limit", type=float, default=None, help="default soft time limit (s)")
@@ -108,7 +140,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="the broker's consumer_timeout (default 1800, RabbitMQ's); warns at start-up about task "
         "time limits it would cut short; 0 skips the check",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.pool not in ("prefork", "processes"):
+        parser.error(
+            f"-P {args.pool}: Clockwork runs tasks in a process pool (prefork); solo, threads, gevent and "
+            "eventlet pools are not built yet"
+        )
+    if args.beat:
+        parser.error(
+            "-B: Clockwork has no embedded scheduler yet; run `celery beat` beside the worker: it sends "
+            "Celery task messages, which Clockwork workers run"
+        )
+    for option in ("max_tasks_per_child", "max_memory_per_child"):
+        value = getattr(args, option)
+        if value is not None and value < 1:
+            parser.error(f"--{option.replace('_', '-')} must be at least 1, got {value}")
+    return args
 
 
 def _autoscale(value: str) -> tuple[int, int]:
@@ -121,6 +168,14 @@ def _autoscale(value: str) -> tuple[int, int]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status."""
     args = parse_args(argv)
+    try:
+        if args.logfile is not None:
+            redirect_output(args.logfile)
+        if args.pidfile is not None:
+            write_pidfile(args.pidfile)
+    except ConfigurationError as exc:
+        print(f"clockwork-worker: {exc}", file=sys.stderr)  # noqa: T201 - before logging exists
+        return 2
     configure_logging(args.loglevel)
     os.environ["CLOCKWORK_LOGLEVEL"] = args.loglevel  # pool children log at the same level
     # The app's settings (app.conf, or settings= as given), then CLOCKWORK_* variables, then this
@@ -163,6 +218,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         dedupe_window_s=args.dedupe_window,
         broker_heartbeat_s=args.broker_heartbeat,
         consumer_timeout_s=args.consumer_timeout or None,
+        max_tasks_per_child=args.max_tasks_per_child or conf.get("worker_max_tasks_per_child"),
+        max_memory_per_child_kib=args.max_memory_per_child or conf.get("worker_max_memory_per_child"),
     )
     return _run(WorkerService(config, app).run())
 

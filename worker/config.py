@@ -116,6 +116,9 @@ class WorkerConfig:
             and the broker requeues what it held.
         consumer_timeout_s: the broker's ``consumer_timeout`` (RabbitMQ's default is 30 min), for
             the start-up check of task time limits against it. None: no check.
+        max_tasks_per_child: a child is replaced after this many tasks (None: never).
+        max_memory_per_child_kib: a child whose resident memory passed this many KiB is replaced
+            after the task it ran (None: never).
 
     Raises:
         ConfigurationError: an option out of range (a ``ValueError``, with the fix in its text).
@@ -140,6 +143,8 @@ class WorkerConfig:
     autoscale_keepalive_s: float = 30.0
     broker_heartbeat_s: int | None = None
     consumer_timeout_s: float | None = DEFAULT_CONSUMER_TIMEOUT_S
+    max_tasks_per_child: int | None = None
+    max_memory_per_child_kib: int | None = None
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:

@@ -92,7 +92,11 @@ class WorkerService:
         install_header_int_guard()
         self._install_signal_handlers()
         pool = ProcessPool(
-            app_spec=config.app_spec, concurrency=config.concurrency, on_update=self._relay_update
+            app_spec=config.app_spec,
+            concurrency=config.concurrency,
+            on_update=self._relay_update,
+            max_tasks_per_child=config.max_tasks_per_child,
+            max_memory_per_child_kib=config.max_memory_per_child_kib,
         )
         self._warn_time_limits()
         await pool.start()

@@ -70,3 +70,13 @@ def report_then_sleep(seconds: float) -> float:
 @app.task
 def request_info() -> dict[str, Any]:
     return current_request()
+
+
+_ballast: list[bytes] = []
+
+
+@app.task
+def grow_memory(mib: int) -> int:
+    """Keep ``mib`` MiB allocated in this child (for --max-memory-per-child)."""
+    _ballast.append(os.urandom(1024) * (mib * 1024))
+    return os.getpid()

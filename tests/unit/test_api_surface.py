@@ -14,7 +14,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def test_broker_svc_exports_exactly_its_public_names():
     assert sorted(broker_svc.__all__) == sorted(
         [
-            "App", "AsyncResult", "Signature", "State", "Task", "current_app", "shared_task", "LamportClock", "Publisher", "Settings",
+            "App", "AsyncResult", "Signature", "State", "Task", "current_app", "shared_task", "LamportClock",
+            "Publisher", "Settings",
             "TaskMessage", "BrokerBlocked", "BrokerSvcError", "BrokerUnavailable", "ConfigurationError",
             "ContentDisallowed",
             "DecodeError", "InvalidTaskMessage", "MaxRetriesExceededError", "MessageError",

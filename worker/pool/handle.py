@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from typing import Any, Final
@@ -16,6 +17,7 @@ __all__ = ["EXIT_GRACE_S", "ChildHandle"]
 
 # A child whose socket closed gets this long to exit before SIGKILL.
 EXIT_GRACE_S: Final = 5.0
+_PAGE_KIB: Final = os.sysconf("SC_PAGE_SIZE") // 1024
 
 
 @dataclass(eq=False, slots=True)
@@ -32,6 +34,8 @@ class ChildHandle:
     kill_status: JobStatus | None = None  # why we signalled it: the outcome if it dies
     doomed: bool = False  # SIGKILLed: never hand it another job
     retired: bool = False  # the pool shrank: it was told to exit, and its slot ends with it
+    recycled: bool = False  # past its task or memory limit: told to exit, and its slot replaces it
+    jobs_done: int = 0
     timers: list[asyncio.TimerHandle] = field(default_factory=list)
 
     def settle(self, outcome: JobOutcome) -> None:
@@ -41,6 +45,15 @@ class ChildHandle:
         if self.outcome is not None and not self.outcome.done():
             self.outcome.set_result(outcome)
         self.timers, self.job, self.outcome, self.kill_status = [], None, None, None
+
+    def resident_kib(self) -> int | None:
+        """The child's resident memory in KiB (Linux's /proc), or None where it cannot be read."""
+        try:
+            with open(f"/proc/{self.pid}/statm", "rb") as statm:
+                pages = int(statm.read().split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+        return pages * _PAGE_KIB
 
     async def next_frame(self) -> dict[str, Any] | None:
         """The next frame, or None once the child is gone (a frame cut short means it died writing).

@@ -46,6 +46,8 @@ class ProcessPool:
         concurrency: number of children.
         on_update: called in the event loop with ``(task_id, payload)`` for each ``send_update``.
         start_timeout_s: how long a child may take to import the app and report ready.
+        max_tasks_per_child: replace a child after this many jobs (Celery's option of that name).
+        max_memory_per_child_kib: replace a child whose resident memory passed this after a job.
 
     Raises:
         ValueError: a malformed ``app_spec``, or ``concurrency < 1``.
@@ -58,10 +60,17 @@ class ProcessPool:
         concurrency: int,
         on_update: Callable[[str, dict[str, Any]], None] | None = None,
         start_timeout_s: float = 60.0,
+        max_tasks_per_child: int | None = None,
+        max_memory_per_child_kib: int | None = None,
     ) -> None:
         split_spec(app_spec)
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
+        for label, limit in (("max_tasks_per_child", max_tasks_per_child),
+                             ("max_memory_per_child_kib", max_memory_per_child_kib)):  # fmt: skip
+            if limit is not None and limit < 1:
+                raise ValueError(f"{label} must be at least 1, got {limit}")
+        self._max_tasks, self._max_memory_kib = max_tasks_per_child, max_memory_per_child_kib
         self._app_spec, self._concurrency = app_spec, concurrency
         self._on_update, self._start_timeout_s = on_update, start_timeout_s
         self._context = multiprocessing.get_context("forkserver")
@@ -271,6 +280,10 @@ class ProcessPool:
     def _release(self, child: ChildHandle) -> None:
         if child.doomed:
             return  # SIGKILLed; its slot reaps it
+        if self._worn_out(child):
+            child.recycled = True
+            child.writer.close()  # EOF: it exits, and its slot starts a fresh one
+            return
         if self._to_retire and not self._closing.is_set():
             self._retire(child)  # the pool shrank: the first child to come free goes
             return
@@ -280,6 +293,18 @@ class ProcessPool:
                 waiter.set_result(child)
                 return
         self._idle.append(child)
+
+    def _worn_out(self, child: ChildHandle) -> bool:
+        # Checked as a job ends, never during one: the task that passed a limit completes first.
+        if self._max_tasks is not None and child.jobs_done >= self._max_tasks:
+            log.info("pool_child_recycled", pid=child.pid, reason="max_tasks_per_child", jobs=child.jobs_done)
+            return True
+        if self._max_memory_kib is not None and child.jobs_done:
+            rss_kib = child.resident_kib()
+            if rss_kib is not None and rss_kib > self._max_memory_kib:
+                log.info("pool_child_recycled", pid=child.pid, reason="max_memory_per_child", rss_kib=rss_kib)
+                return True
+        return False
 
     def _retire(self, child: ChildHandle) -> None:
         """Tell an idle child to exit (EOF on its socket); its slot ends once it is reaped."""
@@ -363,7 +388,7 @@ class ProcessPool:
                     child.job, child.kill_status, exitcode=exitcode, runtime_s=runtime_s, pid=child.pid
                 )
                 child.settle(outcome)
-            elif child.retired:
+            elif child.retired or child.recycled:
                 log.debug("pool_child_retired", pid=child.pid, exit=ipc.describe_exit(exitcode))
             elif not self._closing.is_set():
                 log.warning("pool_child_died_idle", pid=child.pid, exit=ipc.describe_exit(exitcode))
@@ -379,6 +404,7 @@ class ProcessPool:
                 except Exception:  # a broken hook must not take the child's job down with it
                     log.exception("pool_on_update_failed", task_id=frame["task_id"])
         elif op == "done" and job is not None:
+            child.jobs_done += 1
             child.settle(JobOutcome.from_frame(frame, pid=child.pid))
             self._release(child)
         else:
