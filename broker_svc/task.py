@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final
 import structlog
 
 from broker_svc.errors import MaxRetriesExceededError, Retry
+from broker_svc.pydantic_args import call_with_models
 from broker_svc.wire.rates import parse_rate
 
 if TYPE_CHECKING:
@@ -178,6 +179,11 @@ class Task:
     # child died (up to ``delivery_limit``): docs/migrating-from-celery.md.
     acks_late: ClassVar[bool | None] = None
     reject_on_worker_lost: ClassVar[bool | None] = None
+    # Validate pydantic-model parameters from dicts and dump a model result (Celery 5.5's option).
+    pydantic: ClassVar[bool] = False
+    pydantic_strict: ClassVar[bool] = False
+    pydantic_context: ClassVar[Mapping[str, Any] | None] = None
+    pydantic_dump_kwargs: ClassVar[Mapping[str, Any] | None] = None
 
     OPTIONS: ClassVar[frozenset[str]] = frozenset(
         {
@@ -185,7 +191,8 @@ class Task:
             "track_started", "max_retries", "default_retry_delay", "autoretry_for", "retry_backoff",
             "retry_backoff_max", "retry_jitter", "rate_limit", "retry_kwargs", "dont_autoretry_for",
             "throws", "expires", "priority", "typing", "store_errors_even_if_ignored", "acks_late",
-            "reject_on_worker_lost",
+            "reject_on_worker_lost", "pydantic", "pydantic_strict", "pydantic_context",
+            "pydantic_dump_kwargs",
         }
     )  # fmt: skip
 
@@ -254,6 +261,11 @@ class Task:
     def execute(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         """Run the body as the worker does: ``autoretry_for`` errors become retries."""
         try:
+            if self.pydantic:
+                return call_with_models(
+                    self.run, args, kwargs, strict=self.pydantic_strict, context=self.pydantic_context,
+                    dump_kwargs=self.pydantic_dump_kwargs,
+                )  # fmt: skip
             return self.run(*args, **kwargs)
         except Retry:
             raise

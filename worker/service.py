@@ -13,6 +13,7 @@ import aio_pika
 import aio_pika.abc
 import structlog
 
+from broker_svc import signals
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
 from control.aio.broadcaster import AsyncBroadcaster, declare_members_stream
@@ -214,6 +215,7 @@ class WorkerService:
             revoked=len(self._revoked),
             pid=os.getpid(),
         )
+        signals.worker_ready.send(sender=self)
         return Running(pool, consumer, queues, heart, revoker, background)
 
     async def serve(self) -> None:
@@ -224,6 +226,7 @@ class WorkerService:
         """Stop consuming, let running tasks finish within the deadline, hand back the rest, go offline."""
         config, consumer = self._config, running.consumer
         log.info("worker_stopping", in_flight=consumer.in_flight, timeout_s=config.shutdown_timeout_s)
+        signals.worker_shutdown.send(sender=self)
         await running.background.stop("autoscaler")
         for name in running.queues.consuming():
             await running.queues.cancel(name)

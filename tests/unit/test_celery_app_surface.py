@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel, ValidationError
 from structlog.testing import capture_logs
 
 from broker_svc import App, ConfigurationError, Retry, current_app, shared_task
@@ -226,3 +227,33 @@ def test_autodiscover_imports_each_packages_tasks_module_and_skips_those_without
     assert app.import_task_modules() == ["surface_pkg.tasks"]
     assert "surface_pkg.tasks.found_by_autodiscover" in app.tasks
     sys.modules.pop("surface_pkg.tasks", None)
+
+
+class Order(BaseModel):
+    sku: str
+    quantity: int
+
+
+class Receipt(BaseModel):
+    sku: str
+    total: int
+
+
+def test_pydantic_models_are_validated_in_and_dumped_out():
+    app = App("proj", broker=URL)
+
+    @app.task(pydantic=True)
+    def checkout(order: Order, price: int) -> Receipt:
+        assert isinstance(order, Order)
+        return Receipt(sku=order.sku, total=order.quantity * price)
+
+    assert _run_in_worker(checkout, {"sku": "a1", "quantity": "3"}, 5) == {"sku": "a1", "total": 15}
+    with pytest.raises(ValidationError):
+        _run_in_worker(checkout, {"sku": "a1"}, 5)
+
+    @app.task(pydantic=True, pydantic_strict=True)
+    def strict(order: Order) -> int:
+        return order.quantity
+
+    with pytest.raises(ValidationError):  # "3" is not an int in strict mode
+        _run_in_worker(strict, {"sku": "a1", "quantity": "3"})

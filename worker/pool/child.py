@@ -26,6 +26,7 @@ from typing import Any, Final
 
 import structlog
 
+from broker_svc import signals
 from broker_svc.app import App
 from broker_svc.errors import BrokerSvcError, DecodeError, MessageTooLarge, Retry, SoftTimeLimitExceeded
 from broker_svc.logging import configure_logging
@@ -172,6 +173,7 @@ def main(app_spec: str, sock: socket.socket) -> None:
                 ipc.encode_frame({"op": "error", "message": message, "traceback": traceback.format_exc()})
             )
             raise SystemExit(1) from None
+        signals.worker_process_init.send(sender=None)
         channel.send(ipc.encode_frame({"op": "ready", "pid": os.getpid()}))
         _exit_with_the_worker()
         while (frame := channel.receive()) is not None:
@@ -258,8 +260,10 @@ def _run(app: App, job: Job, channel: _Channel, soft_limit: _SoftLimit) -> dict[
 
 def _call(task: Task, request: Request, job: Job, soft_limit: _SoftLimit) -> dict[str, Any]:
     task_id = job.task_id
+    signals.task_prerun.send(sender=task, task_id=task_id, task=task, args=job.args, kwargs=job.kwargs)
     if task.track_started:
         send_update({"state": "STARTED", "meta": {"pid": os.getpid(), "hostname": request.hostname}})
+    retval: Any = None
     try:
         soft_limit.arm(job.soft_time_limit_s)
         try:
@@ -269,9 +273,11 @@ def _call(task: Task, request: Request, job: Job, soft_limit: _SoftLimit) -> dic
     except Retry as retry:
         cause = retry.exc or retry
         einfo = ExceptionInfo(cause, traceback.format_exc())
+        retval = retry
         _hook(task.on_retry, cause, task_id, job.args, job.kwargs, einfo)
         _hook(task.after_return, "RETRY", cause, task_id, job.args, job.kwargs, einfo)
-        return _frame(
+        signals.task_retry.send(sender=task, request=request, reason=cause, einfo=einfo)
+        done = _frame(
             JobStatus.RETRY,
             value={"eta": retry.eta.isoformat()},
             error=exception_to_wire(cause),
@@ -279,14 +285,26 @@ def _call(task: Task, request: Request, job: Job, soft_limit: _SoftLimit) -> dic
         )
     except Exception as exc:
         einfo = ExceptionInfo(exc, traceback.format_exc())
+        retval = exc
         _hook(task.on_failure, exc, task_id, job.args, job.kwargs, einfo)
         _hook(task.after_return, "FAILURE", exc, task_id, job.args, job.kwargs, einfo)
+        signals.task_failure.send(
+            sender=task, task_id=task_id, exception=exc, args=job.args, kwargs=job.kwargs,
+            traceback=exc.__traceback__, einfo=einfo,
+        )  # fmt: skip
         done = _failure(exc, einfo.traceback)
         done["retries_exhausted"] = request.retries_exhausted
-        return done
-    _hook(task.on_success, value, task_id, job.args, job.kwargs)
-    _hook(task.after_return, "SUCCESS", value, task_id, job.args, job.kwargs, None)
-    return _frame(JobStatus.SUCCESS, value=value)
+    else:
+        retval = value
+        _hook(task.on_success, value, task_id, job.args, job.kwargs)
+        _hook(task.after_return, "SUCCESS", value, task_id, job.args, job.kwargs, None)
+        signals.task_success.send(sender=task, result=value)
+        done = _frame(JobStatus.SUCCESS, value=value)
+    signals.task_postrun.send(
+        sender=task, task_id=task_id, task=task, args=job.args, kwargs=job.kwargs, retval=retval,
+        state=done["status"],  # SUCCESS, FAILURE or RETRY: Celery's state names
+    )  # fmt: skip
+    return done
 
 
 def _hook(hook: Callable[..., None], *args: Any) -> None:
