@@ -19,6 +19,8 @@
     ├── SoftTimeLimitExceeded                raised inside a task when its soft time limit passes
     ├── Retry                                raised by ``Task.retry()``: run this task again later
     ├── MaxRetriesExceededError              ``Task.retry()`` with no retries left and no ``exc``
+    ├── Ignore                               raised by a task: ack it, record no state
+    ├── Reject                               raised by a task: requeue it, or dead-letter it
     ├── TaskError                            a task failed remotely (carries the remote type)
     │   └── TaskRevokedError                 the task was revoked or expired
     ├── PoolClosedError (RuntimeError)       the worker's pool is closing and takes no more jobs
@@ -39,6 +41,7 @@ __all__ = [
     "ConfigurationError",
     "ContentDisallowed",
     "DecodeError",
+    "Ignore",
     "InvalidTaskMessage",
     "MaxRetriesExceededError",
     "MessageError",
@@ -46,6 +49,7 @@ __all__ = [
     "NotRegistered",
     "PublishError",
     "PublishNacked",
+    "Reject",
     "ResultTimeout",
     "Retry",
     "SoftTimeLimitExceeded",
@@ -163,3 +167,24 @@ class Retry(BrokerSvcError):
 
 class MaxRetriesExceededError(BrokerSvcError):
     """``Task.retry()`` was called with no retries left (and no ``exc`` to raise instead)."""
+
+
+class Ignore(BrokerSvcError):
+    """Raised by a task that handled its own outcome: the worker acks it and sends no result."""
+
+
+class Reject(BrokerSvcError):
+    """Raised by a task to give its message back (Celery's ``Reject``).
+
+    With ``requeue=True`` the message goes back to its queue and runs again; otherwise it is
+    dead-lettered to ``<queue>.dead`` with ``reason``, and its caller gets a FAILURE.
+
+    Attributes:
+        reason: why, in words or as the exception that caused it.
+        requeue: put it back in its queue instead of dead-lettering it.
+    """
+
+    def __init__(self, reason: object = None, requeue: bool = False) -> None:
+        super().__init__(reason, requeue)
+        self.reason = reason
+        self.requeue = requeue

@@ -13,6 +13,7 @@ from typing import Any, Final
 from broker_svc.errors import (
     MessageError,
     NotRegistered,
+    Reject,
     SoftTimeLimitExceeded,
     TaskError,
     TaskRevokedError,
@@ -59,6 +60,7 @@ def exception_to_wire(exc: BaseException) -> dict[str, Any]:
 
 _CELERY_WIRE_NAMES: Final[dict[type[BaseException], str]] = {
     SoftTimeLimitExceeded: "SoftTimeLimitExceeded",
+    Reject: "Reject",
 }
 
 

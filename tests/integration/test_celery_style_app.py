@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from broker_svc import App
-from tests.support.amqp import delete_queues
+from broker_svc import App, ResultTimeout, TaskError
+from tests.support.amqp import delete_queues, drain
+from tests.support.waiting import wait_for
 from tests.support.workers import WorkerProcess, unique_queue
 
 TASKS = "tests.integration.proj.tasks"
@@ -66,3 +67,25 @@ def test_retry_kwargs_bound_autoretries(project):
     with pytest.raises(OSError, match="disk on fire"):
         tasks.always_oserror.delay().get(timeout=30)
     assert worker.count("task_retried") == 1
+
+
+def test_ignore_acks_without_a_result_and_reject_requeues_or_dead_letters(project, test_vhost_url: str):
+    _app, tasks, worker, queue, _slow = project
+    ignored = tasks.handled_elsewhere.delay()
+    worker.first("task_ignored", timeout_s=30)
+    with pytest.raises(ResultTimeout):
+        ignored.get(timeout=1)
+    assert tasks.refuse_first_delivery.delay().get(timeout=30) == "second delivery"
+    refused = tasks.refuse.delay("malformed order")
+    with pytest.raises(TaskError, match="malformed order") as raised:
+        refused.get(timeout=30)
+    assert (raised.value.exc_type, raised.value.exc_module) == ("Reject", "celery.exceptions")
+    dead: list = []
+
+    def dead_letter_of_refused() -> bool:
+        dead.extend(drain(test_vhost_url, f"{queue}.dead"))  # other tests' dead letters too
+        return any(d.headers["id"] == refused.id for d in dead)
+
+    wait_for(dead_letter_of_refused, timeout_s=10, message="no dead letter")
+    [letter] = [d for d in dead if d.headers["id"] == refused.id]
+    assert letter.headers["x-clockwork-reason"] == "rejected"

@@ -17,7 +17,7 @@ def test_broker_svc_exports_exactly_its_public_names():
             "App", "AsyncResult", "Signature", "State", "Task", "current_app", "shared_task", "LamportClock",
             "Publisher", "Settings",
             "TaskMessage", "BrokerBlocked", "BrokerSvcError", "BrokerUnavailable", "ConfigurationError",
-            "ContentDisallowed",
+            "ContentDisallowed", "Ignore", "Reject",
             "DecodeError", "InvalidTaskMessage", "MaxRetriesExceededError", "MessageError",
             "MessageTooLarge", "NotRegistered", "PublishError", "PublishNacked", "ResultTimeout", "Retry",
             "SoftTimeLimitExceeded", "TaskError", "TaskRevokedError", "Unroutable",

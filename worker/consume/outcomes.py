@@ -17,7 +17,7 @@ from broker_svc.wire.task_message import TaskMessage, parse_iso_datetime, safe_r
 from worker.consume.admission import DELIVERY_LIMIT_REASON, delivery_count, recount
 from worker.consume.eta import EtaScheduler
 from worker.consume.publish import ReplyPublisher
-from worker.consume.settle import LEFT_TO_BROKER, Disposition, Fate
+from worker.consume.settle import HAND_BACK, LEFT_TO_BROKER, Disposition, Fate
 from worker.events import EventDispatcher
 from worker.pool.pool import JobOutcome, JobStatus
 
@@ -115,6 +115,11 @@ class OutcomeHandler:
             await asyncio.wait([pending_updates])  # progress first, then the outcome
         if outcome.status == JobStatus.RETRY:
             return self._retry(request, outcome)
+        if outcome.status == JobStatus.IGNORED:
+            log.info("task_ignored", runtime_ms=runtime_ms)  # the task saw to its own outcome
+            return _FINISHED
+        if outcome.status == JobStatus.REJECTED:
+            return await self._rejected(request, outcome)
         state = _STATUS_TO_STATE[outcome.status]
         if outcome.status == JobStatus.SUCCESS:
             log.info("task_succeeded", runtime_ms=runtime_ms, pid=outcome.pid)
@@ -189,6 +194,22 @@ class OutcomeHandler:
             ran=True,
             finished=True,
         )
+
+    async def _rejected(self, request: TaskMessage, outcome: JobOutcome) -> Disposition:
+        # ``Reject(requeue=True)`` hands it back (each time counts toward the delivery limit);
+        # otherwise the caller learns of it and the message is kept in the dead-letter queue.
+        value = outcome.value if isinstance(outcome.value, dict) else {}
+        requeue = bool(value.get("requeue"))
+        await self._events.send("task-rejected", uuid=request.id, requeue=requeue)
+        if requeue:
+            log.info("task_rejected_requeued")
+            return HAND_BACK
+        error = outcome.error or wire_exception("Reject", "rejected", module=CELERY_EXCEPTIONS_MODULE)
+        log.warning("task_rejected", error=_describe(error))
+        await self.reply(
+            request, Outcome(task_id=request.id, status=State.FAILURE, result=error), failed=True
+        )
+        return Disposition.dead_letter("rejected", _describe(error), finished=True)
 
     async def _child_lost(
         self, message: aio_pika.abc.AbstractIncomingMessage, request: TaskMessage, outcome: JobOutcome

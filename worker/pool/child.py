@@ -28,7 +28,15 @@ import structlog
 
 from broker_svc import signals
 from broker_svc.app import App
-from broker_svc.errors import BrokerSvcError, DecodeError, MessageTooLarge, Retry, SoftTimeLimitExceeded
+from broker_svc.errors import (
+    BrokerSvcError,
+    DecodeError,
+    Ignore,
+    MessageTooLarge,
+    Reject,
+    Retry,
+    SoftTimeLimitExceeded,
+)
 from broker_svc.logging import configure_logging
 from broker_svc.task import ExceptionInfo, Request, Task, executing
 from broker_svc.wire.result_message import exception_to_wire, wire_exception
@@ -270,6 +278,17 @@ def _call(task: Task, request: Request, job: Job, soft_limit: _SoftLimit) -> dic
             value = task.execute(job.args, job.kwargs)
         finally:
             soft_limit.disarm()
+    except Ignore:
+        retval = None
+        done = _frame(JobStatus.IGNORED)
+    except Reject as reject:
+        retval = reject
+        done = _frame(
+            JobStatus.REJECTED,
+            value={"requeue": bool(reject.requeue)},
+            error=exception_to_wire(reject),
+            tb=traceback.format_exc(),
+        )
     except Retry as retry:
         cause = retry.exc or retry
         einfo = ExceptionInfo(cause, traceback.format_exc())
@@ -302,7 +321,7 @@ def _call(task: Task, request: Request, job: Job, soft_limit: _SoftLimit) -> dic
         done = _frame(JobStatus.SUCCESS, value=value)
     signals.task_postrun.send(
         sender=task, task_id=task_id, task=task, args=job.args, kwargs=job.kwargs, retval=retval,
-        state=done["status"],  # SUCCESS, FAILURE or RETRY: Celery's state names
+        state=done["status"],  # Celery's state names, and IGNORED or REJECTED
     )  # fmt: skip
     return done
 

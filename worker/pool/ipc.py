@@ -55,10 +55,14 @@ class JobStatus(StrEnum):
     TIME_LIMIT = "TIME_LIMIT"  # the hard time limit passed; the child was killed
     TERMINATED = "TERMINATED"  # ``ProcessPool.terminate`` killed it (revoke with terminate=True)
     RETRY = "RETRY"  # the task called ``self.retry()``; ``value`` is ``{"eta": ISO-8601}``
+    IGNORED = "IGNORED"  # the task raised ``Ignore``: ack, no result
+    REJECTED = "REJECTED"  # the task raised ``Reject``; ``value`` is ``{"requeue": bool}``
 
 
 # A child reports only these; the others are decided by the parent when the child is gone.
-_CHILD_STATUSES: Final = frozenset({JobStatus.SUCCESS, JobStatus.FAILURE, JobStatus.RETRY})
+_CHILD_STATUSES: Final = frozenset(
+    {JobStatus.SUCCESS, JobStatus.FAILURE, JobStatus.RETRY, JobStatus.IGNORED, JobStatus.REJECTED}
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +135,7 @@ class JobOutcome:
         """
         status, error, traceback = frame.get("status"), frame.get("error"), frame.get("traceback")
         if status not in _CHILD_STATUSES:
-            raise DecodeError(f"done frame has status {status!r}; a child reports SUCCESS, FAILURE or RETRY")
+            raise DecodeError(f"done frame has status {status!r}; a child reports {sorted(_CHILD_STATUSES)}")
         if not (error is None or isinstance(error, dict)) or not (
             traceback is None or isinstance(traceback, str)
         ):

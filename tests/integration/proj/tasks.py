@@ -1,7 +1,8 @@
 """The project's tasks, defined without the app (``shared_task``), as reusable Celery apps do."""
 
 # from celery import shared_task
-from broker_svc import shared_task
+# from celery.exceptions import Ignore, Reject
+from broker_svc import Ignore, Reject, shared_task
 
 
 @shared_task
@@ -32,3 +33,20 @@ def quiet_failure() -> None:
 @shared_task(autoretry_for=(OSError,), retry_kwargs={"max_retries": 1, "countdown": 0.2})
 def always_oserror() -> None:
     raise OSError("disk on fire")
+
+
+@shared_task
+def handled_elsewhere() -> None:
+    raise Ignore()
+
+
+@shared_task
+def refuse(reason: str) -> None:
+    raise Reject(reason, requeue=False)
+
+
+@shared_task(bind=True)
+def refuse_first_delivery(self) -> str:
+    if not self.request.delivery_info.get("redelivered"):
+        raise Reject("not on the first delivery", requeue=True)
+    return "second delivery"
