@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from broker_svc.app import App
+from broker_svc.canvas import Signature, chain, chunks, group, signature, xmap, xstarmap
 from broker_svc.clock import LamportClock
 from broker_svc.errors import (
     BrokerBlocked,
@@ -29,11 +30,12 @@ from broker_svc.errors import (
     TaskRevokedError,
     Unroutable,
 )
+from broker_svc.group_result import GroupResult, ResultSet
 from broker_svc.lazy_exports import lazy_exports
 from broker_svc.result import AsyncResult
 from broker_svc.settings import Settings
 from broker_svc.shared import current_app, shared_task
-from broker_svc.task import Signature, Task
+from broker_svc.task import Task
 from broker_svc.wire.states import State
 from broker_svc.wire.task_message import TaskMessage
 
@@ -46,6 +48,15 @@ __all__ = [
     "Task",
     "current_app",
     "shared_task",
+    # the canvas
+    "GroupResult",
+    "ResultSet",
+    "chain",
+    "chunks",
+    "group",
+    "signature",
+    "xmap",
+    "xstarmap",
     # publishing and configuration
     "LamportClock",
     "Publisher",

@@ -176,6 +176,11 @@ class App:
             importlib.import_module(name)
         return list(dict.fromkeys(names))
 
+    @property
+    def reply_queue(self) -> str:
+        """This client's result queue: the ``reply_to`` of every task it sends (Celery's ``thread_oid``)."""
+        return self._reply_queue
+
     def set_current(self) -> None:
         """Make this the app ``shared_task`` proxies send through (``current_app``)."""
         shared.app_created(self, set_as_current=True)
@@ -348,8 +353,11 @@ class App:
             correlation_id=task_id,
             priority=options.get("priority"),
             extra_headers=dict(options.get("headers") or {}),
+            embed=_embed(options),
+            group=options.get("group_id"),
+            group_index=options.get("group_index"),
         )
-        return message, options.get("queue") or self.settings.default_queue, options.get("serializer")
+        return message, _queue(options) or self.settings.default_queue, options.get("serializer")
 
     def AsyncResult(self, task_id: str) -> AsyncResult:
         """A result handle for a task this client sent (results come to this client's queue)."""
@@ -436,6 +444,39 @@ class App:
                     hook()
                 except Exception as exc:  # one failing hook must not keep the others from running
                     log.warning("close_hook_failed", hook=repr(hook), error=str(exc))
+
+
+def _embed(options: Mapping[str, Any]) -> dict[str, Any]:
+    # Protocol v2's embed: callbacks (link), errbacks (link_error), the rest of a chain.
+    def maps(value: Any) -> list[dict[str, Any]] | None:
+        if not value:
+            return None
+        items = value if isinstance(value, list | tuple) else [value]
+        return [
+            Signature(item).as_wire() if not isinstance(item, Signature) else item.as_wire() for item in items
+        ]
+
+    return {
+        "callbacks": maps(options.get("link")),
+        "errbacks": maps(options.get("link_error")),
+        "chain": maps(options.get("chain")),
+        "chord": None,
+    }
+
+
+def _queue(options: Mapping[str, Any]) -> str | None:
+    # Celery's routing_key on the default exchange names the queue; another exchange is not ours.
+    queue: str | None = options.get("queue")
+    routing_key, exchange = options.get("routing_key"), options.get("exchange")
+    if exchange not in (None, "", queue or routing_key):
+        raise TypeError(
+            f"exchange={exchange!r}: Clockwork sends tasks to a queue on the default exchange; pass queue="
+        )
+    if queue is None:
+        queue = routing_key
+    elif routing_key not in (None, queue):
+        raise TypeError(f"routing_key={routing_key!r} names another queue than queue={queue!r}")
+    return queue
 
 
 def _aware(value: dt.datetime | None) -> dt.datetime | None:

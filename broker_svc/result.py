@@ -132,6 +132,8 @@ class AsyncResult:
 
     def __init__(self, task_id: str, *, store: ResultStore, publish: PendingPublish | None = None) -> None:
         self.id = task_id
+        # The step before this one in a chain (Celery's ``result.parent``); None otherwise.
+        self.parent: AsyncResult | None = None
         self._store = store
         self._publish = publish
         store.register(task_id)

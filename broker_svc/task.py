@@ -7,21 +7,25 @@ import contextvars
 import datetime as dt
 import inspect
 import random
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 import structlog
 
+from broker_svc import canvas
+from broker_svc.canvas import Signature
 from broker_svc.errors import MaxRetriesExceededError, Retry
 from broker_svc.pydantic_args import call_with_models
 from broker_svc.wire.rates import parse_rate
 
 if TYPE_CHECKING:
     from broker_svc.app import App
-    from broker_svc.result import AsyncResult
+    from broker_svc.result import AsyncResult as ResultHandle
 
 __all__ = ["SEND_OPTIONS", "ExceptionInfo", "Request", "Signature", "Task", "current_request", "executing"]
+
+# Signature lives with the canvas; it is imported from here too, as before.
 
 log = structlog.get_logger(__name__)
 
@@ -32,18 +36,12 @@ SEND_OPTIONS: Final = frozenset(
         "task_id", "queue", "priority", "countdown", "eta", "expires", "time_limit",
         "soft_time_limit", "ignore_result", "serializer", "headers", "shadow",
         "parent_id", "root_id", "retries", "reply_to",
+        # the canvas: callbacks, errbacks, the rest of a chain, a group's id and place
+        "link", "link_error", "chain", "group_id", "group_index",
+        # Celery's routing and publish-retry options (docs/migrating-from-celery.md)
+        "routing_key", "exchange", "retry", "retry_policy",
     }
 )  # fmt: skip
-
-
-@dataclass(frozen=True, slots=True)
-class Signature:
-    """A task call not sent yet: name, arguments and send options (``task.s(...)``)."""
-
-    task: str
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -324,7 +322,7 @@ class Task:
     def __repr__(self) -> str:
         return f"<@task: {self.name}>"
 
-    def delay(self, *args: Any, **kwargs: Any) -> AsyncResult:
+    def delay(self, *args: Any, **kwargs: Any) -> ResultHandle:
         """Send the task with these arguments; see ``apply_async``."""
         return self.apply_async(args, kwargs)
 
@@ -333,7 +331,7 @@ class Task:
         args: Sequence[Any] | None = None,
         kwargs: Mapping[str, Any] | None = None,
         **options: Any,
-    ) -> AsyncResult:
+    ) -> ResultHandle:
         """Send the task to a queue.
 
         Args:
@@ -376,16 +374,44 @@ class Task:
             raise TypeError(f"{self.name}: {exc}") from None
 
     def s(self, *args: Any, **kwargs: Any) -> Signature:
-        """A signature of this task with these arguments, for ``app.send_many``."""
-        return Signature(self.name, args, dict(kwargs), self._default_options())
+        """A signature of this task with these arguments (a partial: more may be given later)."""
+        return Signature(self.name, args, dict(kwargs), self._default_options(), app=self.app)
+
+    def si(self, *args: Any, **kwargs: Any) -> Signature:
+        """An immutable signature: it ignores a parent's result and partial arguments."""
+        return Signature(self.name, args, dict(kwargs), self._default_options(), immutable=True, app=self.app)
 
     def signature(
-        self, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None, **options: Any
+        self,
+        args: Sequence[Any] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+        *,
+        immutable: bool = False,
+        **options: Any,
     ) -> Signature:
-        """A signature with arguments and send options."""
+        """A signature with arguments and send options (``subtask`` is the same)."""
         merged = self._default_options()
         merged.update(options)
-        return Signature(self.name, tuple(args), dict(kwargs or {}), merged)
+        args = tuple(args or ())
+        return Signature(self.name, args, dict(kwargs or {}), merged, immutable=immutable, app=self.app)
+
+    subtask = signature
+
+    def map(self, it: Iterable[Any]) -> canvas.xmap:
+        """One task calling this one with each item (Celery's ``celery.map``)."""
+        return canvas.xmap(self.s(), it)
+
+    def starmap(self, it: Iterable[Sequence[Any]]) -> canvas.xstarmap:
+        """One task calling this one with each item's arguments (Celery's ``celery.starmap``)."""
+        return canvas.xstarmap(self.s(), it)
+
+    def chunks(self, it: Iterable[Sequence[Any]], n: int) -> canvas.chunks:
+        """The items in parts of ``n``, one ``starmap`` task per part, sent as a group."""
+        return canvas.chunks(self.s(), it, n)
+
+    def AsyncResult(self, task_id: str) -> ResultHandle:  # Celery's name
+        """A result handle for a task this client sent (see ``App.AsyncResult``)."""
+        return self.app.AsyncResult(task_id)
 
     def _default_options(self) -> dict[str, Any]:
         options: dict[str, Any] = {}

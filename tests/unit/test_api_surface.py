@@ -15,6 +15,7 @@ def test_broker_svc_exports_exactly_its_public_names():
     assert sorted(broker_svc.__all__) == sorted(
         [
             "App", "AsyncResult", "Signature", "State", "Task", "current_app", "shared_task", "LamportClock",
+            "GroupResult", "ResultSet", "chain", "chunks", "group", "signature", "xmap", "xstarmap",
             "Publisher", "Settings",
             "TaskMessage", "BrokerBlocked", "BrokerSvcError", "BrokerUnavailable", "ConfigurationError",
             "ContentDisallowed", "Ignore", "Reject",
