@@ -200,6 +200,17 @@ class Signature(dict[str, Any]):
         new_args, new_kwargs = self._partial(args, kwargs)
         return self.app.send_task(self.task, new_args, new_kwargs, **{**self.options, **options})
 
+    def apply(
+        self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None, **options: Any
+    ) -> Any:
+        """Run it here, now (``Task.apply``); an ``EagerResult``.
+
+        Raises:
+            NotRegistered: the app has no task of this name.
+        """
+        new_args, new_kwargs = self._partial(args, kwargs)
+        return self.app.get_task(self.task).apply(new_args, new_kwargs, **{**self.options, **options})
+
     def as_wire(self) -> dict[str, Any]:
         """A plain map for a task message: nested signatures as maps, args as a list."""
         options = {k: _wire_value(v) for k, v in self.options.items()}
@@ -285,6 +296,18 @@ class chain(Signature):
             previous = result
         return results[-1]
 
+    def apply(
+        self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None, **options: Any
+    ) -> Any:
+        """Run every step here, each given the one before's value; the last step's ``EagerResult``."""
+        result: Any = None
+        for index, step in enumerate(self.tasks):
+            if index == 0:
+                result = step.apply(args, kwargs, **options)
+            else:
+                result = step.apply((result.get(),), **options)
+        return result
+
 
 class group(Signature):
     """Tasks sent together, run in parallel, collected as one ``GroupResult``."""
@@ -309,6 +332,15 @@ class group(Signature):
 
     def __or__(self, other: Signature) -> Signature:  # type: ignore[override]  # Celery's chord operator
         raise ValueError(_CHORD_REFUSED)
+
+    def apply(
+        self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None, **options: Any
+    ) -> GroupResult:
+        """Run every member here, one after another; their results as one."""
+        from broker_svc.group_result import GroupResult
+
+        group_id = options.pop("group_id", None) or uuid4_str()
+        return GroupResult(group_id, [member.apply(args, kwargs, **options) for member in self.tasks])
 
     def clone(
         self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None, **options: Any

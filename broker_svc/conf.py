@@ -67,7 +67,8 @@ READ_BY_CLOCKWORK: Final = frozenset(
         "task_routes", "include", "imports", "beat_schedule", "result_backend", "task_ignore_result",
         "task_default_priority", "task_time_limit", "task_soft_time_limit", "worker_concurrency",
         "worker_prefetch_multiplier", "result_accept_content", "task_track_started",
-        "worker_max_tasks_per_child", "worker_max_memory_per_child",
+        "worker_max_tasks_per_child", "worker_max_memory_per_child", "task_always_eager",
+        "task_eager_propagates",
     }
 )  # fmt: skip
 

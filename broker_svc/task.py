@@ -21,6 +21,7 @@ from broker_svc.wire.rates import parse_rate
 
 if TYPE_CHECKING:
     from broker_svc.app import App
+    from broker_svc.eager import EagerResult
     from broker_svc.result import AsyncResult as ResultHandle
 
 __all__ = ["SEND_OPTIONS", "ExceptionInfo", "Request", "Signature", "Task", "current_request", "executing"]
@@ -69,6 +70,8 @@ class Request:
     ignore_result: bool = False
     timelimit: tuple[float | None, float | None] = (None, None)
     called_directly: bool = True
+    # Run here by ``apply()`` (Celery's eager mode), not by a worker.
+    is_eager: bool = False
     # Set by the worker: sends a state update ({"state", "meta"}) to the task's client.
     send_update: Callable[[dict[str, Any]], None] | None = field(default=None, repr=False)
     # Set by ``Task.retry`` when no retries are left, so the worker dead-letters the message.
@@ -348,9 +351,23 @@ class Task:
         """
         if self.typing:
             self.check_arguments(args or (), kwargs or {})
+        if self.app.conf.get("task_always_eager"):
+            return self.apply(args, kwargs, **options)  # type: ignore[return-value]  # Celery's eager mode
         merged = self._default_options()
         merged.update(options)
         return self.app.send_task(self.name, args, kwargs, **merged)
+
+    def apply(
+        self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None, **options: Any
+    ) -> EagerResult:
+        """Run the task here, now, as a worker would (Celery's eager ``apply``); its result.
+
+        ``retry()`` runs it again at once. With ``throw=True`` (or the app's
+        ``task_eager_propagates``) a failure raises at once.
+        """
+        from broker_svc.eager import apply  # eager imports trace, which imports this module
+
+        return apply(self, args, kwargs, **options)
 
     def check_arguments(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         """Raise ``TypeError`` now if the task's function would not take these arguments.

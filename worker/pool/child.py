@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.context import ForkServerContext
 from multiprocessing.process import BaseProcess
@@ -31,14 +31,13 @@ from broker_svc.app import App
 from broker_svc.errors import (
     BrokerSvcError,
     DecodeError,
-    Ignore,
     MessageTooLarge,
     Reject,
-    Retry,
     SoftTimeLimitExceeded,
 )
 from broker_svc.logging import configure_logging
-from broker_svc.task import ExceptionInfo, Request, Task, executing
+from broker_svc.task import Request, Task, executing
+from broker_svc.trace import IGNORED, REJECTED, RETRY, SUCCESS, trace
 from broker_svc.wire.result_message import exception_to_wire, wire_exception
 from worker.loader import load_app
 from worker.pool import ipc
@@ -148,6 +147,15 @@ class _SoftLimit:
 
     def disarm(self) -> None:
         self.armed = False
+
+    @contextlib.contextmanager
+    def guarding(self, limit_s: float | None) -> Iterator[None]:
+        """Armed while the body runs, disarmed however it ends."""
+        self.arm(limit_s)
+        try:
+            yield
+        finally:
+            self.disarm()
 
     def on_signal(self, signum: int, frame: FrameType | None) -> None:
         # A signal that lands after the task ended is moot: the worker sent it at the deadline
@@ -267,71 +275,28 @@ def _run(app: App, job: Job, channel: _Channel, soft_limit: _SoftLimit) -> dict[
 
 
 def _call(task: Task, request: Request, job: Job, soft_limit: _SoftLimit) -> dict[str, Any]:
-    task_id = job.task_id
-    signals.task_prerun.send(sender=task, task_id=task_id, task=task, args=job.args, kwargs=job.kwargs)
-    if task.track_started:
-        send_update({"state": "STARTED", "meta": {"pid": os.getpid(), "hostname": request.hostname}})
-    retval: Any = None
-    try:
-        soft_limit.arm(job.soft_time_limit_s)
-        try:
-            value = task.execute(job.args, job.kwargs)
-        finally:
-            soft_limit.disarm()
-    except Ignore:
-        retval = None
-        done = _frame(JobStatus.IGNORED)
-    except Reject as reject:
-        retval = reject
-        done = _frame(
-            JobStatus.REJECTED,
-            value={"requeue": bool(reject.requeue)},
-            error=exception_to_wire(reject),
-            tb=traceback.format_exc(),
+    def started() -> None:
+        if task.track_started:
+            send_update({"state": "STARTED", "meta": {"pid": os.getpid(), "hostname": request.hostname}})
+
+    traced = trace(
+        task, request, job.args, job.kwargs, started=started, guard=soft_limit.guarding(job.soft_time_limit_s)
+    )
+    if traced.state == SUCCESS:
+        return _frame(JobStatus.SUCCESS, value=traced.value)
+    if traced.state == IGNORED:
+        return _frame(JobStatus.IGNORED)
+    error = exception_to_wire(traced.exception) if traced.exception is not None else None
+    if traced.state == RETRY and traced.retry is not None:
+        return _frame(
+            JobStatus.RETRY, value={"eta": traced.retry.eta.isoformat()}, error=error, tb=traced.traceback
         )
-    except Retry as retry:
-        cause = retry.exc or retry
-        einfo = ExceptionInfo(cause, traceback.format_exc())
-        retval = retry
-        _hook(task.on_retry, cause, task_id, job.args, job.kwargs, einfo)
-        _hook(task.after_return, "RETRY", cause, task_id, job.args, job.kwargs, einfo)
-        signals.task_retry.send(sender=task, request=request, reason=cause, einfo=einfo)
-        done = _frame(
-            JobStatus.RETRY,
-            value={"eta": retry.eta.isoformat()},
-            error=exception_to_wire(cause),
-            tb=einfo.traceback,
-        )
-    except Exception as exc:
-        einfo = ExceptionInfo(exc, traceback.format_exc())
-        retval = exc
-        _hook(task.on_failure, exc, task_id, job.args, job.kwargs, einfo)
-        _hook(task.after_return, "FAILURE", exc, task_id, job.args, job.kwargs, einfo)
-        signals.task_failure.send(
-            sender=task, task_id=task_id, exception=exc, args=job.args, kwargs=job.kwargs,
-            traceback=exc.__traceback__, einfo=einfo,
-        )  # fmt: skip
-        done = _failure(exc, einfo.traceback)
-        done["retries_exhausted"] = request.retries_exhausted
-    else:
-        retval = value
-        _hook(task.on_success, value, task_id, job.args, job.kwargs)
-        _hook(task.after_return, "SUCCESS", value, task_id, job.args, job.kwargs, None)
-        signals.task_success.send(sender=task, result=value)
-        done = _frame(JobStatus.SUCCESS, value=value)
-    signals.task_postrun.send(
-        sender=task, task_id=task_id, task=task, args=job.args, kwargs=job.kwargs, retval=retval,
-        state=done["status"],  # Celery's state names, and IGNORED or REJECTED
-    )  # fmt: skip
+    if traced.state == REJECTED:
+        requeue = isinstance(traced.exception, Reject) and traced.exception.requeue
+        return _frame(JobStatus.REJECTED, value={"requeue": requeue}, error=error, tb=traced.traceback)
+    done = _frame(JobStatus.FAILURE, error=error, tb=traced.traceback)
+    done["retries_exhausted"] = traced.retries_exhausted
     return done
-
-
-def _hook(hook: Callable[..., None], *args: Any) -> None:
-    # A hook that raises is logged; it never changes the task's outcome.
-    try:
-        hook(*args)
-    except Exception:
-        log.exception("task_hook_failed", hook=getattr(hook, "__name__", repr(hook)))
 
 
 def _frame(
