@@ -12,7 +12,7 @@ from typing import Any
 
 from broker_svc.errors import ConfigurationError
 from broker_svc.logging import configure_logging
-from broker_svc.settings import Settings, split_names
+from broker_svc.settings import split_names
 from worker.config import (
     DEFAULT_CONSUMER_TIMEOUT_S,
     DEFAULT_HOSTNAME,
@@ -178,10 +178,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     configure_logging(args.loglevel)
     os.environ["CLOCKWORK_LOGLEVEL"] = args.loglevel  # pool children log at the same level
-    # The app's settings (app.conf, or settings= as given), then CLOCKWORK_* variables, then this
-    # command line: the closer to the deployment, the later it wins.
+    # One rule for every entry point: this command line, then the app's own (settings=, or app.conf
+    # over CLOCKWORK_* variables, as App builds them), then the defaults.
     app = load_app(args.app)
-    settings = app.settings.with_options(**Settings.env_options())
+    settings = app.settings
     if args.broker:
         settings = settings.with_options(broker_url=args.broker)
     if args.quorum_queues is not None:

@@ -62,3 +62,19 @@ def test_fair_optimization_and_the_prefork_pool_are_accepted():
 def _run_worker(url: str, queue: str, *extra: str) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "worker", "-A", APP, "-b", url, "-Q", queue, "-c", "1", *extra]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_the_worker_takes_its_queue_from_app_conf_over_the_environment(test_vhost_url: str):
+    conf_queue, env_queue = unique_queue("from-conf"), unique_queue("from-env")
+    env = {
+        "PROJ_BROKER_URL": test_vhost_url,
+        "PROJ_QUEUE": conf_queue,  # the proj app sets task_default_queue from this
+        "CLOCKWORK_DEFAULT_QUEUE": env_queue,
+    }
+    worker = WorkerProcess(test_vhost_url, app="tests.integration.proj.celery:app", queues=[], env=env)
+    try:
+        worker.wait_ready()
+        assert worker.first("worker_ready")["queues"][0] == conf_queue
+    finally:
+        worker.close()
+        delete_queues(test_vhost_url, conf_queue, env_queue, f"{conf_queue}.dead")

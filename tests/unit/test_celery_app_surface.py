@@ -257,3 +257,13 @@ def test_pydantic_models_are_validated_in_and_dumped_out():
 
     with pytest.raises(ValidationError):  # "3" is not an int in strict mode
         _run_in_worker(strict, {"sku": "a1", "quantity": "3"})
+
+
+def test_one_rule_explicit_argument_then_conf_then_environment_then_default(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("CLOCKWORK_DEFAULT_QUEUE", "from-env")
+    monkeypatch.setenv("CLOCKWORK_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672/from-env")
+    assert App("a").settings.default_queue == "from-env"
+    assert App("b", task_default_queue="from-conf").settings.default_queue == "from-conf"
+    assert App("c", broker=URL).settings.broker_url == URL
+    monkeypatch.delenv("CLOCKWORK_DEFAULT_QUEUE")
+    assert App("d").settings.default_queue == "celery"
