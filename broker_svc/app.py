@@ -11,14 +11,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, overload
 
-import structlog
-
 from broker_svc import shared
 from broker_svc.clock import LamportClock
 from broker_svc.conf import Config
 from broker_svc.connection.pending import PendingPublish
 from broker_svc.control_plane import ControlPlane, load_control
 from broker_svc.errors import BrokerSvcError, NotRegistered
+from broker_svc.library_log import get_logger
 from broker_svc.result import AsyncResult, ResultStore
 from broker_svc.routes import route_for
 from broker_svc.settings import Settings
@@ -41,7 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = ["App"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class App:

@@ -15,13 +15,12 @@ import importlib
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any, Final
 
-import structlog
-
 from broker_svc.errors import ConfigurationError
+from broker_svc.library_log import get_logger
 
 __all__ = ["ACCEPTED_AS_DESIGNED", "READ_BY_CLOCKWORK", "SETTINGS_FIELDS", "Config", "load_object"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 def _seconds(value: Any) -> int:

@@ -8,17 +8,16 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Final
 
-import structlog
-
 from broker_svc.connection.pending import Delivery, PendingPublish
 from broker_svc.errors import MessageError, ResultTimeout, TaskError
+from broker_svc.library_log import get_logger
 from broker_svc.wire import codec
 from broker_svc.wire.result_message import Outcome, exception_from_wire
 from broker_svc.wire.states import READY_STATES, State
 
 __all__ = ["AsyncResult", "ResultStore"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 # States kept per task for ``get(on_message=...)`` replay; progress updates beyond this are dropped
 # oldest-first (the latest state is always kept).

@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, overload
 
-import structlog
+from broker_svc.library_log import get_logger
 
 __all__ = [
     "Signal",
@@ -30,7 +30,7 @@ __all__ = [
     "worker_shutdown",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 Receiver = Callable[..., Any]
 

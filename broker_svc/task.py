@@ -11,11 +11,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Final
 
-import structlog
-
 from broker_svc import canvas
 from broker_svc.canvas import Signature
 from broker_svc.errors import MaxRetriesExceededError, Retry
+from broker_svc.library_log import get_logger
 from broker_svc.pydantic_args import call_with_models
 from broker_svc.wire.rates import parse_rate
 
@@ -28,7 +27,7 @@ __all__ = ["SEND_OPTIONS", "ExceptionInfo", "Request", "Signature", "Task", "cur
 
 # Signature lives with the canvas; it is imported from here too, as before.
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 # Options ``apply_async``/``send_task`` accept; anything else is a TypeError with this list, so a
 # typo (``countdwon=``) is caught at the call instead of silently ignored.

@@ -12,10 +12,9 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
-import structlog
-
 from broker_svc import signals
 from broker_svc.errors import Ignore, Reject, Retry
+from broker_svc.library_log import get_logger
 from broker_svc.task import ExceptionInfo, Request
 
 if TYPE_CHECKING:
@@ -23,7 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FAILURE", "IGNORED", "REJECTED", "RETRY", "SUCCESS", "Traced", "trace"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 # How a run ended, by Celery's state names (and ours for Ignore and Reject).
 SUCCESS: Final = "SUCCESS"

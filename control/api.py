@@ -6,11 +6,10 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import structlog
-
 from broker_svc.clock import LamportClock
 from broker_svc.control_plane import Destination
 from broker_svc.errors import BrokerSvcError
+from broker_svc.library_log import get_logger
 from broker_svc.settings import Settings
 from control.blocking.client import ControlClient
 from control.protocol.replies import (
@@ -28,7 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Control", "Inspect"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class Control:

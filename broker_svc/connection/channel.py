@@ -14,17 +14,17 @@ import pika
 import pika.channel
 import pika.frame
 import pika.spec
-import structlog
 
 from broker_svc.connection.pending import Delivery, PendingPublish
 from broker_svc.connection.pika_internals import EncodedProperties
+from broker_svc.library_log import get_logger
 from broker_svc.topology import QueueSpec
 from broker_svc.wire.amqp_fields import encode_properties
 from broker_svc.wire.task_message import RESENT_HEADER
 
 __all__ = ["Consumer", "declare", "delivery_handler", "message_properties"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 Consumer = Callable[[Delivery], None]
 

@@ -17,19 +17,19 @@ import pika.channel
 import pika.exceptions
 import pika.frame
 import pika.spec
-import structlog
 
 from broker_svc.connection.channel import message_properties
 from broker_svc.connection.failures import max_message_size
 from broker_svc.connection.outbox import Outbox
 from broker_svc.connection.pending import PendingPublish
 from broker_svc.errors import BrokerBlocked, BrokerUnavailable, PublishError, PublishNacked, Unroutable
+from broker_svc.library_log import get_logger
 from broker_svc.settings import Settings
 from broker_svc.topology import QueueSpec
 
 __all__ = ["ConfirmRate", "Confirms"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 # How fast a broker is assumed to confirm until it has been measured (ETA routing).
 _INITIAL_CONFIRM_RATE = 1000.0

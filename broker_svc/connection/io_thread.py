@@ -18,7 +18,6 @@ from collections.abc import Callable, Sequence
 import pika
 import pika.channel
 import pika.frame
-import structlog
 
 from broker_svc.connection.channel import Consumer, declare, delivery_handler
 from broker_svc.connection.confirms import Confirms
@@ -28,12 +27,13 @@ from broker_svc.connection.parameters import connection_parameters
 from broker_svc.connection.pending import PendingPublish
 from broker_svc.connection.pika_internals import GatheringConnection, abort_connection
 from broker_svc.errors import BrokerSvcError, BrokerUnavailable
+from broker_svc.library_log import get_logger
 from broker_svc.settings import Settings, redact_url
 from broker_svc.topology import QueueSpec
 
 __all__ = ["BrokerConnection"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 _BACKOFF_START_S = 0.2
 _BACKOFF_MAX_S = 5.0

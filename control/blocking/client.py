@@ -17,11 +17,11 @@ from typing import Any, Final, Literal, Unpack
 import pika
 import pika.exceptions
 import pika.spec
-import structlog
 from pika.adapters.blocking_connection import BlockingChannel as Channel
 
 from broker_svc.clock import LamportClock
 from broker_svc.errors import MessageError
+from broker_svc.library_log import get_logger
 from broker_svc.settings import Settings
 from broker_svc.topology import DEFAULT_NAMESPACE, pidbox_exchange
 from broker_svc.wire import codec
@@ -36,7 +36,7 @@ from control.protocol.signing import ControlSecurity
 
 __all__ = ["ControlClient"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 # While waiting, membership is re-read this often, so a node whose heartbeats stop stops
 # holding the call up.

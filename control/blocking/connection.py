@@ -14,13 +14,13 @@ from collections.abc import Callable
 import pika
 import pika.exceptions
 import pika.spec
-import structlog
 from pika.adapters.blocking_connection import BlockingChannel as Channel
 
 from broker_svc.clock import LamportClock
 from broker_svc.connection.failures import describe_connect_error
 from broker_svc.connection.parameters import all_connection_parameters
 from broker_svc.errors import BrokerUnavailable
+from broker_svc.library_log import get_logger
 from broker_svc.settings import Settings
 from broker_svc.topology import (
     DEFAULT_EXCHANGE,
@@ -39,7 +39,7 @@ from control.protocol.revoke_log import RevokeEntry
 
 __all__ = ["ControlConnection", "ReplyCallback"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 ReplyCallback = Callable[[Channel, pika.spec.Basic.Deliver, pika.spec.BasicProperties, bytes], None]
 

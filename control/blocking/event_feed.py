@@ -8,18 +8,18 @@ from typing import Any, Final
 import pika
 import pika.exceptions
 import pika.spec
-import structlog
 from pika.adapters.blocking_connection import BlockingChannel as Channel
 
 from broker_svc.clock import LamportClock
 from broker_svc.errors import MessageError
+from broker_svc.library_log import get_logger
 from broker_svc.topology import event_queue
 from broker_svc.wire import codec
 from control.blocking.declarations import declare_queue
 
 __all__ = ["decode_events", "follow_events"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 _EVENT_ACCEPT: Final = codec.accept_set(("json",))
 

@@ -10,11 +10,11 @@ from typing import Final
 import pika
 import pika.exceptions
 import pika.spec
-import structlog
 from pika.adapters.blocking_connection import BlockingChannel as Channel
 
 from broker_svc.clock import LamportClock
 from broker_svc.connection.pika_internals import underlying_channel
+from broker_svc.library_log import get_logger
 from broker_svc.topology import DEFAULT_EXCHANGE, members_stream
 from control.blocking.declarations import declare_queue
 from control.blocking.event_feed import decode_events
@@ -24,7 +24,7 @@ from control.protocol.request import MARKER_HEADER
 
 __all__ = ["MembersFeed"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 # A node is alive for 2 x freq after its last event; a minute back covers any sane freq.
 _MEMBERS_LOOKBACK_S: Final = 60.0

@@ -5,13 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import structlog
-
+from broker_svc.library_log import get_logger
 from control.protocol.request import TICKET_HEADER
 
 __all__ = ["ReplyCollector"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class ReplyCollector:

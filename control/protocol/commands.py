@@ -7,13 +7,12 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Final
 
-import structlog
-
+from broker_svc.library_log import get_logger
 from control.protocol.request import nok
 
 __all__ = ["COMMANDS", "Command", "CommandKind", "CommandRegistry", "Handler", "Param"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 Handler = Callable[..., Awaitable[Any]]
 
