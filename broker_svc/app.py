@@ -358,6 +358,18 @@ class App:
         )
         return message, _queue(options) or self.settings.default_queue, options.get("serializer")
 
+    def signature(
+        self,
+        name: str,
+        args: Sequence[Any] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+        *,
+        immutable: bool = False,
+        **options: Any,
+    ) -> Signature:
+        """A signature of the task ``name``, registered here or not (Celery's ``app.signature``)."""
+        return Signature(name, args, kwargs, options, immutable=immutable, app=self)
+
     def AsyncResult(self, task_id: str) -> AsyncResult:
         """A result handle for a task this client sent (results come to this client's queue)."""
         return AsyncResult(task_id, store=self._store)

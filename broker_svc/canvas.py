@@ -21,17 +21,34 @@ followed by another step (which Celery turns into a chord) is refused with an er
 
 from __future__ import annotations
 
+import datetime as dt
+import inspect
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from broker_svc.wire.ids import uuid4_str
+from broker_svc.wire.task_message import TaskMessage, parse_iso_datetime
 
 if TYPE_CHECKING:
     from broker_svc.app import App
     from broker_svc.group_result import GroupResult
     from broker_svc.result import AsyncResult
 
-__all__ = ["Signature", "chain", "chunks", "group", "maybe_signature", "signature", "xmap", "xstarmap"]
+__all__ = [
+    "FollowUp",
+    "Signature",
+    "chain",
+    "chunks",
+    "follow_ups",
+    "group",
+    "maybe_signature",
+    "runs_in_process",
+    "signature",
+    "unhonoured",
+    "xmap",
+    "xstarmap",
+]
 
 _CHORD_REFUSED: Final = (
     "a group followed by another step is a chord, and chords are not built yet (they need a "
@@ -452,3 +469,194 @@ def _wire_value(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_wire_value(v) for v in value]
     return value
+
+
+# -- what a worker sends after a task: the next step of its chain, its callbacks, its errbacks ---------
+
+
+@dataclass(frozen=True, slots=True)
+class FollowUp:
+    """A task a finished task's message asks for, ready to encode; ``queue`` None means route it."""
+
+    message: TaskMessage
+    queue: str | None
+
+
+def unhonoured(embed: Mapping[str, Any]) -> str | None:
+    """Why a message's embed cannot be honoured (before it runs), or None if it can.
+
+    A chord, a malformed signature or a canvas shape Clockwork does not run yet is refused as a
+    whole, so no part of it is silently dropped.
+    """
+    if embed.get("chord"):
+        return "the message is a chord's header (embed 'chord'); chords are not supported yet"
+    for field_name in ("callbacks", "errbacks", "chain"):
+        value = embed.get(field_name)
+        if value is None:
+            continue
+        if not isinstance(value, list | tuple):
+            return f"embed {field_name!r} must be a list of signatures"
+        for sig in value:
+            why = _unhonoured_signature(sig)
+            if why is not None:
+                return f"embed {field_name!r}: {why}"
+    steps = embed.get("chain") or []
+    # Celery stores a chain last step first: a group anywhere but the last step to run is a chord.
+    if any(isinstance(s, Mapping) and s.get("subtask_type") == "group" for s in list(steps)[1:]):
+        return "a group followed by more steps is a chord; chords are not supported yet"
+    return None
+
+
+def _unhonoured_signature(sig: Any, depth: int = 0) -> str | None:
+    if not isinstance(sig, Mapping):
+        return f"a signature must be a map, got {type(sig).__name__}"
+    if depth > 8:
+        return "signatures nest too deep"
+    kind = sig.get("subtask_type")
+    if kind not in (None, "chain", "group"):
+        return f"subtask_type {kind!r} is not supported (chords are not built yet)"
+    kwargs = sig.get("kwargs") or {}
+    if kind in ("chain", "group"):
+        tasks = kwargs.get("tasks") if isinstance(kwargs, Mapping) else None
+        if not isinstance(tasks, list | tuple) or not tasks:
+            return f"a {kind} signature needs kwargs.tasks"
+        for inner in tasks:
+            why = _unhonoured_signature(inner, depth + 1)
+            if why is not None:
+                return why
+        return None
+    if not isinstance(sig.get("task"), str) or not sig.get("task"):
+        return "a signature needs a task name"
+    if not isinstance(sig.get("args") or [], list | tuple) or not isinstance(kwargs, Mapping):
+        return "a signature's args must be a list and its kwargs a map"
+    options = sig.get("options") or {}
+    if not isinstance(options, Mapping):
+        return "a signature's options must be a map"
+    for key in ("link", "link_error"):
+        for inner in _as_list(options.get(key)):
+            why = _unhonoured_signature(inner, depth + 1)
+            if why is not None:
+                return why
+    return None
+
+
+def follow_ups(
+    sig: Mapping[str, Any],
+    *,
+    parent: TaskMessage,
+    partial: Sequence[Any],
+    chain_rest: Sequence[Mapping[str, Any]] | None = None,
+) -> list[FollowUp]:
+    """The messages that run ``sig`` after ``parent``, with ``partial`` before its own arguments.
+
+    A plain signature is one message (carrying ``chain_rest`` as its chain); a group is one per
+    member, with the group's id and each member's index; a chain is its first step carrying the
+    rest. ``sig`` must have passed ``unhonoured``.
+    """
+    kind = sig.get("subtask_type")
+    inner = sig.get("kwargs") or {}
+    if kind == "group":
+        options = sig.get("options") or {}
+        group_id = options.get("group_id") or options.get("task_id") or uuid4_str()
+        members = list(inner.get("tasks") or ())
+        out: list[FollowUp] = []
+        for index, member in enumerate(members):
+            fixed = {**member, "options": {**(member.get("options") or {}), "group_id": group_id,
+                                            "group_index": index}}  # fmt: skip
+            out.extend(follow_ups(fixed, parent=parent, partial=partial))
+        return out
+    if kind == "chain":
+        steps = list(inner.get("tasks") or ())
+        # Stored last step first: the outer chain's rest runs after this chain's own steps.
+        rest = [*(chain_rest or ()), *reversed(steps[1:])]
+        return follow_ups(steps[0], parent=parent, partial=partial, chain_rest=rest)
+    return [_follow_up(sig, parent=parent, partial=partial, chain_rest=chain_rest)]
+
+
+def _follow_up(
+    sig: Mapping[str, Any],
+    *,
+    parent: TaskMessage,
+    partial: Sequence[Any],
+    chain_rest: Sequence[Mapping[str, Any]] | None,
+) -> FollowUp:
+    options: Mapping[str, Any] = sig.get("options") or {}
+    immutable = bool(sig.get("immutable"))
+    args = list(sig.get("args") or ())
+    if not immutable:
+        args = [*partial, *args]
+    task_id = options.get("task_id") or uuid4_str()
+    eta = _when(options.get("eta"), options.get("countdown"))
+    raw_expires = options.get("expires")
+    numeric = isinstance(raw_expires, int | float) and not isinstance(raw_expires, bool)
+    expires = _when(None if numeric else raw_expires, raw_expires if numeric else None)
+    message = TaskMessage(
+        id=task_id,
+        task=str(sig["task"]),
+        args=args,
+        kwargs=dict(sig.get("kwargs") or {}),
+        embed={
+            "callbacks": _as_list(options.get("link")) or None,
+            "errbacks": _as_list(options.get("link_error")) or None,
+            "chain": list(chain_rest) if chain_rest else None,
+            "chord": None,
+        },
+        root_id=parent.root_id or parent.id,
+        parent_id=parent.id,
+        group=options.get("group_id"),
+        group_index=options.get("group_index"),
+        eta=eta,
+        expires=expires,
+        timelimit=(options.get("time_limit"), options.get("soft_time_limit")),
+        ignore_result=bool(options.get("ignore_result", False)),
+        shadow=options.get("shadow"),
+        reply_to=options.get("reply_to") or parent.reply_to,
+        correlation_id=task_id,
+        priority=options.get("priority"),
+        content_type=parent.content_type,
+        extra_headers=dict(options.get("headers") or {}),
+    )
+    queue = options.get("queue") or options.get("routing_key")
+    return FollowUp(message, queue if isinstance(queue, str) and queue else None)
+
+
+def _as_list(value: Any) -> list[Any]:
+    if not value:
+        return []
+    return list(value) if isinstance(value, list | tuple) else [value]
+
+
+def _when(at: Any, seconds: Any) -> dt.datetime | None:
+    if isinstance(seconds, int | float) and not isinstance(seconds, bool):
+        return dt.datetime.now(dt.UTC) + dt.timedelta(seconds=float(seconds))
+    if isinstance(at, dt.datetime):
+        return at if at.tzinfo else at.replace(tzinfo=dt.UTC)
+    if isinstance(at, str):
+        try:
+            return parse_iso_datetime(at)
+        except ValueError:
+            return None
+    return None
+
+
+def runs_in_process(app: App, errback: Mapping[str, Any]) -> bool:
+    """A new-style errback: a task of this app whose body takes (request, exc, traceback).
+
+    Celery calls such an errback in the failed task's process rather than sending it; the pool
+    child does the same (worker/pool/child.py). Any other errback is sent as a task with the
+    failed task's id.
+    """
+    task = app.tasks.get(str(errback.get("task") or ""))
+    function = getattr(type(task), "__wrapped__", None) if task is not None else None
+    if function is None:
+        return False
+    try:
+        parameters = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    if task is not None and task.bind:
+        return False  # Celery sends bound errbacks as tasks, so they can retry
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    has_varargs = any(p.kind == p.VAR_POSITIONAL for p in parameters)
+    # As Celery's arity check: any *args, or more than one parameter its own arguments leave free.
+    return has_varargs or len(positional) - len(errback.get("args") or ()) > 1

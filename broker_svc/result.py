@@ -25,6 +25,9 @@ _HISTORY_LIMIT: Final = 256
 
 OnMessage = Callable[[dict[str, Any]], None]
 
+# How often a chain's result looks at its earlier steps while it waits.
+_PARENT_CHECK_S: Final = 0.2
+
 
 class ResultStore:
     """The latest states of the tasks one client is waiting for, fed by its reply-queue consumer.
@@ -214,13 +217,36 @@ class AsyncResult:
             PublishError: the task never reached the broker.
         """
         del interval
-        outcome = self._store.wait(self.id, timeout=timeout, on_message=on_message, publish=self._publish)
+        if self.parent is not None:
+            outcome = self._wait_following_parents(timeout, on_message)
+        else:
+            outcome = self._store.wait(self.id, timeout=timeout, on_message=on_message, publish=self._publish)
         if outcome.status == State.SUCCESS:
             return outcome.result
         error: TaskError = exception_from_wire(outcome.result, outcome.traceback)
         if propagate:
             raise error
         return error
+
+    def _wait_following_parents(self, timeout: float | None, on_message: OnMessage | None) -> Outcome:
+        # A chain's step never comes if a step before it failed: that failure is the answer, as
+        # Celery's get() raises a failed parent's error.
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            node = self.parent
+            while node is not None:
+                latest = self._store.latest(node.id)
+                if latest is not None and latest.ready and latest.status != State.SUCCESS:
+                    return latest
+                node = node.parent
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise ResultTimeout(f"no result for task {self.id} within {timeout} s")
+            step = _PARENT_CHECK_S if remaining is None else min(remaining, _PARENT_CHECK_S)
+            try:
+                return self._store.wait(self.id, timeout=step, on_message=on_message, publish=self._publish)
+            except ResultTimeout:
+                continue
 
     def forget(self) -> None:
         """Drop what this client holds of the result (the rpc backend keeps nothing elsewhere)."""

@@ -71,6 +71,8 @@ class Request:
     called_directly: bool = True
     # Run here by ``apply()`` (Celery's eager mode), not by a worker.
     is_eager: bool = False
+    # The signatures to run if this task fails for good (``link_error``), as the message carried them.
+    errbacks: list[dict[str, Any]] | None = None
     # Set by the worker: sends a state update ({"state", "meta"}) to the task's client.
     send_update: Callable[[dict[str, Any]], None] | None = field(default=None, repr=False)
     # Set by ``Task.retry`` when no retries are left, so the worker dead-letters the message.
@@ -106,6 +108,7 @@ class Request:
             origin=context.get("origin"),
             ignore_result=bool(context.get("ignore_result")),
             timelimit=(limits[0], limits[1]),
+            errbacks=context.get("errbacks"),
             called_directly=False,
             send_update=send_update,
         )

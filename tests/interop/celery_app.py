@@ -40,3 +40,35 @@ def sleep(seconds: float) -> str:
 
     time.sleep(seconds)
     return "slept"
+
+
+# The canvas tasks, as tests/integration/canvas_tasks.py defines them for our worker.
+
+
+@app.task(name="canvas.add")
+def canvas_add(x: int, y: int) -> int:
+    return x + y
+
+
+@app.task(name="canvas.mul")
+def canvas_mul(x: int, y: int) -> int:
+    return x * y
+
+
+@app.task(name="canvas.xsum")
+def canvas_xsum(numbers: list) -> int:
+    return sum(numbers)
+
+
+@app.task(name="canvas.fail")
+def canvas_fail(*args) -> None:
+    raise ValueError(f"failed with {list(args)}")
+
+
+@app.task(name="canvas.note")
+def canvas_note(task_id: str) -> str:
+    import json
+
+    with open(os.environ["CANVAS_NOTES"], "a") as notes:
+        notes.write(json.dumps(["note", [task_id]]) + "\n")
+    return "noted"

@@ -21,6 +21,7 @@ from broker_svc.topology import DELAY_HOLD_WINDOW_S
 from broker_svc.wire import codec
 from broker_svc.wire.task_message import TaskMessage, decode_task, eta_and_expires, safe_repr
 from worker.consume.admission import Admission, DedupeWindow
+from worker.consume.canvas import Canvas
 from worker.consume.eta import EtaScheduler
 from worker.consume.job_request import delivery_info, request_context, time_limits
 from worker.consume.outcomes import OutcomeHandler
@@ -264,6 +265,8 @@ class TaskConsumer:
         # The guards, in order: each may decide the delivery's fate; one that passes them all runs.
         if request.task not in self._app.tasks:
             return await self._rejections.unregistered(request)
+        if (why := Canvas.refusal(request)) is not None:
+            return await self._rejections.cannot_honour(request, why)
         delivery = delivery_info(message)
         if delivery["delivery_count"] >= 1 and self._redeliveries.done_but_unacked(request.id):
             log.info("task_redelivery_already_done")

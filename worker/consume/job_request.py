@@ -66,6 +66,8 @@ def request_context(request: TaskMessage, delivery: dict[str, Any], *, hostname:
         "ignore_result": request.ignore_result,
         "timelimit": list(request.timelimit),
         "delivery_info": delivery,
+        # The child calls new-style errbacks (request, exc, traceback) itself, as Celery's does.
+        **({"errbacks": request.embed["errbacks"]} if request.embed.get("errbacks") else {}),
     }
 
 

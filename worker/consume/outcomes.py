@@ -15,6 +15,7 @@ from broker_svc.wire.result_message import CELERY_EXCEPTIONS_MODULE, Outcome, wi
 from broker_svc.wire.states import State
 from broker_svc.wire.task_message import TaskMessage, parse_iso_datetime, safe_repr
 from worker.consume.admission import DELIVERY_LIMIT_REASON, delivery_count, recount
+from worker.consume.canvas import Canvas
 from worker.consume.eta import EtaScheduler
 from worker.consume.publish import ReplyPublisher
 from worker.consume.settle import HAND_BACK, LEFT_TO_BROKER, Disposition, Fate
@@ -64,6 +65,8 @@ class OutcomeHandler:
         self._eta = eta
         self._events = events
         self._delivery_limit = delivery_limit
+        # A chain's next step, callbacks and errbacks (worker.consume.canvas).
+        self._canvas = Canvas(app=app, replies=replies)
         # Each running task's chain of update publishes: updates, then the outcome, in order.
         self._updates: dict[str, asyncio.Future[None]] = {}
         self.processed = 0
@@ -157,6 +160,12 @@ class OutcomeHandler:
                 traceback=outcome.traceback or "",
             )
         await self.reply(request, result, failed=state == State.FAILURE)
+        if Canvas.wants_anything(request):
+            # Confirmed before the ack (at-least-once): the caller's get() on a later step waits.
+            if outcome.status == JobStatus.SUCCESS:
+                await self._canvas.after_success(request, outcome.value)
+            elif state == State.FAILURE:
+                await self._canvas.after_failure(request)
         if outcome.retries_exhausted:
             return Disposition.dead_letter(
                 "max_retries_exceeded",

@@ -1,4 +1,4 @@
-"""What the worker publishes: results to ``reply_to``, dead letters, and republished copies."""
+"""What the worker publishes: results to ``reply_to``, dead letters, republished copies, follow-up tasks."""
 
 from __future__ import annotations
 
@@ -20,12 +20,15 @@ from broker_svc.topology import (
     DEAD_LETTER_ERROR_HEADER,
     DEAD_LETTER_QUEUE_HEADER,
     DEAD_LETTER_REASON_HEADER,
+    QueueType,
     dead_letter_queue,
+    task_queue,
 )
 from broker_svc.wire import codec
 from broker_svc.wire.result_message import Outcome, wire_exception
 from broker_svc.wire.states import State
-from broker_svc.wire.task_message import CLOCK_HEADER
+from broker_svc.wire.task_message import CLOCK_HEADER, WireMessage
+from control.aio.declare import declare_queue
 
 __all__ = ["ReplyPublisher", "copy_message"]
 
@@ -154,6 +157,30 @@ class ReplyPublisher:
             merged.pop(name, None)
         merged.update(headers)
         await self._publish(copy_message(message, merged), queue)
+
+    async def publish_task(self, wire: WireMessage, *, queue: str, queue_type: QueueType) -> None:
+        """Send a task a finished task asked for (a chain's next step, a callback); confirmed.
+
+        A queue nobody declared yet is declared as Celery's client would, and the task sent again.
+
+        Raises:
+            aio_pika.exceptions.AMQPError: the broker did not take it (the caller must not ack).
+        """
+        properties = spec.Basic.Properties(
+            content_type=wire.content_type,
+            content_encoding=wire.content_encoding,
+            headers={**wire.headers, CLOCK_HEADER: self._clock.forward()},
+            delivery_mode=wire.delivery_mode,
+            correlation_id=wire.correlation_id,
+            reply_to=wire.reply_to,
+            priority=wire.priority,
+            expiration=wire.expiration,
+        )
+        try:
+            await self._send(wire.body, properties, queue)
+        except Unroutable:
+            await declare_queue(self._channel, task_queue(queue, queue_type=queue_type))
+            await self._send(wire.body, properties, queue)
 
     async def _publish(self, message: aio_pika.Message, routing_key: str) -> None:
         await self._send(message.body, message.properties, routing_key)

@@ -1,8 +1,9 @@
 """Rejections: the fate of a delivery that will never run here, with the reply and event it owes.
 
-Three kinds of delivery are settled without a child: one that fails to decode or validate (refused:
+Four kinds of delivery are settled without a child: one that fails to decode or validate (refused:
 FAILURE reply if it can be addressed, dead-lettered), one naming a task this app does not register
-(FAILURE ``NotRegistered``, dead-lettered) and one revoked or expired before it started (REVOKED).
+(FAILURE ``NotRegistered``, dead-lettered), one whose canvas this worker cannot honour (FAILURE,
+dead-lettered) and one revoked or expired before it started (REVOKED).
 Each still answers its caller, emits its task event and is acked, so the consumer loop goes on.
 They live apart from the consumer because they share one shape — reply, dead letter or not, event,
 ack (carried out by ``worker.consume.settle``) — and none of the consumer's run bookkeeping.
@@ -75,6 +76,19 @@ class Rejections:
         return Disposition.dead_letter(
             "NotRegistered", f"task {request.task!r} is not registered", owed=self._rejected(request.id)
         )
+
+    async def cannot_honour(self, request: TaskMessage, why: str) -> Disposition:
+        """Dead-letter a task whose message asks for what this worker cannot do (a chord, say).
+
+        Refused before it runs, as a whole: running part of a canvas and dropping the rest would
+        lose work silently. Its caller gets a FAILURE saying why.
+        """
+        log.error("task_canvas_refused", why=why)
+        await self._outcomes.reply(request, Outcome(
+            task_id=request.id, status=State.FAILURE,
+            result=wire_exception("NotImplementedError", why, module="builtins"),
+        ))  # fmt: skip
+        return Disposition.dead_letter("unsupported_canvas", why, owed=self._rejected(request.id))
 
     async def skip_revoked(self, request: TaskMessage, *, expired: bool) -> Disposition:
         """Answer a revoked (or expired) task without running it; its delivery is acked."""

@@ -28,6 +28,7 @@ import structlog
 
 from broker_svc import signals
 from broker_svc.app import App
+from broker_svc.canvas import runs_in_process
 from broker_svc.errors import (
     BrokerSvcError,
     DecodeError,
@@ -294,9 +295,24 @@ def _call(task: Task, request: Request, job: Job, soft_limit: _SoftLimit) -> dic
     if traced.state == REJECTED:
         requeue = isinstance(traced.exception, Reject) and traced.exception.requeue
         return _frame(JobStatus.REJECTED, value={"requeue": requeue}, error=error, tb=traced.traceback)
+    if request.errbacks and traced.exception is not None:
+        _errbacks_here(task.app, request, traced.exception, traced.traceback or "")
     done = _frame(JobStatus.FAILURE, error=error, tb=traced.traceback)
     done["retries_exhausted"] = traced.retries_exhausted
     return done
+
+
+def _errbacks_here(app: App, request: Request, exc: BaseException, tb: str) -> None:
+    # New-style errbacks run here, in the failed task's process, with (request, exc, traceback)
+    # before their own arguments, as Celery calls them; the worker sends the others as tasks.
+    for errback in request.errbacks or ():
+        if not runs_in_process(app, errback):
+            continue
+        task = app.tasks[str(errback["task"])]
+        try:
+            task(request, exc, tb, *(errback.get("args") or ()), **(errback.get("kwargs") or {}))
+        except Exception:
+            log.exception("task_errback_failed", errback=task.name)
 
 
 def _frame(

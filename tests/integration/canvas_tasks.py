@@ -1,0 +1,46 @@
+"""Tasks for the canvas tests, under names a Celery app registers too (tests/interop/celery_app.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from broker_svc import App
+
+app = App("canvas")
+
+
+@app.task(name="canvas.add")
+def add(x: int, y: int) -> int:
+    return x + y
+
+
+@app.task(name="canvas.mul")
+def mul(x: int, y: int) -> int:
+    return x * y
+
+
+@app.task(name="canvas.xsum")
+def xsum(numbers: list[int]) -> int:
+    return sum(numbers)
+
+
+@app.task(name="canvas.fail")
+def fail(*args: Any) -> None:
+    raise ValueError(f"failed with {list(args)}")
+
+
+@app.task(name="canvas.note")
+def note(task_id: str) -> str:
+    """An old-style errback: sent as a task with the failed task's id; notes it in ``$CANVAS_NOTES``."""
+    with open(os.environ["CANVAS_NOTES"], "a") as notes:
+        notes.write(json.dumps(["note", [task_id]]) + "\n")
+    return "noted"
+
+
+@app.task(name="canvas.on_error")
+def on_error(request: Any, exc: BaseException, traceback: str) -> None:
+    """A new-style errback: called in the failed task's process with its request and exception."""
+    with open(os.environ["CANVAS_NOTES"], "a") as notes:
+        notes.write(json.dumps(["on_error", [request.id, repr(exc), "Traceback" in traceback]]) + "\n")

@@ -1,0 +1,99 @@
+"""The canvas on the worker: what a finished task's message asks to run next.
+
+Protocol v2 carries a canvas in the body's embed (WIRE.md §3.3): ``chain`` (the steps after this
+one, last first), ``callbacks`` (``link``: run with the result after a success), ``errbacks``
+(``link_error``: run with the task id after a failure for good) and ``chord``. The worker honours
+the first three as Celery's does; a message whose embed it cannot honour (a chord, a malformed
+signature) is refused before it runs (``unhonoured``), so no part of a canvas is ever dropped.
+
+Each follow-up task is confirmed by the broker before the finished task's delivery is acked: a
+worker that dies between the two sends it again on redelivery (at-least-once, as in Celery).
+A follow-up goes to its signature's queue, else where the app routes its task (``task_routes``),
+else the app's default queue, as a Celery worker routes it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+
+from broker_svc.app import App
+from broker_svc.canvas import FollowUp, follow_ups, runs_in_process, unhonoured
+from broker_svc.routes import route_for
+from broker_svc.wire.task_message import TaskMessage, encode_task
+from worker.consume.publish import ReplyPublisher
+
+__all__ = ["Canvas"]
+
+log = structlog.get_logger(__name__)
+
+
+class Canvas:
+    """Sends what a finished task's message asks for: its chain's next step, callbacks, errbacks.
+
+    Args:
+        app: the worker's app (its routes, default queue and quorum queues).
+        replies: the confirm-mode publisher.
+    """
+
+    def __init__(self, *, app: App, replies: ReplyPublisher) -> None:
+        self._app = app
+        self._replies = replies
+
+    @staticmethod
+    def refusal(request: TaskMessage) -> str | None:
+        """Why ``request``'s canvas cannot be honoured, or None (then it may run)."""
+        return unhonoured(request.embed)
+
+    @staticmethod
+    def wants_anything(request: TaskMessage) -> bool:
+        """Whether the message carries a chain, callbacks or errbacks (most carry none)."""
+        embed = request.embed
+        return bool(embed.get("chain") or embed.get("callbacks") or embed.get("errbacks"))
+
+    async def after_success(self, request: TaskMessage, value: Any) -> None:
+        """Send the callbacks with ``value``, then the chain's next step with it (Celery's order).
+
+        Raises:
+            aio_pika.exceptions.AMQPError: a follow-up was not confirmed (the caller must not ack).
+        """
+        embed = request.embed
+        sent: list[FollowUp] = []
+        for callback in embed.get("callbacks") or ():
+            sent.extend(follow_ups(callback, parent=request, partial=(value,)))
+        steps = list(embed.get("chain") or ())
+        if steps:
+            sent.extend(follow_ups(steps[-1], parent=request, partial=(value,), chain_rest=steps[:-1]))
+        await self._send(sent, why="after_success")
+
+    async def after_failure(self, request: TaskMessage) -> None:
+        """Send each errback that is not run in the child, with the failed task's id as argument.
+
+        The rest of a chain never runs after a failed step (its caller gets the failure).
+
+        Raises:
+            aio_pika.exceptions.AMQPError: an errback was not confirmed (the caller must not ack).
+        """
+        sent: list[FollowUp] = []
+        for errback in request.embed.get("errbacks") or ():
+            if not runs_in_process(self._app, errback):
+                sent.extend(follow_ups(errback, parent=request, partial=(request.id,)))
+        await self._send(sent, why="after_failure")
+
+    async def _send(self, follow: list[FollowUp], *, why: str) -> None:
+        settings = self._app.settings
+        for item in follow:
+            message = item.message
+            queue = item.queue
+            if queue is None:
+                routed = route_for(
+                    self._app.conf.get("task_routes"), message.task, message.args, message.kwargs, {}
+                )
+                queue = routed.get("queue") or settings.default_queue
+            serializer = "json" if message.content_type == "application/json" else "msgpack"
+            wire = encode_task(message, serializer=serializer)
+            await self._replies.publish_task(wire, queue=queue, queue_type=settings.queue_type(queue))
+            log.info(
+                "task_follow_up_sent", follow_up_id=message.id, follow_up=message.task, queue=queue, why=why
+            )
