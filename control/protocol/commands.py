@@ -31,6 +31,8 @@ class Param:
     types: tuple[type, ...]
     default: Any = None
     required: bool = False
+    # Turns an accepted value into what the handler takes (Flower's 0/1 for a flag, say).
+    coerce: Callable[[Any], Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,12 +66,16 @@ class Command:
                 raise TypeError(
                     f"{self.name}() argument {name!r} must be {wanted}, got {type(value).__name__}"
                 )
-            bound[name] = value
+            bound[name] = param.coerce(value) if param.coerce is not None and value is not None else value
         return bound
 
 
 _STR, _BOOL, _INT, _NUM, _LIST = (str,), (bool,), (int,), (int, float), (list,)
 _IDS = (str, list)
+# A flag as Celery reads one (``if terminate:``): Flower sends 0 and 1.
+_FLAG = (bool, int)
+# A signal by name (``SIGKILL``, ``KILL``) or number, as Celery takes it.
+_SIGNAL = (str, int)
 
 
 def _c(name: str, kind: CommandKind, reply: str, **params: Param) -> Command:
@@ -98,9 +104,9 @@ COMMANDS: Final[dict[str, Command]] = {
         _c("active_queues", _I, "list of queue maps"),
         _c("conf", _I, "map of settings", with_defaults=Param(_BOOL, default=False)),
         _c("revoke", _C, '{"ok": "tasks ... flagged as revoked"}', task_id=Param(_IDS, required=True),
-           terminate=Param(_BOOL, default=False), signal=Param(_STR, default="SIGTERM")),
+           terminate=Param(_FLAG, default=False, coerce=bool), signal=Param(_SIGNAL, default="SIGTERM")),
         _c("terminate", _C, '{"ok": "terminate: ..."}', task_id=Param(_IDS, required=True),
-           signal=Param(_STR, default="SIGTERM")),
+           signal=Param(_SIGNAL, default="SIGTERM")),
         _c("time_limit", _C, '{"ok": "time limits set successfully"}', task_name=Param(_STR, required=True),
            soft=Param(_NUM, default=None), hard=Param(_NUM, default=None)),
         _c("rate_limit", _C, '{"ok": "new rate limit set successfully"} or "... disabled ..."',

@@ -67,7 +67,13 @@ def test_revoked_queued_tasks_never_run(test_vhost_url: str, queue: str, client:
     assert not any(tap.of("task-started", uuid=i) for i in revoked)
 
 
-def test_terminate_kills_the_running_task_and_records_revoked(test_vhost_url: str, queue: str, client: App):
+@pytest.mark.parametrize(
+    ("terminate", "sig"),
+    [(True, "SIGKILL"), (1, 9)],  # ours, and Flower's spelling (a 0/1 flag, a signal number)
+)
+def test_terminate_kills_the_running_task_and_records_revoked(
+    test_vhost_url: str, queue: str, client: App, terminate: bool | int, sig: str | int
+):
     with (
         WorkerProcess(test_vhost_url, queues=[queue], concurrency=1, extra_args=["-E"]) as worker,
         EventTap(test_vhost_url) as tap,
@@ -76,7 +82,7 @@ def test_terminate_kills_the_running_task_and_records_revoked(test_vhost_url: st
         long = client.send_task(SLEEP, args=(60,), queue=queue)
         tap.wait(lambda ev: bool(tap.of("task-started", uuid=long.id)), message="the long task started")
         replies = call(
-            test_vhost_url, "revoke", arguments={"task_id": long.id, "terminate": True, "signal": "SIGKILL"},
+            test_vhost_url, "revoke", arguments={"task_id": long.id, "terminate": terminate, "signal": sig},
             expect=1,
         )  # fmt: skip
         assert replies[0][1] == {worker.name: {"ok": f"terminate: {long.id}"}}

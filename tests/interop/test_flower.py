@@ -12,12 +12,14 @@ Set ``CLOCKWORK_DOCS_SCREENSHOTS=1`` to also write the Clockwork screenshot to
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -27,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from broker_svc import App, Settings
+from broker_svc import App, Settings, TaskRevokedError
 from tests.interop.browser import dump_dom, screenshot, summarize_png
 from tests.interop.flower import FlowerProcess
 from tests.support.amqp import delete_queues
@@ -229,3 +231,27 @@ def test_headless_chromium_renders_the_workers_page_with_both_nodes(cluster: Clu
     if cluster.kind == "clockwork" and os.environ.get("CLOCKWORK_DOCS_SCREENSHOTS") == "1":
         DOCS_SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(png, DOCS_SCREENSHOT)
+
+
+def test_flowers_terminate_kills_a_running_task(cluster: Cluster, test_vhost_url: str):
+    if cluster.kind == "celery":
+        pytest.skip("the Celery workers here run the solo pool, which cannot terminate a task")
+    queue = next(iter(cluster.nodes.values()))
+    client = App("flower-terminate", settings=Settings(broker_url=test_vhost_url))
+    try:
+        long = client.send_task("tests.integration.e2e_tasks.sleep_s", (60,), queue=queue)
+        wait_for(
+            lambda: cluster.flower.api_tasks().get(long.id, {}).get("state") == "STARTED",
+            timeout_s=30, message=f"the long task did not start\n{cluster.diagnostics()}",
+        )  # fmt: skip
+        # Flower's Terminate button: its API turns "terminate=true" into the 1 it sends.
+        request = urllib.request.Request(
+            f"{cluster.flower.base_url}/api/task/revoke/{long.id}?terminate=true&signal=SIGKILL",
+            data=b"", method="POST",
+        )  # fmt: skip
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            assert json.loads(reply.read())["message"] == f"Revoked '{long.id}'"
+        with pytest.raises(TaskRevokedError, match="terminated"):
+            long.get(timeout=30)
+    finally:
+        client.close()

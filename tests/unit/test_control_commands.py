@@ -55,3 +55,18 @@ def test_vocabulary_has_celerys_commands():
             "query_task", "active_queues", "conf"} == inspect  # fmt: skip
     assert {"revoke", "terminate", "time_limit", "add_consumer", "cancel_consumer", "enable_events",
             "disable_events", "heartbeat", "shutdown"} <= set(COMMANDS)  # fmt: skip
+
+
+def test_revoke_takes_flowers_flags_and_any_signal_spelling():
+    # Flower's Revoke and Terminate buttons send terminate as 0/1 and the signal by name.
+    revoke = COMMANDS["revoke"]
+    assert revoke.bind({"task_id": "t", "terminate": 1, "signal": "SIGKILL"})["terminate"] is True
+    assert revoke.bind({"task_id": "t", "terminate": 0})["terminate"] is False
+    assert revoke.bind({"task_id": "t", "terminate": True, "signal": 9})["signal"] == 9
+    assert COMMANDS["terminate"].bind({"task_id": "t", "signal": 15})["signal"] == 15
+    for bad in ({"terminate": "yes"}, {"signal": 9.5}):
+        try:
+            revoke.bind({"task_id": "t", **bad})
+        except TypeError:
+            continue
+        raise AssertionError(f"{bad} was accepted")
