@@ -12,6 +12,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, overload
 
 from broker_svc import shared
+from broker_svc.builtins import register_builtins
 from broker_svc.clock import LamportClock
 from broker_svc.conf import Config
 from broker_svc.connection.pending import PendingPublish
@@ -104,6 +105,7 @@ class App:
         self._close_hooks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         _open_apps.add(self)
+        register_builtins(self)
         shared.app_created(self, set_as_current=set_as_current)
 
     # -- configuration ---------------------------------------------------------------------------
