@@ -150,7 +150,7 @@ def _json_default(value: Any) -> Any:
     if isinstance(value, decimal.Decimal):
         return {"__type__": "decimal", "__value__": str(value)}
     if isinstance(value, uuid.UUID):
-        return {"__type__": "uuid", "__value__": value.hex}
+        return {"__type__": "uuid", "__value__": {"hex": value.hex}}  # kombu 5.7's form
     if isinstance(value, bytes):
         try:
             return {"__type__": "bytes", "__value__": value.decode("utf-8")}
@@ -163,10 +163,11 @@ def _json_default(value: Any) -> Any:
 
 _JSON_TYPES: Final[dict[str, Callable[[Any], Any]]] = {
     "datetime": dt.datetime.fromisoformat,
-    "date": dt.date.fromisoformat,
+    "date": lambda v: dt.datetime.fromisoformat(v).date(),
     "time": dt.time.fromisoformat,
     "decimal": decimal.Decimal,
-    "uuid": lambda v: uuid.UUID(hex=v),
+    # kombu 5.7 writes {"hex": ...}; a plain hex string is read too.
+    "uuid": lambda v: uuid.UUID(**v) if isinstance(v, dict) else uuid.UUID(hex=v),
     "bytes": lambda v: v.encode("utf-8"),
     "base64": base64.b64decode,
 }

@@ -15,8 +15,12 @@ No pickle anywhere: a child could be made to send anything, and the parent must 
 
 from __future__ import annotations
 
+import datetime as dt
+import decimal
 import signal
 import struct
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final
@@ -192,7 +196,7 @@ def encode_frame(frame: dict[str, Any]) -> bytes:
         MessageTooLarge: the body is over ``MAX_FRAME_BYTES``.
     """
     try:
-        body: bytes = msgpack.packb(frame, use_bin_type=True)
+        body: bytes = msgpack.packb(frame, use_bin_type=True, default=_to_ext)
     except (TypeError, ValueError, OverflowError) as exc:
         raise TypeError(f"msgpack cannot encode it: {exc}") from exc
     if len(body) > MAX_FRAME_BYTES:
@@ -219,12 +223,46 @@ def decode_frame(body: bytes) -> dict[str, Any]:
         DecodeError: not msgpack, or not a map with a string ``op``.
     """
     try:
-        frame = msgpack.unpackb(body, raw=False, strict_map_key=False, ext_hook=refuse_ext)
+        frame = msgpack.unpackb(body, raw=False, strict_map_key=False, ext_hook=_from_ext)
     except Exception as exc:  # msgpack raises several private error types
         raise DecodeError(f"undecodable frame of {len(body)} bytes: {type(exc).__name__}: {exc}") from exc
     if not isinstance(frame, dict) or not isinstance(frame.get("op"), str):
         raise DecodeError(f"a frame must be a map with a string op, got {type(frame).__name__}")
     return frame
+
+
+# What a JSON task can carry (kombu's types, decoded by broker_svc.wire.codec) crosses to a child
+# and back as msgpack ext types; plain values never reach ``_to_ext``, so they cost nothing more.
+_EXT_CODES: Final[tuple[tuple[int, type, Callable[[Any], bytes]], ...]] = (
+    (1, dt.datetime, lambda v: v.isoformat().encode()),
+    (2, dt.date, lambda v: v.isoformat().encode()),
+    (3, dt.time, lambda v: v.isoformat().encode()),
+    (4, decimal.Decimal, lambda v: str(v).encode()),
+    (5, uuid.UUID, lambda v: v.bytes),
+)
+_FROM_EXT: Final[dict[int, Callable[[bytes], Any]]] = {
+    1: lambda b: dt.datetime.fromisoformat(b.decode()),
+    2: lambda b: dt.date.fromisoformat(b.decode()),
+    3: lambda b: dt.time.fromisoformat(b.decode()),
+    4: lambda b: decimal.Decimal(b.decode()),
+    5: lambda b: uuid.UUID(bytes=b),
+}
+
+
+def _to_ext(value: Any) -> Any:
+    for code, kind, encode in _EXT_CODES:  # datetime before date: a datetime is a date
+        if isinstance(value, kind):
+            return msgpack.ExtType(code, encode(value))
+    if isinstance(value, tuple | set | frozenset):
+        return list(value)  # msgpack packs whatever default returns
+    raise TypeError(f"cannot encode object of type {type(value).__name__}")
+
+
+def _from_ext(code: int, data: bytes) -> Any:
+    decode = _FROM_EXT.get(code)
+    if decode is None:
+        refuse_ext(code, data)
+    return decode(data)
 
 
 def _seconds(value: Any) -> float | None:
