@@ -110,6 +110,10 @@ def apply(
             traced = trace(task, request, call_args, call_kwargs)
         if traced.state != RETRY:
             break
+        if traced.retry is not None and traced.retry.call_args is not None:
+            call_args = list(traced.retry.call_args)
+        if traced.retry is not None and traced.retry.call_kwargs is not None:
+            call_kwargs = dict(traced.retry.call_kwargs)
         retries += 1  # Celery's eager retry: again, now; retry() raises once none are left
     if throw is None:
         throw = bool(task.app.conf.get("task_eager_propagates", False))

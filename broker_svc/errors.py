@@ -33,6 +33,7 @@ the worker; they are drawn here so the whole tree is in one place.
 from __future__ import annotations
 
 import datetime as dt
+from typing import Any
 
 __all__ = [
     "BrokerBlocked",
@@ -157,12 +158,24 @@ class Retry(BrokerSvcError):
     Attributes:
         exc: the error that caused the retry, if any.
         eta: when the next attempt may start (timezone-aware).
+        call_args: the next attempt's positional arguments, when ``retry(args=...)`` changed them.
+        call_kwargs: its keyword arguments, when ``retry(kwargs=...)`` changed them.
     """
 
-    def __init__(self, message: str, *, exc: BaseException | None, eta: dt.datetime) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        exc: BaseException | None,
+        eta: dt.datetime,
+        call_args: tuple[Any, ...] | None = None,
+        call_kwargs: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__(message)
         self.exc = exc
         self.eta = eta
+        self.call_args = call_args
+        self.call_kwargs = call_kwargs
 
 
 class MaxRetriesExceededError(BrokerSvcError):

@@ -73,10 +73,20 @@ class Request:
     is_eager: bool = False
     # The signatures to run if this task fails for good (``link_error``), as the message carried them.
     errbacks: list[dict[str, Any]] | None = None
+    # The message's own headers (``apply_async(headers=...)``), also readable as attributes, as
+    # Celery shows them: ``self.request.headers["tenant"]`` or ``self.request.tenant``.
+    headers: dict[str, Any] | None = None
     # Set by the worker: sends a state update ({"state", "meta"}) to the task's client.
     send_update: Callable[[dict[str, Any]], None] | None = field(default=None, repr=False)
     # Set by ``Task.retry`` when no retries are left, so the worker dead-letters the message.
     retries_exhausted: bool = False
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names that are not fields: a custom header, as Celery's Context has them.
+        headers = object.__getattribute__(self, "headers")
+        if headers and name in headers:
+            return headers[name]
+        raise AttributeError(f"the request has no attribute or header {name!r}")
 
     @classmethod
     def from_worker(
@@ -109,6 +119,7 @@ class Request:
             ignore_result=bool(context.get("ignore_result")),
             timelimit=(limits[0], limits[1]),
             errbacks=context.get("errbacks"),
+            headers=context.get("headers"),
             called_directly=False,
             send_update=send_update,
         )
@@ -206,15 +217,20 @@ class Task:
 
     def retry(
         self,
+        args: Sequence[Any] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
         exc: BaseException | None = None,
-        countdown: float | None = None,
+        throw: bool = True,
         eta: dt.datetime | None = None,
+        countdown: float | None = None,
         max_retries: int | None = None,
-        **_ignored: Any,
+        **options: Any,
     ) -> Retry:
-        """Ask the worker to run this task again later (same id, ``retries + 1``).
+        """Ask the worker to run this task again later (same id, ``retries + 1``), as Celery's.
 
-        Use as ``raise self.retry(exc=exc)``; it always raises.
+        Use as ``raise self.retry(exc=exc)``; it always raises. ``args``/``kwargs`` replace the
+        next attempt's arguments. Other send options (``queue``, ``priority``, ...) are not
+        honoured on a retry: the copy goes back where it came from, and a warning says so.
 
         Raises:
             Retry: always, when retries are left; the worker republishes the task.
@@ -235,8 +251,17 @@ class Task:
             eta = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=delay)
         elif eta.tzinfo is None:
             eta = eta.replace(tzinfo=dt.UTC)
+        if options:
+            log.warning("retry_options_ignored", task_name=self.name, options=sorted(options))
+        del throw  # a Retry is always raised here; the worker decides what the caller sees
         reason = f"retry in {(eta - dt.datetime.now(dt.UTC)).total_seconds():.1f} s"
-        raise Retry(f"{reason}: {exc!r}" if exc is not None else reason, exc=exc, eta=eta)
+        raise Retry(
+            f"{reason}: {exc!r}" if exc is not None else reason,
+            exc=exc,
+            eta=eta,
+            call_args=tuple(args) if args is not None else None,
+            call_kwargs=dict(kwargs) if kwargs is not None else None,
+        )
 
     def update_state(
         self, task_id: str | None = None, state: str | None = None, meta: Mapping[str, Any] | None = None

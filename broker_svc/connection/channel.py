@@ -75,7 +75,11 @@ def message_properties(pending: PendingPublish) -> pika.BasicProperties:
             priority=msg.priority,
             correlation_id=msg.correlation_id,
             reply_to=msg.reply_to,
-            expiration=msg.expiration,
+            # Only a task parked in a delay queue keeps its TTL: it dead-letters back to its queue
+            # when it expires. In its own queue (which has no dead-letter exchange, as Celery
+            # declares it) the broker would drop it unseen and its caller would wait forever; without
+            # a TTL a worker takes it and answers REVOKED "expired".
+            expiration=msg.expiration if pending.routing_key != pending.queue else None,
         )
     )
 

@@ -89,3 +89,15 @@ def test_ignore_acks_without_a_result_and_reject_requeues_or_dead_letters(projec
     wait_for(dead_letter_of_refused, timeout_s=10, message="no dead letter")
     [letter] = [d for d in dead if d.headers["id"] == refused.id]
     assert letter.headers["x-clockwork-reason"] == "rejected"
+
+
+def test_retry_with_new_arguments_runs_the_next_attempt_with_them(project):
+    _app, tasks, _worker, _queue, _slow = project
+    assert tasks.grow.delay(3).get(timeout=30) == [300, 2]
+
+
+def test_custom_headers_reach_the_task_as_celery_shows_them(project):
+    _app, tasks, _worker, _queue, _slow = project
+    seen = tasks.headers_seen.apply_async(headers={"tenant": "acme"}).get(timeout=30)
+    assert seen == {"headers": {"tenant": "acme"}, "tenant": "acme"}
+    assert tasks.headers_seen.delay().get(timeout=30) == {"headers": None, "tenant": None}

@@ -109,3 +109,13 @@ def test_signatures_chains_and_groups_apply_eagerly(app: App):
     assert chain(add.s(1, 2), add.s(3), add.s(4)).apply().get() == 10
     assert (add.s(1, 1) | add.si(5, 5)).apply().get() == 10
     assert group(add.s(i, i) for i in range(3)).apply().get() == [0, 2, 4]
+
+
+def test_eager_retry_takes_new_arguments(app: App):
+    @app.task(bind=True)
+    def grow(self: Any, x: int) -> int:
+        if self.request.retries == 0:
+            raise self.retry(args=(x * 100,))
+        return x
+
+    assert grow.apply((3,)).get() == 300

@@ -102,8 +102,12 @@ class EtaScheduler:
         queue: str,
         bucket_ms: int,
         headers: Mapping[str, Any],
+        drop: tuple[str, ...] = (),
+        body: bytes | None = None,
     ) -> None:
         """Publish a copy of ``message`` with ``headers`` merged in to ``queue``'s delay queue.
+
+        ``drop`` names headers the copy must not carry; ``body`` replaces the delivery's.
 
         The copy is dead-lettered back to ``queue`` after ``bucket_ms``. Confirmed before return;
         ``message`` is not acked (the caller does that).
@@ -113,13 +117,15 @@ class EtaScheduler:
             Unroutable: the delay queue was deleted under us (the caller must not ack).
         """
         merged = dict(message.headers or {})
+        for name in drop:
+            merged.pop(name, None)
         merged.update(headers)
         spec = delay_queue(queue, bucket_ms)
         routing_key = spec.name
         if routing_key not in self._declared:
             await self._channel.declare_queue(routing_key, durable=spec.durable, arguments=spec.arguments)
             self._declared.add(routing_key)
-        copy = copy_message(message, merged)
+        copy = copy_message(message, merged, body=body)
         result = await self._channel.default_exchange.publish(copy, routing_key=routing_key, mandatory=True)
         if isinstance(result, aiormq.abc.DeliveredMessage):  # basic.return: no such queue
             self._declared.discard(routing_key)

@@ -10,7 +10,7 @@ no I/O next to it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from broker_svc.task import Task
 from broker_svc.wire.task_message import RESENT_HEADER, TaskMessage, eta_and_expires
@@ -19,7 +19,7 @@ from worker.consume.admission import delivery_count
 if TYPE_CHECKING:
     import aio_pika.abc
 
-__all__ = ["delivery_info", "request_context", "time_limits"]
+__all__ = ["custom_headers", "delivery_info", "request_context", "time_limits"]
 
 
 def time_limits(
@@ -68,7 +68,22 @@ def request_context(request: TaskMessage, delivery: dict[str, Any], *, hostname:
         "delivery_info": delivery,
         # The child calls new-style errbacks (request, exc, traceback) itself, as Celery's does.
         **({"errbacks": request.embed["errbacks"]} if request.embed.get("errbacks") else {}),
+        **({"headers": headers} if (headers := custom_headers(request)) else {}),
     }
+
+
+def custom_headers(request: TaskMessage) -> dict[str, Any]:
+    """The message's headers that are neither Celery's nor the broker's nor ours (Celery's rule)."""
+    return {
+        key: value
+        for key, value in request.extra_headers.items()
+        if not key.startswith(_NOT_CUSTOM_PREFIXES) and key not in _NOT_CUSTOM
+    }
+
+
+# RabbitMQ's dead-lettering and delivery counts, and Clockwork's own bookkeeping.
+_NOT_CUSTOM_PREFIXES: Final = ("x-clockwork-", "x-death", "x-first-death-", "x-last-death-", "x-delivery-")
+_NOT_CUSTOM: Final = frozenset({"meth"})
 
 
 def delivery_info(message: aio_pika.abc.AbstractIncomingMessage) -> dict[str, Any]:

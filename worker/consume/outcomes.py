@@ -196,8 +196,20 @@ class OutcomeHandler:
                 task_id=request.id, status=State.RETRY, result=error, traceback=outcome.traceback
             ))  # fmt: skip
 
+        headers: dict[str, Any] = {"retries": request.retries + 1, "eta": eta}
+        body: bytes | None = None
+        drop: tuple[str, ...] = ()
+        if "args" in value or "kwargs" in value:
+            # retry(args=..., kwargs=...): the next attempt gets them, in the request's own codec.
+            args = list(value.get("args", request.args))
+            kwargs = dict(value.get("kwargs", request.kwargs))
+            body, _, _ = codec.encode([args, kwargs, request.embed], reply_type(request.content_type))
+            headers |= {"argsrepr": safe_repr(args), "kwargsrepr": safe_repr(kwargs)}
+            drop = ("compression",)  # the new body goes uncompressed
         return Disposition.republish(
-            {"retries": request.retries + 1, "eta": eta},
+            headers,
+            drop=drop,
+            body=body,
             delay_ms=self._eta.bucket_for(when),
             owed=announce,
             ran=True,

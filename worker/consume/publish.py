@@ -140,6 +140,7 @@ class ReplyPublisher:
         queue: str,
         headers: dict[str, Any],
         drop: Iterable[str] = (),
+        body: bytes | None = None,
     ) -> None:
         """Put a copy back on ``queue`` with changed headers; confirmed before return.
 
@@ -148,6 +149,7 @@ class ReplyPublisher:
             queue: where the copy goes (through the default exchange).
             headers: headers to set on the copy.
             drop: headers the copy must not carry (e.g. a broker's count that restarts with it).
+            body: the copy's body, if not the delivery's.
 
         Raises:
             aio_pika.exceptions.AMQPError: the broker did not take it (the caller must not ack).
@@ -156,7 +158,7 @@ class ReplyPublisher:
         for name in drop:
             merged.pop(name, None)
         merged.update(headers)
-        await self._publish(copy_message(message, merged), queue)
+        await self._publish(copy_message(message, merged, body=body), queue)
 
     async def publish_task(self, wire: WireMessage, *, queue: str, queue_type: QueueType) -> None:
         """Send a task a finished task asked for (a chain's next step, a callback); confirmed.
@@ -200,14 +202,16 @@ class ReplyPublisher:
             raise Unroutable(f"no queue {routing_key!r} took the message")
 
 
-def copy_message(message: aio_pika.abc.AbstractIncomingMessage, headers: dict[str, Any]) -> aio_pika.Message:
-    """A persistent copy of a delivery to publish elsewhere: same body and properties, these headers.
+def copy_message(
+    message: aio_pika.abc.AbstractIncomingMessage, headers: dict[str, Any], *, body: bytes | None = None
+) -> aio_pika.Message:
+    """A persistent copy of a delivery to publish elsewhere: same body (or ``body``) and properties.
 
     The copy has no ``expiration``: the ``expires`` header, which the worker checks, is what ends
     a task's life; a per-message TTL restarted on the copy would only be wrong.
     """
     return aio_pika.Message(
-        message.body,
+        message.body if body is None else body,
         headers=headers,
         content_type=message.content_type,
         content_encoding=message.content_encoding,

@@ -43,6 +43,7 @@ class Disposition:
         error: why, in words (``x-clockwork-error``), for ``DEAD_LETTER``.
         headers: set on the copy, for ``REPUBLISH``.
         drop: headers the copy must not carry, for ``REPUBLISH``.
+        body: the copy's body, when it differs from the delivery's (a retry with new arguments).
         delay_ms: the delay queue the copy waits in, for ``REPUBLISH``; None: straight to the queue.
         owed: what the delivery still owes once its copy is confirmed and before the ack (the event
             and reply that announce a retry or a dead letter only once it is true).
@@ -55,6 +56,7 @@ class Disposition:
     error: str = ""
     headers: Mapping[str, Any] = field(default_factory=dict)
     drop: tuple[str, ...] = ()
+    body: bytes | None = None
     delay_ms: int | None = None
     owed: Owed | None = None
     ran: bool = False
@@ -73,6 +75,7 @@ class Disposition:
         headers: Mapping[str, Any],
         *,
         drop: tuple[str, ...] = (),
+        body: bytes | None = None,
         delay_ms: int | None = None,
         owed: Owed | None = None,
         ran: bool = False,
@@ -83,6 +86,7 @@ class Disposition:
             Fate.REPUBLISH,
             headers=headers,
             drop=drop,
+            body=body,
             delay_ms=delay_ms,
             owed=owed,
             ran=ran,
@@ -134,12 +138,14 @@ class Settler:
         elif fate is Fate.REPUBLISH:
             if disposition.delay_ms is None:
                 await self._replies.republish(
-                    message, queue=queue, headers=dict(disposition.headers), drop=disposition.drop
-                )
+                    message, queue=queue, headers=dict(disposition.headers), drop=disposition.drop,
+                    body=disposition.body,
+                )  # fmt: skip
             else:
                 await self._eta.park(
-                    message, queue=queue, bucket_ms=disposition.delay_ms, headers=disposition.headers
-                )
+                    message, queue=queue, bucket_ms=disposition.delay_ms, headers=disposition.headers,
+                    drop=disposition.drop, body=disposition.body,
+                )  # fmt: skip
         if disposition.owed is not None:
             await disposition.owed()
         await _tolerate_gone_channel(message.ack())

@@ -289,9 +289,13 @@ def _call(task: Task, request: Request, job: Job, soft_limit: _SoftLimit) -> dic
         return _frame(JobStatus.IGNORED)
     error = exception_to_wire(traced.exception) if traced.exception is not None else None
     if traced.state == RETRY and traced.retry is not None:
-        return _frame(
-            JobStatus.RETRY, value={"eta": traced.retry.eta.isoformat()}, error=error, tb=traced.traceback
-        )
+        retry = traced.retry
+        value: dict[str, Any] = {"eta": retry.eta.isoformat()}
+        if retry.call_args is not None:  # retry(args=...): the next attempt's arguments
+            value["args"] = list(retry.call_args)
+        if retry.call_kwargs is not None:
+            value["kwargs"] = retry.call_kwargs
+        return _frame(JobStatus.RETRY, value=value, error=error, tb=traced.traceback)
     if traced.state == REJECTED:
         requeue = isinstance(traced.exception, Reject) and traced.exception.requeue
         return _frame(JobStatus.REJECTED, value={"requeue": requeue}, error=error, tb=traced.traceback)

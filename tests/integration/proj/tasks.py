@@ -50,3 +50,17 @@ def refuse_first_delivery(self) -> str:
     if not self.request.delivery_info.get("redelivered"):
         raise Reject("not on the first delivery", requeue=True)
     return "second delivery"
+
+
+@shared_task(bind=True)
+def grow(self, x: int, *, scale: int = 1) -> list[int]:
+    """Retries once with new arguments, as ``self.retry(args=..., kwargs=...)`` allows."""
+    if self.request.retries == 0:
+        raise self.retry(args=(x * 100,), kwargs={"scale": 2}, countdown=0.1)
+    return [x, scale]
+
+
+@shared_task(bind=True)
+def headers_seen(self) -> dict[str, object]:
+    """What a task sees of its message's custom headers, both ways Celery shows them."""
+    return {"headers": self.request.headers, "tenant": getattr(self.request, "tenant", None)}
