@@ -62,3 +62,35 @@ def test_a_celery_worker_honours_our_clients_headers(test_vhost_url: str, start_
     finally:
         app.close()
         delete_queues(test_vhost_url, queue)
+
+
+def test_a_prefetched_task_that_expires_behind_a_busy_child_is_revoked_expired(
+    test_vhost_url: str, celery_client
+):
+    # Celery's client and ours: a task the worker holds (prefetched) while its only child is busy
+    # expires there; the caller's get() learns REVOKED "expired" once a child is free, not a run.
+    # (One the broker drops at its AMQP expiration, never delivered, is not answered yet.)
+    prefetch = 4
+    from celery.exceptions import TaskRevokedError as CeleryRevoked
+
+    queue = unique_queue("interop")
+    ours = App("ours", settings=Settings(broker_url=test_vhost_url))
+    try:
+        with WorkerProcess(
+            test_vhost_url, app=T.rstrip(".") + ":app", queues=[queue], concurrency=1,
+            extra_args=["--prefetch-multiplier", str(prefetch)],
+        ) as worker:  # fmt: skip
+            worker.wait_ready()
+            busy = celery_client.send_task(T + "sleeper", (4,), queue=queue)
+            theirs = celery_client.send_task(T + "now", queue=queue, expires=1)
+            mine = ours.send_task(T + "now", queue=queue, expires=1)
+            started = time.monotonic()
+            with pytest.raises(CeleryRevoked, match="expired"):
+                theirs.get(timeout=30)
+            with pytest.raises(TaskRevokedError, match="expired"):
+                mine.get(timeout=30)
+            assert time.monotonic() - started < 8
+            busy.get(timeout=30)
+    finally:
+        ours.close()
+        delete_queues(test_vhost_url, queue, f"{queue}.dead")

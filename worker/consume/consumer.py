@@ -360,6 +360,9 @@ class TaskConsumer:
         try:
             if request.id in self._revoked:  # revoked while it waited for a child
                 return await self._rejections.skip_revoked(request, expired=False)
+            if request.expires is not None and request.expires <= dt.datetime.now(dt.UTC):
+                # Expired while it waited for a child (prefetched): Celery checks again here too.
+                return await self._rejections.skip_revoked(request, expired=True)
             hard, soft = time_limits(
                 request,
                 self._app.tasks[request.task],
