@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import datetime as dt
 import importlib
 import threading
@@ -11,7 +12,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, overload
 
-from broker_svc import shared
+from broker_svc import shared, signals
 from broker_svc.builtins import register_builtins
 from broker_svc.clock import LamportClock
 from broker_svc.conf import Config
@@ -296,8 +297,11 @@ class App:
     def _send(self, signatures: Sequence[Signature]) -> list[AsyncResult]:
         publisher = self._ensure_publisher()
         prepared: list[tuple[PendingPublish, str, bool]] = []
+        announce = signals.before_task_publish.has_receivers or signals.after_task_publish.has_receivers
         for sig in signatures:
             message, queue, serializer = self._build_message(sig)
+            if announce:
+                message = _before_publish(message, queue)
             pending = publisher.prepare(
                 message, queue=queue, queue_type=self.settings.queue_type(queue), serializer=serializer
             )
@@ -305,6 +309,13 @@ class App:
         # Results register before the publish, so even an instant reply finds its waiter.
         results = [AsyncResult(task_id, store=self._store, publish=p) for p, task_id, _ in prepared]
         publisher.submit([p for p, _, _ in prepared])
+        if announce:
+            for pending, _, _ in prepared:
+                headers = pending.message.headers
+                signals.after_task_publish.send(
+                    sender=headers.get("task"), headers=headers, body=pending.message.body, exchange="",
+                    routing_key=pending.queue,
+                )  # fmt: skip
         return results
 
     def _build_message(self, sig: Signature) -> tuple[TaskMessage, str, str | None]:
@@ -457,6 +468,23 @@ class App:
                     hook()
                 except Exception as exc:  # one failing hook must not keep the others from running
                     log.warning("close_hook_failed", hook=repr(hook), error=str(exc))
+
+
+def _before_publish(message: TaskMessage, queue: str) -> TaskMessage:
+    # Celery's before_task_publish: receivers see the headers and may add their own.
+    headers = {
+        "task": message.task, "id": message.id, "root_id": message.root_id, "parent_id": message.parent_id,
+        "retries": message.retries, **message.extra_headers,
+    }  # fmt: skip
+    standard = dict(headers)
+    signals.before_task_publish.send(
+        sender=message.task, body=(message.args, message.kwargs, message.embed), exchange="",
+        routing_key=queue, headers=headers, properties={}, declare=[], retry_policy=None,
+    )  # fmt: skip
+    added = {k: v for k, v in headers.items() if k not in standard or standard[k] is not v}
+    if not added:
+        return message
+    return dataclasses.replace(message, extra_headers={**message.extra_headers, **added})
 
 
 def _embed(options: Mapping[str, Any]) -> dict[str, Any]:

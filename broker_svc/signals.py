@@ -5,8 +5,9 @@ the worker calls each with ``signal=``, ``sender=`` and the signal's named argum
 does. A receiver that raises is logged and never changes the task's outcome.
 
 Where each is sent: ``worker_process_init`` in each pool child once the app is loaded; the
-``task_*`` signals in the child around the task body; ``worker_ready`` and ``worker_shutdown`` in
-the worker's main process.
+``task_*`` signals around the body in the child; ``task_received``, ``task_revoked``,
+``worker_ready`` and ``worker_shutdown`` in the worker's main process; ``before_task_publish``
+(whose receivers may add headers) and ``after_task_publish`` in the sending client.
 """
 
 from __future__ import annotations
@@ -20,10 +21,14 @@ from broker_svc.library_log import get_logger
 
 __all__ = [
     "Signal",
+    "after_task_publish",
+    "before_task_publish",
     "task_failure",
     "task_postrun",
     "task_prerun",
+    "task_received",
     "task_retry",
+    "task_revoked",
     "task_success",
     "worker_process_init",
     "worker_ready",
@@ -93,6 +98,11 @@ class Signal:
             before = len(self._receivers)
             self._receivers = [entry for entry in self._receivers if entry[0] != key]
             return len(self._receivers) != before
+
+    @property
+    def has_receivers(self) -> bool:
+        """Whether anything is connected (cheap: checked before building what a send would pass)."""
+        return bool(self._receivers)
 
     @property
     def receivers(self) -> list[Receiver]:
@@ -168,3 +178,10 @@ task_retry = Signal("task_retry", ("request", "reason", "einfo"))
 worker_process_init = Signal("worker_process_init")
 worker_ready = Signal("worker_ready")
 worker_shutdown = Signal("worker_shutdown")
+before_task_publish = Signal(
+    "before_task_publish",
+    ("body", "exchange", "routing_key", "headers", "properties", "declare", "retry_policy"),
+)
+after_task_publish = Signal("after_task_publish", ("body", "exchange", "routing_key", "headers"))
+task_received = Signal("task_received", ("request",))
+task_revoked = Signal("task_revoked", ("request", "terminated", "signum", "expired"))

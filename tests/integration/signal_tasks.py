@@ -11,7 +11,9 @@ from broker_svc.signals import (
     task_failure,
     task_postrun,
     task_prerun,
+    task_received,
     task_retry,
+    task_revoked,
     task_success,
     worker_process_init,
     worker_ready,
@@ -66,6 +68,16 @@ def on_retry(request: Any, reason: BaseException, **_: Any) -> None:
     _record("task_retry", task_id=request.id, reason=repr(reason))
 
 
+@task_received.connect
+def on_received(request: Any, **_: Any) -> None:
+    _record("task_received", task_id=request.id)
+
+
+@task_revoked.connect
+def on_revoked(request: Any, expired: bool, terminated: bool, **_: Any) -> None:
+    _record("task_revoked", task_id=request.id, expired=expired, terminated=terminated)
+
+
 @task_success.connect(sender="signals.only_for_double")
 def only_for_double(result: Any, **_: Any) -> None:
     _record("filtered_success", result=result)
@@ -91,3 +103,8 @@ def retry_once(self: Any) -> str:
     if self.request.retries == 0:
         raise self.retry(countdown=0.1, exc=OSError("again"))
     return "second time"
+
+
+@app.task(name="signals.headers", bind=True)
+def headers(self: Any) -> Any:
+    return self.request.headers

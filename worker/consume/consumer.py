@@ -13,6 +13,7 @@ import aio_pika.abc
 import structlog
 from structlog.contextvars import bind_contextvars
 
+from broker_svc import signals
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
 from broker_svc.errors import MessageError
@@ -281,6 +282,8 @@ class TaskConsumer:
         if (parked := await self._rate_limited(message, request)) is not None:
             return parked  # parked until its turn under the task's rate limit
         self.received += 1
+        if signals.task_received.has_receivers:
+            signals.task_received.send(sender=self, request=request)
         # Task events are off unless asked for (-E): check before building one, as every task
         # would pay for the reprs and a coroutine otherwise.
         if self._events.task_events:

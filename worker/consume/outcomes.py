@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import structlog
 
+from broker_svc import signals
 from broker_svc.app import App
 from broker_svc.wire import codec
 from broker_svc.wire.result_message import CELERY_EXCEPTIONS_MODULE, Outcome, wire_exception
@@ -143,6 +144,9 @@ class OutcomeHandler:
                 terminated=True,
                 signum=str(signum) if signum is not None else None,
                 expired=False,
+            )
+            signals.task_revoked.send(
+                sender=request.task, request=request, terminated=True, signum=signum, expired=False
             )
         else:
             if self._expected(request.task, outcome.error):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import aio_pika.abc
 import structlog
 
+from broker_svc import signals
 from broker_svc.wire.result_message import Outcome, wire_exception
 from broker_svc.wire.states import State
 from broker_svc.wire.task_message import TaskMessage
@@ -100,6 +101,9 @@ class Rejections:
         ))  # fmt: skip
         await self._events.send(
             "task-revoked", uuid=request.id, terminated=False, signum=None, expired=expired
+        )
+        signals.task_revoked.send(
+            sender=request.task, request=request, terminated=False, signum=None, expired=expired
         )
         return ACK
 
