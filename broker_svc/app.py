@@ -497,6 +497,8 @@ def _embed(options: Mapping[str, Any]) -> dict[str, Any]:
             Signature(item).as_wire() if not isinstance(item, Signature) else item.as_wire() for item in items
         ]
 
+    if "link" not in options and "link_error" not in options and "chain" not in options:
+        return {"callbacks": None, "errbacks": None, "chain": None, "chord": None}  # most sends
     return {
         "callbacks": maps(options.get("link")),
         "errbacks": maps(options.get("link_error")),

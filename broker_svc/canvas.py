@@ -81,7 +81,7 @@ class Signature(dict[str, Any]):
         app: App | None = None,
         **more_options: Any,
     ) -> None:
-        if isinstance(task, Mapping):
+        if not isinstance(task, str):  # a map (cheaper to test than isinstance(task, Mapping))
             source = task
             task = str(source.get("task", ""))
             args = source.get("args") or ()

@@ -112,6 +112,13 @@ class Config(MutableMapping[str, Any]):
     def __getitem__(self, key: str) -> Any:
         return self._values[key]
 
+    def get(self, key: str, default: Any = None) -> Any:
+        # Read on every send: a plain dict lookup, not Mapping.get's KeyError round trip.
+        return self._values.get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._values
+
     def __setitem__(self, key: str, value: Any) -> None:
         self.update({key: value})
 

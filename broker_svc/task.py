@@ -402,13 +402,9 @@ class Task:
         Raises:
             TypeError: the arguments do not fit the function's signature (as Celery's ``typing``).
         """
-        function = getattr(type(self), "__wrapped__", None)
-        if function is None:
+        signature = _call_signature(type(self))
+        if signature is None:
             return
-        try:
-            signature = inspect.signature(function)
-        except (TypeError, ValueError):
-            return  # a builtin or C function: nothing to check against
         try:
             if self.bind:
                 signature.bind(self, *args, **kwargs)
@@ -474,6 +470,24 @@ class Task:
         if self.priority is not None:
             options["priority"] = self.priority
         return options
+
+
+def _call_signature(cls: type[Task]) -> inspect.Signature | None:
+    # Worked out once per task class: ``typing`` checks every send against it.
+    if cls in _SIGNATURES:
+        return _SIGNATURES[cls]
+    function = getattr(cls, "__wrapped__", None)
+    signature: inspect.Signature | None = None
+    if function is not None:
+        try:
+            signature = inspect.signature(function)
+        except (TypeError, ValueError):
+            pass  # a builtin or C function: nothing to check against
+    _SIGNATURES[cls] = signature
+    return signature
+
+
+_SIGNATURES: dict[type[Task], inspect.Signature | None] = {}
 
 
 def build_task_class(
