@@ -23,7 +23,7 @@ import structlog
 from broker_svc.clock import LamportClock
 from broker_svc.topology import event_exchange
 
-__all__ = ["HEARTBEAT_FREQ_S", "EventDispatcher", "Heart", "utcoffset"]
+__all__ = ["HEARTBEAT_FREQ_S", "EventDispatcher", "Heart", "software_version", "utcoffset"]
 
 log = structlog.get_logger(__name__)
 
@@ -41,7 +41,7 @@ def utcoffset() -> int:
     return time.timezone // 3600
 
 
-def _software_version() -> str:
+def software_version() -> str:
     try:
         return version("clockwork")
     except PackageNotFoundError:
@@ -143,7 +143,7 @@ class Heart:
         return {
             "freq": self._freq_s,
             "sw_ident": SW_IDENT,
-            "sw_ver": _software_version(),
+            "sw_ver": software_version(),
             "sw_sys": platform.system(),
             "active": active,
             "processed": processed,

@@ -30,7 +30,7 @@ from worker.consume.consumer import TaskConsumer
 from worker.consume.eta import EtaScheduler
 from worker.consume.publish import ReplyPublisher
 from worker.consume.rate_limits import RateLimits
-from worker.events import EventDispatcher, Heart
+from worker.events import EventDispatcher, Heart, software_version
 from worker.pool.autoscale import Autoscaler, PoolSizer
 from worker.pool.pool import ProcessPool
 from worker.remote.commands import WorkerCommands
@@ -208,6 +208,11 @@ class WorkerService:
         log.info(
             "worker_ready",
             hostname=config.hostname,
+            # The start-up banner: what runs, against which broker (no password), with which tasks.
+            version=software_version(),
+            app=config.app_spec,
+            broker=config.settings.safe_broker_url,
+            tasks=sorted(name for name in self._app.tasks if not name.startswith("celery.")),
             queues=list(config.queues),
             concurrency=config.concurrency,
             autoscale=list(config.autoscale) if config.autoscale else None,

@@ -101,3 +101,16 @@ def test_custom_headers_reach_the_task_as_celery_shows_them(project):
     seen = tasks.headers_seen.apply_async(headers={"tenant": "acme"}).get(timeout=30)
     assert seen == {"headers": {"tenant": "acme"}, "tenant": "acme"}
     assert tasks.headers_seen.delay().get(timeout=30) == {"headers": None, "tenant": None}
+
+
+def test_the_start_up_banner_and_failure_logs_say_what_is_needed(project, test_vhost_url: str):
+    _app, tasks, worker, _queue, _slow = project
+    ready = worker.first("worker_ready")
+    assert ready["app"] == "tests.integration.proj.celery:app"
+    assert "guest:***@" in ready["broker"] and "guest:guest" not in ready["broker"]
+    assert f"{TASKS}.add" in ready["tasks"] and not any(t.startswith("celery.") for t in ready["tasks"])
+    assert ready["version"]
+    with pytest.raises(ValueError):
+        tasks.quiet_failure.delay().get(timeout=30)
+    failed = worker.first("task_failed", timeout_s=10)
+    assert "Traceback" in failed["traceback"] and "reported although" in failed["traceback"]

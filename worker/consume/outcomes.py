@@ -152,9 +152,11 @@ class OutcomeHandler:
             if self._expected(request.task, outcome.error):
                 log.info("task_failed_expected", runtime_ms=runtime_ms, error=_describe(outcome.error))
             else:
+                # Once per task, with its traceback (retries log task_retried without one).
                 log.warning(
-                    "task_failed", runtime_ms=runtime_ms, status=outcome.status.value, error=outcome.error
-                )
+                    "task_failed", runtime_ms=runtime_ms, status=outcome.status.value, error=outcome.error,
+                    traceback=outcome.traceback,
+                )  # fmt: skip
             error = outcome.error or wire_exception("Exception", "unknown failure", module="builtins")
             result = Outcome(task_id=request.id, status=state, result=error, traceback=outcome.traceback)
             await self._events.send(
