@@ -73,9 +73,20 @@ def describe_connect_error(error: BaseException | str) -> str:
     if alert is not None:
         return f"TLS handshake failed: {alert}"
     inner = causes[-1]
+    if any(_tls_eof(cause) for cause in causes):
+        # With TLS 1.3 a broker that refuses our certificate may close the stream before its alert
+        # is read: all that is left is an EOF on the TLS stream, which is still worth naming.
+        shown = f"{type(inner).__name__}: {inner}" if isinstance(inner, BaseException) else str(inner)
+        return f"TLS connection closed by the broker (was a client certificate required?): {shown}"
     if isinstance(inner, BaseException):
         return f"{type(inner).__name__}: {inner}"
     return str(inner)
+
+
+def _tls_eof(cause: BaseException | str) -> bool:
+    if isinstance(cause, ssl.SSLEOFError):
+        return True
+    return "SSLEOFError" in (cause if isinstance(cause, str) else f"{cause!s} {cause!r}")
 
 
 def max_message_size(reason: BaseException) -> int | None:
