@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from broker_svc.app import App
-from broker_svc.canvas import Signature, chain, chunks, group, signature, xmap, xstarmap
+from broker_svc.canvas import Signature, chain, chord, chunks, group, signature, xmap, xstarmap
 from broker_svc.clock import LamportClock
 from broker_svc.errors import (
     BrokerBlocked,
     BrokerSvcError,
     BrokerUnavailable,
+    ChordError,
     ConfigurationError,
     ContentDisallowed,
     DecodeError,
@@ -52,6 +53,7 @@ __all__ = [
     "GroupResult",
     "ResultSet",
     "chain",
+    "chord",
     "chunks",
     "group",
     "signature",
@@ -66,6 +68,7 @@ __all__ = [
     "BrokerBlocked",
     "BrokerSvcError",
     "BrokerUnavailable",
+    "ChordError",
     "ConfigurationError",
     "ContentDisallowed",
     "DecodeError",

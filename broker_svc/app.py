@@ -497,13 +497,19 @@ def _embed(options: Mapping[str, Any]) -> dict[str, Any]:
             Signature(item).as_wire() if not isinstance(item, Signature) else item.as_wire() for item in items
         ]
 
-    if "link" not in options and "link_error" not in options and "chain" not in options:
+    if (
+        "link" not in options
+        and "link_error" not in options
+        and "chain" not in options
+        and "chord" not in options
+    ):
         return {"callbacks": None, "errbacks": None, "chain": None, "chord": None}  # most sends
+    chord = options.get("chord")  # a chord's body, carried by each header task
     return {
         "callbacks": maps(options.get("link")),
         "errbacks": maps(options.get("link_error")),
         "chain": maps(options.get("chain")),
-        "chord": None,
+        "chord": chord.as_wire() if isinstance(chord, Signature) else chord,
     }
 
 

@@ -20,10 +20,11 @@ if TYPE_CHECKING:
 __all__ = ["BUILTIN_NAMES", "register_builtins"]
 
 _CHORDS_NOT_BUILT: Final = (
-    "{name} belongs to a chord, and chords are not built yet (they need a result store that counts "
-    "the header's results); nothing of it ran"
+    "{name} is how Celery runs a chord through a result store, which Clockwork does not have: "
+    "Clockwork joins chords in the broker. Send the chord from Clockwork's client, or from Celery "
+    "with backend='broker_svc.celery_backend:ChordBackend'; nothing of it ran"
 )
-# Sent by Celery only for a chord (or a canvas it turns into one): answered with a clear failure.
+# Sent by Celery only for a chord through its own result backends: answered with a clear failure.
 _CHORD_TASKS: Final = ("celery.chord", "celery.chord_unlock", "celery.group", "celery.chain")
 
 

@@ -15,8 +15,11 @@ a success, the errbacks after a failure.
 - ``task.map(it)``, ``task.starmap(it)`` and ``task.chunks(it, n)`` are Celery's built-in tasks
   ``celery.map``, ``celery.starmap`` and (as a group of starmaps) ``celery.chunks``.
 
-Chords need a result store that counts the header's results; they are not built yet, and a group
-followed by another step (which Celery turns into a chord) is refused with an error saying so.
+- ``chord(header, body)`` (or ``group(...) | body``, or a group followed by more steps in a chain)
+  sends the header's tasks, each carrying the body (with the chord's size) in its ``chord`` field;
+  their workers leave each header task's end with the chord's joiner, which sends the body with
+  the header's results once all are in (worker/consume/chord_join.py). The call returns the
+  body's result, whose ``parent`` is the header's ``GroupResult``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
+from broker_svc.routes import route_for
 from broker_svc.wire.ids import uuid4_str
 from broker_svc.wire.task_message import TaskMessage, parse_iso_datetime
 
@@ -39,6 +43,9 @@ __all__ = [
     "FollowUp",
     "Signature",
     "chain",
+    "chord",
+    "chord_header_problem",
+    "chord_members",
     "chunks",
     "follow_ups",
     "group",
@@ -50,9 +57,9 @@ __all__ = [
     "xstarmap",
 ]
 
-_CHORD_REFUSED: Final = (
-    "a group followed by another step is a chord, and chords are not built yet (they need a "
-    "result store that counts the group's results); send the group and the next step yourself"
+_NESTED_HEADER: Final = (
+    "a chord's header holds plain task signatures only; a group, chain or chord inside a chord's "
+    "header is not supported yet"
 )
 
 
@@ -283,15 +290,13 @@ class chain(Signature):
         """Send the first step, carrying the rest; the last step's result (``.parent``: the one before).
 
         Raises:
-            ValueError: an empty chain, or a group followed by another step (a chord).
+            ValueError: an empty chain, a group as its last step, or a chord with a nested header.
         """
-        steps = [step.clone() for step in self.tasks]
+        steps = _upgrade_to_chords([step.clone() for step in self.tasks])
         if not steps:
             raise ValueError("an empty chain has nothing to send")
         if len(steps) == 1:
             return steps[0].apply_async(args, kwargs, **{**self.options, **options})
-        if any(step.subtask_type == "group" for step in steps[:-1]):
-            raise ValueError(_CHORD_REFUSED)
         if steps[-1].subtask_type == "group":
             raise ValueError("a group as the last step of a chain is not supported yet; link it instead")
         app = self._app or steps[0].app
@@ -300,8 +305,11 @@ class chain(Signature):
         options = {**self.options, **options}
         last_id = options.pop("task_id", None)
         first = steps[0].clone(args, kwargs)
-        root_id = first.options.get("task_id") or uuid4_str()
-        first.options["task_id"] = root_id
+        if isinstance(first, chord):
+            root_id = uuid4_str()  # a chord's task_id is its body's
+        else:
+            root_id = first.options.get("task_id") or uuid4_str()
+            first.options["task_id"] = root_id
         results: list[AsyncResult] = []
         # Results are registered before anything is sent: a fast step's result finds its waiter.
         for index, step in enumerate(steps[1:], start=1):
@@ -348,7 +356,11 @@ class group(Signature):
         return members
 
     def __or__(self, other: Signature) -> Signature:  # type: ignore[override]  # Celery's chord operator
-        raise ValueError(_CHORD_REFUSED)
+        if not isinstance(other, Signature):
+            return NotImplemented
+        if isinstance(other, chain):
+            return chain(chord(self, other.tasks[0], app=self._app), *other.tasks[1:], app=self._app)
+        return chord(self, other, app=self._app)
 
     def apply(
         self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None, **options: Any
@@ -394,6 +406,128 @@ class group(Signature):
         for (index, _), result in zip(plain, app.send_many(s for _, s in plain), strict=True):
             results[index] = result
         return GroupResult(group_id, [r for r in results if r is not None], app=app)
+
+
+class chord(Signature):
+    """A header of tasks run in parallel, then ``body`` once with the list of their results.
+
+    ``chord(header)(body)``, ``chord(header, body).apply_async()`` and ``group(...) | body`` all
+    send it. The header's results are counted in the broker (worker/consume/chord_join.py): no
+    result store, no polling. If a header task fails, the body does not run and its result is a
+    ``ChordError`` naming the failed task.
+    """
+
+    def __init__(
+        self,
+        header: Signature | Iterable[Signature],
+        body: Signature | None = None,
+        *,
+        app: App | None = None,
+        **options: Any,
+    ) -> None:
+        if isinstance(header, group):
+            members = list(header.tasks)
+        elif isinstance(header, Signature):
+            members = [header]
+        else:
+            members = [maybe_signature(item) for item in header]
+        if app is None:
+            candidates = [*members, *([body] if body is not None else [])]
+            app = next((s._app for s in candidates if s._app is not None), None)
+        super().__init__(
+            "celery.chord", (), {"header": group(members, app=app), "body": body, "kwargs": {}}, options,
+            subtask_type="chord", app=app,
+        )  # fmt: skip
+
+    @property
+    def tasks(self) -> list[Signature]:
+        """The header's task signatures."""
+        header: group = self.kwargs["header"]
+        return header.tasks
+
+    @property
+    def body(self) -> Signature | None:
+        """What runs once with the header's results."""
+        body: Signature | None = self.kwargs["body"]
+        return body
+
+    def clone(
+        self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None, **options: Any
+    ) -> chord:
+        members = [member.clone(args, kwargs) for member in self.tasks]
+        body = self.body.clone() if self.body is not None else None
+        return chord(members, body, app=self._app, **{**self.options, **options})
+
+    def __call__(self, body: Signature | None = None, **options: Any) -> AsyncResult:
+        """Send it with ``body`` (Celery's ``chord(header)(body)``); the body's result."""
+        return self.apply_async(body=body, **options)
+
+    def freeze(self, _id: str | None = None, **fields: Any) -> AsyncResult:
+        """Give the body its id (``_id``) and the chord its group id; the body's result."""
+        body = self._body_or_raise()
+        self.options.setdefault("group_id", uuid4_str())
+        fields.pop("group_id", None)
+        return body.freeze(_id, **fields)
+
+    def apply_async(
+        self,
+        args: Sequence[Any] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+        body: Signature | None = None,
+        **options: Any,
+    ) -> AsyncResult:
+        """Send the header's tasks, each carrying the body; the body's result (``.parent``: the header's).
+
+        ``args``/``kwargs`` are partial arguments for every header task. ``task_id`` is the body's
+        id. A chord with an empty header sends its body at once, with an empty list.
+
+        Raises:
+            ValueError: no body, or a header holding groups, chains or chords.
+            PublishError: (``confirm="each"``) the broker did not confirm a header task.
+        """
+        from broker_svc.group_result import GroupResult  # result types import the app
+
+        body = (body or self._body_or_raise()).clone()
+        members = self.tasks
+        if any(member.subtask_type is not None for member in members):
+            raise ValueError(_NESTED_HEADER)
+        options = {**self.options, **options}
+        group_id = options.pop("group_id", None) or uuid4_str()
+        body_id = options.pop("task_id", None) or body.id
+        rest = options.pop("chain", None)
+        app = self._app or body.app
+        body._app = body._app or app
+        if rest:
+            body.options["chain"] = rest  # the steps after the chord run after its body
+        if body.subtask_type is None and "queue" not in body.options:
+            # Routed here, as its header is: any worker of the cluster may be the one that sends it.
+            routed = route_for(app.conf.get("task_routes"), body.task, body.args, body.kwargs, body.options)
+            body.options["queue"] = routed.get("queue") or app.settings.default_queue
+        result = body.freeze(body_id, group_id=group_id)
+        if not members:
+            body.apply_async(([],), **options)
+            result.parent = GroupResult(group_id, [], app=app)
+            return result
+        carried = {**body.as_wire(), "chord_size": len(members)}
+        sent: list[Signature] = []
+        for index, member in enumerate(members):
+            new_args, new_kwargs = member._partial(args, kwargs)
+            step = {**member.options, **options, "group_id": group_id, "group_index": index, "chord": carried}
+            sent.append(Signature(member.task, new_args, new_kwargs, step))
+        result.parent = GroupResult(group_id, app.send_many(sent), app=app)
+        return result
+
+    def apply(
+        self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None, **options: Any
+    ) -> Any:
+        """Run the header here, then the body with its values; the body's ``EagerResult``."""
+        header = group(self.tasks, app=self._app).apply(args, kwargs)
+        return self._body_or_raise().apply((header.get(),), **options)
+
+    def _body_or_raise(self) -> Signature:
+        if self.body is None:
+            raise ValueError("a chord needs a body: chord(header)(body) or chord(header, body)")
+        return self.body
 
 
 class xmap(Signature):
@@ -456,7 +590,34 @@ def maybe_signature(value: Signature | Mapping[str, Any]) -> Signature:
         return chain(*(maybe_signature(s) for s in inner.get("tasks", ())), **options)
     if kind == "group":
         return group(*(maybe_signature(s) for s in inner.get("tasks", ())), **options)
+    if kind == "chord":
+        header, body = chord_members(value)
+        return chord([maybe_signature(m) for m in header], maybe_signature(body), **options)
     return Signature(value)
+
+
+def chord_members(sig: Mapping[str, Any]) -> tuple[list[Mapping[str, Any]], Mapping[str, Any]]:
+    """A chord signature's header members and body, as maps (``sig`` must pass ``unhonoured``)."""
+    inner = sig.get("kwargs") or {}
+    header = inner.get("header")
+    if isinstance(header, Mapping):
+        header = (header.get("kwargs") or {}).get("tasks")
+    return list(header or ()), inner["body"]
+
+
+def _upgrade_to_chords(steps: list[Signature]) -> list[Signature]:
+    # Celery's rule: a group followed by another step is a chord with that step as its body.
+    out: list[Signature] = []
+    index = 0
+    while index < len(steps):
+        step = steps[index]
+        if isinstance(step, group) and index + 1 < len(steps):
+            out.append(chord(step, steps[index + 1], app=step._app))
+            index += 2
+        else:
+            out.append(step)
+            index += 1
+    return out
 
 
 def _steps_of(sig: Signature) -> list[Signature]:
@@ -485,11 +646,22 @@ class FollowUp:
 def unhonoured(embed: Mapping[str, Any]) -> str | None:
     """Why a message's embed cannot be honoured (before it runs), or None if it can.
 
-    A chord, a malformed signature or a canvas shape Clockwork does not run yet is refused as a
-    whole, so no part of it is silently dropped.
+    A malformed signature or a canvas shape Clockwork does not run yet is refused as a whole, so
+    no part of it is silently dropped. A chord header's message must also carry its group id and
+    index (``chord_header_problem``).
     """
-    if embed.get("chord"):
-        return "the message is a chord's header (embed 'chord'); chords are not supported yet"
+    body = embed.get("chord")
+    if body is not None:
+        why = _unhonoured_signature(body)
+        if why is not None:
+            return f"embed 'chord' (the chord's body): {why}"
+        size = body.get("chord_size")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            return (
+                "embed 'chord' carries no chord_size: the chord was sent by a client whose result "
+                "backend counts chords itself; send it with Clockwork's client or with "
+                "Celery's backend='broker_svc.celery_backend:ChordBackend'"
+            )
     for field_name in ("callbacks", "errbacks", "chain"):
         value = embed.get(field_name)
         if value is None:
@@ -501,9 +673,24 @@ def unhonoured(embed: Mapping[str, Any]) -> str | None:
             if why is not None:
                 return f"embed {field_name!r}: {why}"
     steps = embed.get("chain") or []
-    # Celery stores a chain last step first: a group anywhere but the last step to run is a chord.
+    # Celery stores a chain last step first, and turns a group followed by a step into a chord.
     if any(isinstance(s, Mapping) and s.get("subtask_type") == "group" for s in list(steps)[1:]):
-        return "a group followed by more steps is a chord; chords are not supported yet"
+        return "a group followed by more steps in a chain must be sent as a chord"
+    return None
+
+
+def chord_header_problem(
+    embed: Mapping[str, Any], group_id: str | None, group_index: int | None
+) -> str | None:
+    """Why a chord header's message cannot take part in its chord, or None (or not a header)."""
+    body = embed.get("chord")
+    if body is None:
+        return None
+    if not group_id:
+        return "a chord's header task needs its chord's id (header 'group')"
+    size = body.get("chord_size")
+    if group_index is None or not 0 <= group_index < size:
+        return f"a chord's header task needs its place, 0 <= group_index < {size}, got {group_index!r}"
     return None
 
 
@@ -513,9 +700,11 @@ def _unhonoured_signature(sig: Any, depth: int = 0) -> str | None:
     if depth > 8:
         return "signatures nest too deep"
     kind = sig.get("subtask_type")
-    if kind not in (None, "chain", "group"):
-        return f"subtask_type {kind!r} is not supported (chords are not built yet)"
+    if kind not in (None, "chain", "group", "chord"):
+        return f"subtask_type {kind!r} is not supported"
     kwargs = sig.get("kwargs") or {}
+    if kind == "chord":
+        return _unhonoured_chord(kwargs, depth)
     if kind in ("chain", "group"):
         tasks = kwargs.get("tasks") if isinstance(kwargs, Mapping) else None
         if not isinstance(tasks, list | tuple) or not tasks:
@@ -540,6 +729,23 @@ def _unhonoured_signature(sig: Any, depth: int = 0) -> str | None:
     return None
 
 
+def _unhonoured_chord(kwargs: Any, depth: int) -> str | None:
+    if not isinstance(kwargs, Mapping) or not isinstance(kwargs.get("body"), Mapping):
+        return "a chord signature needs kwargs.body"
+    header = kwargs.get("header")
+    if isinstance(header, Mapping):
+        header = (header.get("kwargs") or {}).get("tasks") if header.get("subtask_type") == "group" else None
+    if not isinstance(header, list | tuple):
+        return "a chord signature needs kwargs.header (a group or a list of signatures)"
+    for member in header:
+        if isinstance(member, Mapping) and member.get("subtask_type") is not None:
+            return _NESTED_HEADER
+        why = _unhonoured_signature(member, depth + 1)
+        if why is not None:
+            return why
+    return _unhonoured_signature(kwargs["body"], depth + 1)
+
+
 def follow_ups(
     sig: Mapping[str, Any],
     *,
@@ -555,6 +761,8 @@ def follow_ups(
     """
     kind = sig.get("subtask_type")
     inner = sig.get("kwargs") or {}
+    if kind == "chord":
+        return _chord_follow_ups(sig, parent=parent, partial=partial, chain_rest=chain_rest)
     if kind == "group":
         options = sig.get("options") or {}
         group_id = options.get("group_id") or options.get("task_id") or uuid4_str()
@@ -571,6 +779,36 @@ def follow_ups(
         rest = [*(chain_rest or ()), *reversed(steps[1:])]
         return follow_ups(steps[0], parent=parent, partial=partial, chain_rest=rest)
     return [_follow_up(sig, parent=parent, partial=partial, chain_rest=chain_rest)]
+
+
+def _chord_follow_ups(
+    sig: Mapping[str, Any],
+    *,
+    parent: TaskMessage,
+    partial: Sequence[Any],
+    chain_rest: Sequence[Mapping[str, Any]] | None,
+) -> list[FollowUp]:
+    # A chord as a step (Celery's chain of a group and a step): its header tasks, each carrying
+    # the body with the chord's size; the steps after it run after its body.
+    members, body = chord_members(sig)
+    options = sig.get("options") or {}
+    header = (sig.get("kwargs") or {}).get("header")
+    header_options = (header.get("options") or {}) if isinstance(header, Mapping) else {}
+    group_id = options.get("group_id") or header_options.get("task_id") or uuid4_str()
+    body_options = {**(body.get("options") or {})}
+    body_options.setdefault("task_id", options.get("task_id") or uuid4_str())
+    body_options.setdefault("reply_to", options.get("reply_to") or parent.reply_to)
+    if chain_rest:
+        body_options["chain"] = list(chain_rest)
+    if not members:
+        return follow_ups({**body, "options": body_options}, parent=parent, partial=([],))
+    carried = {**body, "options": body_options, "chord_size": len(members)}
+    out: list[FollowUp] = []
+    for index, member in enumerate(members):
+        fixed = {**member, "options": {**(member.get("options") or {}), "group_id": group_id,
+                                        "group_index": index, "chord": carried}}  # fmt: skip
+        out.extend(follow_ups(fixed, parent=parent, partial=partial))
+    return out
 
 
 def _follow_up(
@@ -598,8 +836,8 @@ def _follow_up(
         embed={
             "callbacks": _as_list(options.get("link")) or None,
             "errbacks": _as_list(options.get("link_error")) or None,
-            "chain": list(chain_rest) if chain_rest else None,
-            "chord": None,
+            "chain": list(chain_rest or options.get("chain") or ()) or None,
+            "chord": options.get("chord"),
         },
         root_id=parent.root_id or parent.id,
         parent_id=parent.id,

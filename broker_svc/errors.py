@@ -39,6 +39,7 @@ __all__ = [
     "BrokerBlocked",
     "BrokerSvcError",
     "BrokerUnavailable",
+    "ChordError",
     "ConfigurationError",
     "ContentDisallowed",
     "DecodeError",
@@ -150,6 +151,10 @@ class TaskError(BrokerSvcError):
 
 class TaskRevokedError(TaskError):
     """The task was revoked, expired or terminated before it finished."""
+
+
+class ChordError(TaskError):
+    """A chord's body did not run because a task of its header failed (Celery's ``ChordError``)."""
 
 
 class Retry(BrokerSvcError):

@@ -6,7 +6,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from broker_svc.connection.pending import Delivery, PendingPublish
 from broker_svc.errors import MessageError, ResultTimeout, TaskError
@@ -14,6 +14,9 @@ from broker_svc.library_log import get_logger
 from broker_svc.wire import codec
 from broker_svc.wire.result_message import Outcome, exception_from_wire
 from broker_svc.wire.states import READY_STATES, State
+
+if TYPE_CHECKING:
+    from broker_svc.group_result import GroupResult
 
 __all__ = ["AsyncResult", "ResultStore"]
 
@@ -134,8 +137,8 @@ class AsyncResult:
 
     def __init__(self, task_id: str, *, store: ResultStore, publish: PendingPublish | None = None) -> None:
         self.id = task_id
-        # The step before this one in a chain (Celery's ``result.parent``); None otherwise.
-        self.parent: AsyncResult | None = None
+        # The step before this one in a chain, or a chord's header (Celery's ``result.parent``).
+        self.parent: AsyncResult | GroupResult | None = None
         self._store = store
         self._publish = publish
         store.register(task_id)
@@ -234,7 +237,7 @@ class AsyncResult:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             node = self.parent
-            while node is not None:
+            while isinstance(node, AsyncResult):  # a chord's header fails its body by itself
                 latest = self._store.latest(node.id)
                 if latest is not None and latest.ready and latest.status != State.SUCCESS:
                     return latest

@@ -37,7 +37,7 @@ SEND_OPTIONS: Final = frozenset(
         "soft_time_limit", "ignore_result", "serializer", "headers", "shadow",
         "parent_id", "root_id", "retries", "reply_to",
         # the canvas: callbacks, errbacks, the rest of a chain, a group's id and place
-        "link", "link_error", "chain", "group_id", "group_index",
+        "link", "link_error", "chain", "chord", "group_id", "group_index",
         # Celery's routing and publish-retry options (docs/migrating-from-celery.md)
         "routing_key", "exchange", "retry", "retry_policy",
     }

@@ -26,6 +26,7 @@ __all__ = [
     "QueueType",
     "EVENT_EXCHANGE",
     "MEMBERS_ROUTING_KEY",
+    "chord_join_queue",
     "control_reply_queue",
     "dead_letter_queue",
     "delay_bucket_ms",
@@ -326,4 +327,18 @@ def revocation_log(namespace: str = DEFAULT_NAMESPACE) -> QueueSpec:
             "x-stream-max-segment-size-bytes": 4_000_000,
             "x-max-length-bytes": 200_000_000,
         },
+    )
+
+
+def chord_join_queue(namespace: str = DEFAULT_NAMESPACE) -> QueueSpec:
+    """Where finished chord header tasks leave their parts for the joiner (docs/canvas.md, "Chords").
+
+    A quorum queue, so the parts of a chord in progress survive the loss of a node, with a single
+    active consumer: one worker of the cluster joins at a time, holding the parts of each chord
+    unacked until it sends the body; if it dies they go to the next worker, which joins again.
+    """
+    return QueueSpec(
+        name=f"clockwork.chords.{namespace}",
+        durable=True,
+        arguments={"x-queue-type": "quorum", "x-single-active-consumer": True},
     )

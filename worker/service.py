@@ -26,6 +26,7 @@ from worker.amqp.header_ints import install_header_int_guard
 from worker.amqp.subscriptions import QueueConsumers
 from worker.background import Background
 from worker.config import WorkerConfig, time_limits_over_consumer_timeout
+from worker.consume.chord_join import ChordJoiner
 from worker.consume.consumer import TaskConsumer
 from worker.consume.eta import EtaScheduler
 from worker.consume.publish import ReplyPublisher
@@ -205,6 +206,15 @@ class WorkerService:
 
         publishing.reconnect_callbacks.add(on_reconnect)
         background.spawn(watch.watch_consumers(), name="consumer-watch")
+        # Chords: one worker of the cluster joins at a time (worker/consume/chord_join.py).
+        joiner = ChordJoiner(
+            app=self._app,
+            clock=self._clock,
+            namespace=config.namespace,
+            max_body_bytes=config.settings.max_body_bytes,
+        )
+        background.spawn(joiner.run(publishing), name="chord-joiner")
+        background.spawn(joiner.watch(), name="chord-watch")
         log.info(
             "worker_ready",
             hostname=config.hostname,
@@ -290,6 +300,7 @@ class WorkerService:
             revoked=self._revoked,
             limits=self._limits,
             default_time_limits=(config.time_limit_s, config.soft_time_limit_s),
+            namespace=config.namespace,
         )
 
     async def _start_events(self, publishing: aio_pika.abc.AbstractRobustConnection) -> EventDispatcher:

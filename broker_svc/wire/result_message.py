@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from broker_svc.errors import (
+    ChordError,
     MessageError,
     NotRegistered,
     Reject,
@@ -67,7 +68,10 @@ _CELERY_WIRE_NAMES: Final[dict[type[BaseException], str]] = {
 _remote_types: dict[tuple[str, str], type[TaskError]] = {}
 _remote_types_lock = threading.Lock()
 
-_CELERY_NAMES: Final[dict[str, type[TaskError]]] = {"TaskRevokedError": TaskRevokedError}
+_CELERY_NAMES: Final[dict[str, type[TaskError]]] = {
+    "TaskRevokedError": TaskRevokedError,
+    "ChordError": ChordError,
+}
 
 
 def exception_from_wire(value: Any, traceback: str | None = None) -> TaskError:

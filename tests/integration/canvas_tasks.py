@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any
 
 from broker_svc import App
@@ -44,3 +45,17 @@ def on_error(request: Any, exc: BaseException, traceback: str) -> None:
     """A new-style errback: called in the failed task's process with its request and exception."""
     with open(os.environ["CANVAS_NOTES"], "a") as notes:
         notes.write(json.dumps(["on_error", [request.id, repr(exc), "Traceback" in traceback]]) + "\n")
+
+
+@app.task(name="canvas.collect")
+def collect(results: list[Any], label: str = "") -> list[Any]:
+    """A chord body: notes each run in ``$CANVAS_NOTES`` (so a test can count them) and returns its input."""
+    with open(os.environ["CANVAS_NOTES"], "a") as notes:
+        notes.write(json.dumps(["collect", [label, results]]) + "\n")
+    return results
+
+
+@app.task(name="canvas.slow_add")
+def slow_add(x: int, y: int, seconds: float = 0.5) -> int:
+    time.sleep(seconds)
+    return x + y

@@ -15,9 +15,9 @@ def test_broker_svc_exports_exactly_its_public_names():
     assert sorted(broker_svc.__all__) == sorted(
         [
             "App", "AsyncResult", "Signature", "State", "Task", "current_app", "shared_task", "LamportClock",
-            "GroupResult", "ResultSet", "chain", "chunks", "group", "signature", "xmap", "xstarmap",
+            "GroupResult", "ResultSet", "chain", "chord", "chunks", "group", "signature", "xmap", "xstarmap",
             "Publisher", "Settings",
-            "TaskMessage", "BrokerBlocked", "BrokerSvcError", "BrokerUnavailable", "ConfigurationError",
+            "TaskMessage", "BrokerBlocked", "BrokerSvcError", "BrokerUnavailable", "ChordError", "ConfigurationError",
             "ContentDisallowed", "Ignore", "Reject",
             "DecodeError", "InvalidTaskMessage", "MaxRetriesExceededError", "MessageError",
             "MessageTooLarge", "NotRegistered", "PublishError", "PublishNacked", "ResultTimeout", "Retry",

@@ -49,5 +49,5 @@ def test_a_builtin_naming_an_unknown_task_fails_clearly(app: App):
 
 
 def test_chord_parts_fail_with_the_reason_instead_of_not_registered(app: App):
-    with pytest.raises(NotImplementedError, match="chords are not built yet"):
+    with pytest.raises(NotImplementedError, match="joins chords in the broker"):
         app.tasks["celery.chord_unlock"].apply(("group-id", {})).get()

@@ -63,8 +63,10 @@ def test_a_chain_callback_runs_its_first_step_carrying_its_rest():
 @pytest.mark.parametrize(
     ("embed", "why"),
     [
-        ({"chord": sig("t.body")}, "chord"),
-        ({"callbacks": [sig("t.x", kind="chord")]}, "subtask_type"),
+        ({"chord": sig("t.body")}, "chord_size"),
+        ({"chord": {**sig("t.body", kind="group"), "chord_size": 2}}, "kwargs.tasks"),
+        ({"callbacks": [sig("t.x", kind="weave")]}, "subtask_type"),
+        ({"callbacks": [sig("t.x", kind="chord")]}, "kwargs.body"),
         ({"callbacks": "not a list"}, "list"),
         ({"errbacks": [{"args": []}]}, "task name"),
         ({"chain": [sig("t.last"), {**sig("g", kind="group"), "kwargs": {"tasks": [sig("t.a")]}}]}, "chord"),

@@ -2,9 +2,12 @@
 
 Protocol v2 carries a canvas in the body's embed (WIRE.md §3.3): ``chain`` (the steps after this
 one, last first), ``callbacks`` (``link``: run with the result after a success), ``errbacks``
-(``link_error``: run with the task id after a failure for good) and ``chord``. The worker honours
-the first three as Celery's does; a message whose embed it cannot honour (a chord, a malformed
-signature) is refused before it runs (``unhonoured``), so no part of a canvas is ever dropped.
+(``link_error``: run with the task id after a failure for good) and ``chord`` (this task is in a
+chord's header; the field is the body). The worker honours the first three as Celery's does. A
+chord header task's end, whatever it is, goes to the chord's joiner as a part
+(``broker_svc.wire.chord_part``; worker/consume/chord_join.py joins them). A message whose embed
+it cannot honour (a malformed signature) is refused before it runs (``unhonoured``), so no part
+of a canvas is ever dropped.
 
 Each follow-up task is confirmed by the broker before the finished task's delivery is acked: a
 worker that dies between the two sends it again on redelivery (at-least-once, as in Celery).
@@ -14,17 +17,22 @@ else the app's default queue, as a Celery worker routes it.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import structlog
 
 from broker_svc.app import App
-from broker_svc.canvas import FollowUp, follow_ups, runs_in_process, unhonoured
+from broker_svc.canvas import FollowUp, chord_header_problem, follow_ups, runs_in_process, unhonoured
 from broker_svc.routes import route_for
+from broker_svc.topology import chord_join_queue
+from broker_svc.wire.chord_part import ChordPart, encode_part
+from broker_svc.wire.result_message import wire_exception
+from broker_svc.wire.states import State
 from broker_svc.wire.task_message import TaskMessage, encode_task
 from worker.consume.publish import ReplyPublisher
 
-__all__ = ["Canvas"]
+__all__ = ["Canvas", "follow_up_queue"]
 
 log = structlog.get_logger(__name__)
 
@@ -37,20 +45,59 @@ class Canvas:
         replies: the confirm-mode publisher.
     """
 
-    def __init__(self, *, app: App, replies: ReplyPublisher) -> None:
+    def __init__(self, *, app: App, replies: ReplyPublisher, namespace: str) -> None:
         self._app = app
         self._replies = replies
+        self._join_queue = chord_join_queue(namespace)
 
     @staticmethod
     def refusal(request: TaskMessage) -> str | None:
         """Why ``request``'s canvas cannot be honoured, or None (then it may run)."""
-        return unhonoured(request.embed)
+        return unhonoured(request.embed) or chord_header_problem(
+            request.embed, request.group, request.group_index
+        )
 
     @staticmethod
     def wants_anything(request: TaskMessage) -> bool:
         """Whether the message carries a chain, callbacks or errbacks (most carry none)."""
         embed = request.embed
         return bool(embed.get("chain") or embed.get("callbacks") or embed.get("errbacks"))
+
+    async def chord_part(self, request: TaskMessage, state: State, result: Any) -> None:
+        """If ``request`` is a chord's header task, leave its end with the chord's joiner; confirmed.
+
+        ``state`` is SUCCESS (``result`` the value) or FAILURE/REVOKED (``result`` the exception
+        map). Called once the task has ended for good, before its delivery is acked.
+
+        Raises:
+            aio_pika.exceptions.AMQPError: the part was not confirmed (the caller must not ack).
+        """
+        body = request.embed.get("chord")
+        if body is None or request.group is None or request.group_index is None:
+            return
+        part = ChordPart(
+            group_id=request.group,
+            index=request.group_index,
+            size=int(body["chord_size"]),
+            task_id=request.id,
+            state=state.value,
+            result=result,
+            body=body,
+            reply_to=request.reply_to,
+            root_id=request.root_id,
+        )
+        content_type = "json" if request.content_type == "application/json" else "msgpack"
+        try:
+            payload, ctype, encoding = encode_part(part, content_type)
+        except (TypeError, ValueError, OverflowError) as exc:
+            # The result reached the caller in another shape; the chord fails rather than hangs.
+            error = wire_exception("EncodeError", f"chord part cannot be encoded as {content_type}: {exc}")
+            failed = dataclasses.replace(part, state=State.FAILURE.value, result=error)
+            payload, ctype, encoding = encode_part(failed, content_type)
+        await self._replies.publish_to(payload, content_type=ctype, encoding=encoding, queue=self._join_queue)
+        log.info(
+            "chord_part_sent", group_id=part.group_id, index=part.index, size=part.size, state=part.state
+        )
 
     async def after_success(self, request: TaskMessage, value: Any) -> None:
         """Send the callbacks with ``value``, then the chain's next step with it (Celery's order).
@@ -85,15 +132,20 @@ class Canvas:
         settings = self._app.settings
         for item in follow:
             message = item.message
-            queue = item.queue
-            if queue is None:
-                routed = route_for(
-                    self._app.conf.get("task_routes"), message.task, message.args, message.kwargs, {}
-                )
-                queue = routed.get("queue") or settings.default_queue
+            queue = follow_up_queue(self._app, item)
             serializer = "json" if message.content_type == "application/json" else "msgpack"
             wire = encode_task(message, serializer=serializer)
             await self._replies.publish_task(wire, queue=queue, queue_type=settings.queue_type(queue))
             log.info(
                 "task_follow_up_sent", follow_up_id=message.id, follow_up=message.task, queue=queue, why=why
             )
+
+
+def follow_up_queue(app: App, item: FollowUp) -> str:
+    """Where a follow-up goes: its signature's queue, else the app's route for it, else the default."""
+    if item.queue is not None:
+        return item.queue
+    message = item.message
+    routed = route_for(app.conf.get("task_routes"), message.task, message.args, message.kwargs, {})
+    queue: str = routed.get("queue") or app.settings.default_queue
+    return queue

@@ -73,6 +73,7 @@ class TaskConsumer:
         limits: RateLimits,
         default_time_limits: tuple[float | None, float | None] = (None, None),
         dedupe_window_s: float | None = None,
+        namespace: str = "celery",
     ) -> None:
         self._app = app
         self._pool = pool
@@ -94,8 +95,9 @@ class TaskConsumer:
         self.received = 0
         self._replies = replies
         self._outcomes = OutcomeHandler(
-            app=app, replies=replies, eta=eta, events=events, delivery_limit=settings.delivery_limit
-        )
+            app=app, replies=replies, eta=eta, events=events, delivery_limit=settings.delivery_limit,
+            namespace=namespace,
+        )  # fmt: skip
         self._admission = Admission(
             outcomes=self._outcomes,
             delivery_limit=settings.delivery_limit,

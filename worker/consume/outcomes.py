@@ -50,6 +50,7 @@ class OutcomeHandler:
         events: where task-* events go.
         delivery_limit: how many deliveries of one message may end without finishing (its child or
             worker died) before the next is dead-lettered (``worker.consume.admission``).
+        namespace: the control namespace, which names the chord join queue.
     """
 
     def __init__(
@@ -60,6 +61,7 @@ class OutcomeHandler:
         eta: EtaScheduler,
         events: EventDispatcher,
         delivery_limit: int,
+        namespace: str = "celery",
     ) -> None:
         self._app = app
         self._replies = replies
@@ -67,7 +69,7 @@ class OutcomeHandler:
         self._events = events
         self._delivery_limit = delivery_limit
         # A chain's next step, callbacks and errbacks (worker.consume.canvas).
-        self._canvas = Canvas(app=app, replies=replies)
+        self._canvas = Canvas(app=app, replies=replies, namespace=namespace)
         # Each running task's chain of update publishes: updates, then the outcome, in order.
         self._updates: dict[str, asyncio.Future[None]] = {}
         self.processed = 0
@@ -166,6 +168,7 @@ class OutcomeHandler:
                 traceback=outcome.traceback or "",
             )
         await self.reply(request, result, failed=state == State.FAILURE)
+        await self.chord_part(request, state, result.result)
         if Canvas.wants_anything(request):
             # Confirmed before the ack (at-least-once): the caller's get() on a later step waits.
             if outcome.status == JobStatus.SUCCESS:
@@ -236,6 +239,7 @@ class OutcomeHandler:
         await self.reply(
             request, Outcome(task_id=request.id, status=State.FAILURE, result=error), failed=True
         )
+        await self.chord_part(request, State.FAILURE, error)
         return Disposition.dead_letter("rejected", _describe(error), finished=True)
 
     async def _child_lost(
@@ -260,6 +264,7 @@ class OutcomeHandler:
         log.error("task_delivery_limit_reached", why=why)
         failure = error or wire_exception("WorkerLostError", why, module="billiard.exceptions")
         await self.reply(request, Outcome(task_id=request.id, status=State.FAILURE, result=failure))
+        await self.chord_part(request, State.FAILURE, failure)
 
         async def announce() -> None:
             await self._events.send(
@@ -275,6 +280,11 @@ class OutcomeHandler:
             return False
         kind, module = error.get("exc_type"), error.get("exc_module")
         return any(cls.__name__ == kind and module in (None, cls.__module__) for cls in task.throws)
+
+    async def chord_part(self, request: TaskMessage, state: State, result: Any) -> None:
+        """A chord header task ended for good: its part goes to the chord's joiner (confirmed)."""
+        if request.embed.get("chord") is not None:
+            await self._canvas.chord_part(request, state, result)
 
     async def reply(self, request: TaskMessage, outcome: Outcome, *, failed: bool = False) -> None:
         """Publish a state to the task's ``reply_to``, unless results are ignored.

@@ -20,6 +20,7 @@ from broker_svc.topology import (
     DEAD_LETTER_ERROR_HEADER,
     DEAD_LETTER_QUEUE_HEADER,
     DEAD_LETTER_REASON_HEADER,
+    QueueSpec,
     QueueType,
     dead_letter_queue,
     task_queue,
@@ -183,6 +184,24 @@ class ReplyPublisher:
         except Unroutable:
             await declare_queue(self._channel, task_queue(queue, queue_type=queue_type))
             await self._send(wire.body, properties, queue)
+
+    async def publish_to(self, body: bytes, *, content_type: str, encoding: str, queue: QueueSpec) -> None:
+        """Send a persistent message to one of Clockwork's own queues, declaring it if missing; confirmed.
+
+        Raises:
+            aio_pika.exceptions.AMQPError: the broker did not take it (the caller must not ack).
+        """
+        properties = spec.Basic.Properties(
+            content_type=content_type,
+            content_encoding=encoding,
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT.value,
+            headers={CLOCK_HEADER: self._clock.forward()},
+        )
+        try:
+            await self._send(body, properties, queue.name)
+        except Unroutable:
+            await declare_queue(self._channel, queue)
+            await self._send(body, properties, queue.name)
 
     async def _publish(self, message: aio_pika.Message, routing_key: str) -> None:
         await self._send(message.body, message.properties, routing_key)

@@ -11,6 +11,8 @@ ack (carried out by ``worker.consume.settle``) — and none of the consumer's ru
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import aio_pika.abc
 import structlog
 
@@ -71,9 +73,9 @@ class Rejections:
     async def unregistered(self, request: TaskMessage) -> Disposition:
         """Dead-letter a task this app does not register (FAILURE ``NotRegistered``)."""
         log.error("task_unknown", task_name=request.task)
-        await self._outcomes.reply(request, Outcome(
-            task_id=request.id, status=State.FAILURE, result=wire_exception("NotRegistered", request.task)
-        ))  # fmt: skip
+        error = wire_exception("NotRegistered", request.task)
+        await self._outcomes.reply(request, Outcome(task_id=request.id, status=State.FAILURE, result=error))
+        await self._outcomes.chord_part(request, State.FAILURE, error)
         return Disposition.dead_letter(
             "NotRegistered", f"task {request.task!r} is not registered", owed=self._rejected(request.id)
         )
@@ -89,6 +91,18 @@ class Rejections:
             task_id=request.id, status=State.FAILURE,
             result=wire_exception("NotImplementedError", why, module="builtins"),
         ))  # fmt: skip
+        body = request.embed.get("chord")
+        body_options = body.get("options") if isinstance(body, Mapping) else None
+        reply_to = (body_options or {}).get("reply_to") or request.reply_to
+        if isinstance(body_options, Mapping) and isinstance(body_options.get("task_id"), str) and reply_to:
+            # A chord that cannot be joined: its body's caller learns why instead of waiting.
+            await self._replies.publish_result(
+                Outcome(task_id=body_options["task_id"], status=State.FAILURE,
+                        result=wire_exception("ChordError", f"chord refused: {why}")),
+                reply_to=reply_to,
+                correlation_id=body_options["task_id"],
+                content_type=reply_type(request.content_type),
+            )  # fmt: skip
         return Disposition.dead_letter("unsupported_canvas", why, owed=self._rejected(request.id))
 
     async def skip_revoked(self, request: TaskMessage, *, expired: bool) -> Disposition:
@@ -96,9 +110,9 @@ class Rejections:
         # A revoked (or expired) task never runs: REVOKED result, task-revoked event, then the ack.
         reason = "expired" if expired else "revoked"
         log.info("task_revoked_skipped", reason=reason)
-        await self._outcomes.reply(request, Outcome(
-            task_id=request.id, status=State.REVOKED, result=wire_exception("TaskRevokedError", reason)
-        ))  # fmt: skip
+        error = wire_exception("TaskRevokedError", reason)
+        await self._outcomes.reply(request, Outcome(task_id=request.id, status=State.REVOKED, result=error))
+        await self._outcomes.chord_part(request, State.REVOKED, error)
         await self._events.send(
             "task-revoked", uuid=request.id, terminated=False, signum=None, expired=expired
         )

@@ -1,0 +1,197 @@
+"""Chords on RabbitMQ alone: our client's chord run by our workers, the body sent exactly once.
+
+The header's parts are counted in the join queue by one worker of the cluster at a time
+(worker/consume/chord_join.py). These tests run chords end to end, fail a header task, and make
+the joiner fail over with parts held and copies of parts sent, counting the body's runs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pika
+import pytest
+
+from broker_svc import App, ChordError, Settings, Signature, chain, chord, group
+from broker_svc.topology import chord_join_queue
+from broker_svc.wire.chord_part import ChordPart, encode_part
+from tests.infra.session_broker import SessionBroker
+from tests.support.waiting import wait_for
+from tests.support.workers import WorkerProcess, unique_queue
+
+APP = "tests.integration.canvas_tasks:app"
+
+
+@pytest.fixture(scope="module")
+def notes_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("chords") / "notes.jsonl"
+
+
+@pytest.fixture(scope="module")
+def chord_url(session_broker: SessionBroker) -> Iterator[str]:
+    # A vhost of this module's own: its workers are the only joiners of its chords.
+    with session_broker.own_vhost("clockwork-chord") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def worker(chord_url: str, notes_path: Path) -> Iterator[WorkerProcess]:
+    name = unique_queue("chord")
+    env = {"CANVAS_NOTES": str(notes_path)}
+    with WorkerProcess(chord_url, app=APP, queues=[name], concurrency=2, env=env) as process:
+        process.wait_ready()
+        yield process
+
+
+@pytest.fixture
+def queue(worker: WorkerProcess) -> str:
+    return worker.queues[0]
+
+
+@pytest.fixture
+def client(chord_url: str) -> Iterator[App]:
+    app = App("chord-client", settings=Settings(broker_url=chord_url, serializer="json"))
+    yield app
+    app.close()
+
+
+def _sig(
+    client: App, queue: str, name: str, *args: Any, label: str | None = None, **options: Any
+) -> Signature:
+    kwargs = {"label": label} if label is not None else {}
+    return client.signature(f"canvas.{name}", args, kwargs, queue=queue, **options)
+
+
+def _body_runs(notes_path: Path, label: str) -> list[list[Any]]:
+    if not notes_path.exists():
+        return []
+    runs = []
+    for line in notes_path.read_text().splitlines():
+        kind, detail = json.loads(line)
+        if kind == "collect" and detail[0] == label:
+            runs.append(detail[1])
+    return runs
+
+
+def test_a_chord_runs_its_body_once_with_the_header_results_in_order(
+    client: App, queue: str, notes_path: Path
+):
+    s = lambda *a, **o: _sig(client, queue, *a, **o)  # noqa: E731
+    # Later members finish first (the sleeps), yet the body sees the header's order.
+    header = [s("slow_add", i, i, 0.3 - i * 0.1) for i in range(3)]
+    result = chord(header)(s("collect", label="ordered"))
+    assert result.get(timeout=30) == [0, 2, 4]
+    assert result.parent is not None and result.parent.get(timeout=10) == [0, 2, 4]
+    wait_for(lambda: _body_runs(notes_path, "ordered"), timeout_s=10, message="body not noted")
+    assert _body_runs(notes_path, "ordered") == [[0, 2, 4]]
+
+
+def test_group_piped_into_a_task_is_a_chord_and_partial_arguments_reach_the_header(client: App, queue: str):
+    s = lambda *a, **o: _sig(client, queue, *a, **o)  # noqa: E731
+    assert (group(s("add", i) for i in range(4)) | s("xsum")).apply_async((10,)).get(timeout=30) == 46
+    assert chord([s("mul", 2, 3)], s("xsum")).apply_async().get(timeout=30) == 6
+    assert chord([], s("collect", label="empty")).apply_async().get(timeout=30) == []
+
+
+def test_a_chain_through_a_group_runs_the_steps_after_it_with_the_body_result(client: App, queue: str):
+    s = lambda *a, **o: _sig(client, queue, *a, **o)  # noqa: E731
+    # add(1, 1) -> [add(2, 10), add(2, 20)] -> xsum -> mul(x, 3)
+    result = chain(s("add", 1, 1), group(s("add", 10), s("add", 20)), s("xsum"), s("mul", 3)).apply_async()
+    assert result.get(timeout=30) == (12 + 22) * 3
+
+
+def test_a_failed_header_task_fails_the_body_with_a_chord_error_and_never_runs_it(
+    client: App, worker: WorkerProcess, queue: str, notes_path: Path
+):
+    s = lambda *a, **o: _sig(client, queue, *a, **o)  # noqa: E731
+    errback = s("note")
+    result = chord([s("add", 1, 1), s("fail", 7), s("slow_add", 2, 2, 1.0)])(
+        s("collect", label="never", link_error=[errback])
+    )
+    started = time.monotonic()
+    with pytest.raises(ChordError, match=r"Dependency .* raised ValueError"):
+        result.get(timeout=30)
+    # Told at the failure, not after the slow member: no waiting for the whole header.
+    assert time.monotonic() - started < 5
+    wait_for(
+        lambda: any(
+            json.loads(line) == ["note", [result.id]] for line in notes_path.read_text().splitlines()
+        ),
+        timeout_s=10,
+        message="the body's errback did not run with the body's id",
+    )
+    group_id = result.parent.id if result.parent is not None else None
+
+    def settled() -> bool:  # the slow member ended too, and its part did not run the body
+        return any(
+            e.get("event") == "chord_settled" and e.get("group_id") == group_id for e in worker.events()
+        )
+
+    wait_for(settled, timeout_s=15, message="the failed chord was not settled")
+    assert _body_runs(notes_path, "never") == []
+
+
+def _publish_parts(url: str, parts: list[ChordPart]) -> None:
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        channel = connection.channel()
+        channel.confirm_delivery()
+        spec = chord_join_queue()
+        channel.queue_declare(spec.name, durable=True, arguments=spec.arguments)
+        for part in parts:
+            body, content_type, encoding = encode_part(part, "json")
+            channel.basic_publish(
+                "", spec.name, body,
+                pika.BasicProperties(content_type=content_type, content_encoding=encoding, delivery_mode=2),
+            )  # fmt: skip
+    finally:
+        connection.close()
+
+
+def test_the_body_is_sent_once_when_parts_come_twice_and_the_joiner_fails_over(
+    session_broker: SessionBroker, notes_path: Path
+):
+    """Parts held by a joiner that is killed go to the next; copies of a part count once.
+
+    In a vhost of its own, so the two workers here are the only joiners: the first to subscribe
+    is the active one (single active consumer), the second takes over when it dies.
+    """
+    name = unique_queue("chord-failover")
+    env = {"CANVAS_NOTES": str(notes_path)}
+    with session_broker.own_vhost("clockwork-chord") as url:
+        app = App("chord-failover", settings=Settings(broker_url=url, serializer="json"))
+        try:
+            body_id = f"body-{name}"
+            body = _sig(app, name, "collect", label=name, task_id=body_id, reply_to=app.reply_queue)
+            body_result = app.AsyncResult(body_id)
+            carried = {**body.as_wire(), "chord_size": 3}
+
+            def part(index: int) -> ChordPart:
+                return ChordPart(
+                    group_id=f"g-{name}", index=index, size=3, task_id=f"t{index}-{name}", state="SUCCESS",
+                    result=index * 10, body=carried, reply_to=app.reply_queue, root_id=None,
+                )  # fmt: skip
+
+            with WorkerProcess(url, app=APP, queues=[name], concurrency=1, env=env) as first:
+                first.wait_ready()
+                first.first("chord_joiner_subscribed")
+                with WorkerProcess(url, app=APP, queues=[name], concurrency=1, env=env) as second:
+                    second.wait_ready()
+                    second.first("chord_joiner_subscribed")
+                    # A first task opens the client's result queue, where the body's result comes.
+                    assert _sig(app, name, "add", 1, 1).apply_async().get(timeout=30) == 2
+                    _publish_parts(url, [part(0), part(0), part(1)])  # a copy of part 0
+                    first.first("chord_part_duplicate")  # the first holds all three, unacked
+                    first.kill()  # the broker requeues them to the second
+                    _publish_parts(url, [part(2), part(1)])  # and a copy of part 1
+                    assert body_result.get(timeout=30) == [0, 10, 20]
+                    assert second.count("chord_body_sent") == 1
+                    assert first.count("chord_body_sent") == 0
+                    second.first("chord_part_late")  # the copy of part 1 came after the body
+                    assert _body_runs(notes_path, name) == [[0, 10, 20]]
+        finally:
+            app.close()
