@@ -8,7 +8,8 @@ from celery import Celery
 
 app = Celery("interop", broker=os.environ.get("INTEROP_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//"))
 app.conf.update(
-    result_backend="rpc://",
+    # INTEROP_RESULT_BACKEND: Clockwork's chord backend, for a Celery worker in a chord's header.
+    result_backend=os.environ.get("INTEROP_RESULT_BACKEND", "rpc://"),
     accept_content=["json", "msgpack"],
     result_accept_content=["json", "msgpack"],
     task_serializer="json",

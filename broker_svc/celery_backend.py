@@ -1,0 +1,77 @@
+"""A result backend for Celery apps whose chords Clockwork workers join on RabbitMQ alone.
+
+Celery refuses chords on ``rpc://``, and its other backends need a store (Redis, a database) that
+counts the header's results. With this backend a Celery client keeps ``rpc://`` results and sends
+chords that Clockwork workers join in the broker (worker/consume/chord_join.py)::
+
+    app = Celery("proj", broker="amqp://...", backend="broker_svc.celery_backend:ChordBackend")
+    chord([add.s(2, 2), add.s(4, 4)])(xsum.s()).get()          # 12
+
+It is Celery's rpc backend with three differences:
+
+- ``apply_chord`` sends no ``celery.chord_unlock`` poller: it writes the chord's size into the
+  body, which every header task carries (``chord_size``), so the joiner knows when all are in.
+- ``on_chord_part_return`` (called in a *Celery* worker that runs a header task) leaves the task's
+  part in Clockwork's join queue, as a Clockwork worker does, so a mixed fleet joins too.
+- ``ensure_chords_allowed`` allows them.
+
+Importable only where Celery is installed (``pip install clockwork[celery]``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import states
+from celery.backends.rpc import RPCBackend
+from kombu.entity import Queue
+
+from broker_svc.topology import chord_join_queue
+
+__all__ = ["ChordBackend"]
+
+
+class ChordBackend(RPCBackend):  # type: ignore[misc]  # Celery is untyped
+    """Celery's ``rpc://`` backend, with chords joined by Clockwork workers in the broker."""
+
+    def ensure_chords_allowed(self) -> None:
+        """Chords are allowed: Clockwork workers join them."""
+
+    def apply_chord(self, header_result_args: Any, body: Any, **kwargs: Any) -> None:
+        """Carry the chord's size on its body (each header task carries the body); no poller."""
+        _group_id, results = header_result_args[0], header_result_args[1]
+        body["chord_size"] = len(results)
+
+    def on_chord_part_return(self, request: Any, state: str, result: Any, **kwargs: Any) -> None:
+        """A Celery worker finished a header task: leave its part where Clockwork's joiner reads it."""
+        body = request.chord
+        if not body or request.group is None or request.group_index is None:
+            return
+        size = body.get("chord_size")
+        if not isinstance(size, int):
+            return  # not sent through this backend: nothing here can join it
+        final = state if state in (states.SUCCESS, states.REVOKED) else states.FAILURE
+        value = self.encode_result(result, final) if final != states.SUCCESS else result
+        spec = chord_join_queue(self.app.conf.control_exchange)
+        queue = Queue(spec.name, durable=True, queue_arguments=spec.arguments)  # type: ignore[no-untyped-call]
+        part = {
+            "group_id": request.group,
+            "index": request.group_index,
+            "size": size,
+            "task_id": request.id,
+            "state": final,
+            "result": value,
+            "body": dict(body),
+            "reply_to": request.reply_to,
+            "root_id": request.root_id,
+        }
+        with self.app.producer_or_acquire() as producer:
+            producer.publish(
+                part,
+                exchange="",
+                routing_key=spec.name,
+                serializer="json",
+                delivery_mode=2,
+                declare=[queue],
+                retry=True,
+            )
