@@ -37,10 +37,15 @@ def _names(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
+# Clockwork's result backend for Celery apps (broker_svc/celery_backend.py), by Celery's name for it.
+CHORD_BACKEND: Final = "broker_svc.celery_backend:ChordBackend"
+
+
 def _backend(value: Any) -> None:
     # Results travel on RabbitMQ, as Celery's rpc:// backend carries them; any other store would be
-    # a setting silently not honoured, so it is refused.
-    if value in (None, "rpc", "rpc://"):
+    # a setting silently not honoured, so it is refused. Our Celery backend (rpc:// plus chords
+    # joined by Clockwork workers) is what Clockwork's client does anyway.
+    if value in (None, "rpc", "rpc://", CHORD_BACKEND):
         return
     raise ConfigurationError(
         f"result backend {value!r} is not supported: Clockwork keeps results on RabbitMQ, as "

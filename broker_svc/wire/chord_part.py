@@ -1,4 +1,4 @@
-"""A chord's part: what a finished header task tells the chord's joiner (docs/canvas.md, "Chords").
+"""A chord's part: what a finished header task tells the chord's joiner (docs/migrating-from-celery.md, "Chords").
 
 A header task of a chord carries the chord's body in its embed (``chord``) and the chord's id in
 ``group``. When it ends for good (success, failure, revoked, refused), its worker publishes one

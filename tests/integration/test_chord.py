@@ -195,3 +195,29 @@ def test_the_body_is_sent_once_when_parts_come_twice_and_the_joiner_fails_over(
                     assert _body_runs(notes_path, name) == [[0, 10, 20]]
         finally:
             app.close()
+
+
+def test_the_body_runs_once_when_a_worker_dies_mid_chord(session_broker: SessionBroker, notes_path: Path):
+    """The first worker runs header tasks and joins; it is killed with a task running and parts held.
+
+    The second reruns what the first had not acked, becomes the joiner, and sends the body once.
+    """
+    name = unique_queue("chord-kill")
+    env = {"CANVAS_NOTES": str(notes_path)}
+    with session_broker.own_vhost("clockwork-chord") as url:
+        app = App("chord-kill", settings=Settings(broker_url=url, serializer="json"))
+        try:
+            with WorkerProcess(url, app=APP, queues=[name], concurrency=1, env=env) as first:
+                first.wait_ready()
+                first.first("chord_joiner_subscribed")
+                header = [_sig(app, name, "slow_add", i, 0, 0.4) for i in range(6)]
+                result = chord(header)(_sig(app, name, "collect", label=name))
+                first.first("chord_part_sent", timeout_s=30)  # a part is in; more tasks are running
+                with WorkerProcess(url, app=APP, queues=[name], concurrency=1, env=env) as second:
+                    second.wait_ready()
+                    first.kill()
+                    assert result.get(timeout=60) == [0, 1, 2, 3, 4, 5]
+                    assert second.count("chord_body_sent") == 1
+            assert _body_runs(notes_path, name) == [[0, 1, 2, 3, 4, 5]]
+        finally:
+            app.close()

@@ -34,6 +34,9 @@ def test_a_result_backend_other_than_rpc_is_refused_not_ignored():
     with pytest.raises(ConfigurationError, match="rpc://"):
         app.conf.result_backend = "db+sqlite:///results.db"
     assert "result_backend" not in app.conf
+    # Clockwork's own Celery backend (rpc:// plus chords) is what our client does: accepted.
+    moved = App("proj", broker=URL, backend="broker_svc.celery_backend:ChordBackend")
+    assert moved.conf["result_backend"] == "broker_svc.celery_backend:ChordBackend"
 
 
 def test_conf_changes_the_settings_under_celery_names():

@@ -106,3 +106,18 @@ def test_a_part_survives_both_codecs_and_bad_parts_are_named():
         decode_part(b"\x00not json", "application/json", max_bytes=1 << 20)
     with pytest.raises(ValueError):
         decode_part(b"{}", "application/x-python-serialize", max_bytes=1 << 20)
+
+
+def test_a_chord_runs_eagerly_with_apply():
+    app = App("eager-chords", broker="amqp://guest:guest@127.0.0.1:5672//")
+
+    @app.task(name="e.add")
+    def add(x: int, y: int) -> int:
+        return x + y
+
+    @app.task(name="e.xsum")
+    def xsum(values: list[int]) -> int:
+        return sum(values)
+
+    assert chord([add.s(1, 1), add.s(2, 2)], xsum.s()).apply().get() == 6
+    assert (group(add.s(i, i) for i in range(3)) | xsum.s()).apply().get() == 6
