@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from broker_svc import App, AsyncResult, Settings, chain, group
+from broker_svc import App, AsyncResult, Settings, chain, chord, group
 from tests.support.amqp import Got, delete_queues, drain
 from tests.support.waiting import wait_for
 from tests.support.workers import unique_queue
@@ -103,12 +103,26 @@ def test_chunks_send_a_group_of_starmaps_and_map_sends_one_task(client, test_vho
     assert (headers["task"], kwargs["task"]["task"], kwargs["it"]) == ("celery.map", ADD, [1, 2])
 
 
+def test_a_chord_sends_its_header_each_carrying_the_body_and_the_chord_size(client, test_vhost_url: str):
+    app, queue = client
+    add = app.tasks[ADD]
+    result = (group(add.s(1, 1), add.s(2, 2)) | add.s(3)).apply_async()
+    sent = sorted(_sent(app, test_vhost_url, queue, 2), key=lambda m: m[0]["group_index"])
+    assert [body[0] for _, body in sent] == [[1, 1], [2, 2]]
+    assert result.parent is not None and {h["group"] for h, _ in sent} == {result.parent.id}
+    carried = [embed["chord"] for _, (_, _, embed) in sent]
+    assert carried[0] == carried[1]
+    assert (carried[0]["task"], carried[0]["args"], carried[0]["chord_size"]) == (ADD, [3], 2)
+    options = carried[0]["options"]
+    assert (options["task_id"], options["reply_to"], options["queue"]) == (result.id, app.reply_queue, queue)
+
+
 def test_what_cannot_be_sent_is_refused_at_the_call(client):
     app, _queue = client
     add = app.tasks[ADD]
-    with pytest.raises(ValueError, match="chord"):
-        chain(group(add.s(1, 1), add.s(2, 2)), add.s(3)).apply_async()
-    with pytest.raises(ValueError, match="chord"):
-        group(add.s(1, 1)) | add.s(3)
+    with pytest.raises(ValueError, match="plain task signatures"):
+        chord([group(add.s(1, 1), add.s(2, 2))], add.s(3)).apply_async()
+    with pytest.raises(ValueError, match="needs a body"):
+        chord([add.s(1, 1)]).apply_async()
     with pytest.raises(TypeError, match="default exchange"):
         add.apply_async((1, 1), exchange="media", routing_key="video")
