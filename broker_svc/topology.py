@@ -331,7 +331,7 @@ def revocation_log(namespace: str = DEFAULT_NAMESPACE) -> QueueSpec:
 
 
 def chord_join_queue(namespace: str = DEFAULT_NAMESPACE) -> QueueSpec:
-    """Where finished chord header tasks leave their parts for the joiner (docs/migrating-from-celery.md, "Chords").
+    """Where finished chord header tasks leave their parts for the joiner.
 
     A quorum queue, so the parts of a chord in progress survive the loss of a node, with a single
     active consumer: one worker of the cluster joins at a time, holding the parts of each chord

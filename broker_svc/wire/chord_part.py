@@ -1,7 +1,7 @@
-"""A chord's part: what a finished header task tells the chord's joiner (docs/migrating-from-celery.md, "Chords").
+"""A chord's part: what a finished header task tells the chord's joiner.
 
 A header task of a chord carries the chord's body in its embed (``chord``) and the chord's id in
-``group``. When it ends for good (success, failure, revoked, refused), its worker publishes one
+``group`` (docs/migrating-from-celery.md, "Chords, on RabbitMQ alone"). When it ends for good (success, failure, revoked, refused), its worker publishes one
 part to the join queue, confirmed before the header's delivery is acked. The joiner counts the
 parts of each chord by their index; once every part is in, it sends the body with their results.
 
