@@ -1,9 +1,10 @@
 """A chord's part: what a finished header task tells the chord's joiner.
 
 A header task of a chord carries the chord's body in its embed (``chord``) and the chord's id in
-``group`` (docs/migrating-from-celery.md, "Chords, on RabbitMQ alone"). When it ends for good (success, failure, revoked, refused), its worker publishes one
-part to the join queue, confirmed before the header's delivery is acked. The joiner counts the
-parts of each chord by their index; once every part is in, it sends the body with their results.
+``group`` (docs/migrating-from-celery.md, "Chords, on RabbitMQ alone"). When it ends for good
+(success, failure, revoked, refused), its worker publishes one part to the join queue, confirmed
+before the header's delivery is acked. The joiner counts the parts of each chord by their index;
+once every part is in, it sends the body with their results.
 
 A part travels in the header's own content type (json or msgpack), so a result that reached the
 header's caller reaches the body as well.
