@@ -309,6 +309,9 @@ class App:
         # Results register before the publish, so even an instant reply finds its waiter.
         results = [AsyncResult(task_id, store=self._store, publish=p) for p, task_id, _ in prepared]
         publisher.submit([p for p, _, _ in prepared])
+        running = current_request()
+        if running is not None:  # sent from a task: its children, as Celery's result.children lists
+            running.children.extend(task_id for _, task_id, _ in prepared)
         if announce:
             for pending, _, _ in prepared:
                 headers = pending.message.headers

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
@@ -32,10 +32,17 @@ OnMessage = Callable[[dict[str, Any]], None]
 _PARENT_CHECK_S: Final = 0.2
 
 
+# Results of tasks nobody waits for yet (a callback or child task whose handle comes later, from
+# ``result.children`` or ``AsyncResult(id)``), kept for that many tasks, oldest dropped first.
+_STRAY_KEPT: Final = 1000
+
+
 class ResultStore:
     """The latest states of the tasks one client is waiting for, fed by its reply-queue consumer.
 
-    Only tasks this client registered are kept, so stray or late results cost no memory.
+    Tasks this client registered are kept while a handle holds them; the results of the last
+    ``_STRAY_KEPT`` others wait for a handle (Celery's rpc backend keeps them too, unbounded), so a
+    stray or late result costs bounded memory.
     """
 
     def __init__(self, *, accept: frozenset[str], max_bytes: int) -> None:
@@ -44,11 +51,15 @@ class ResultStore:
         self._cond = threading.Condition()
         self._wanted: dict[str, int] = {}
         self._history: dict[str, deque[Outcome]] = {}
+        self._stray: OrderedDict[str, deque[Outcome]] = OrderedDict()
 
     def register(self, task_id: str) -> None:
         """Start keeping results for ``task_id`` (one call per ``AsyncResult`` holding it)."""
         with self._cond:
             self._wanted[task_id] = self._wanted.get(task_id, 0) + 1
+            stray = self._stray.pop(task_id, None)
+            if stray is not None:
+                self._history.setdefault(task_id, stray)
 
     def release(self, task_id: str) -> None:
         """Stop keeping results for ``task_id`` once no ``AsyncResult`` holds it."""
@@ -77,10 +88,19 @@ class ResultStore:
             return
         with self._cond:
             if outcome.task_id not in self._wanted:
+                self._keep_stray(outcome)
                 return
             history = self._history.setdefault(outcome.task_id, deque(maxlen=_HISTORY_LIMIT))
             history.append(outcome)
             self._cond.notify_all()
+
+    def _keep_stray(self, outcome: Outcome) -> None:
+        stray = self._stray.get(outcome.task_id)
+        if stray is None:
+            stray = self._stray[outcome.task_id] = deque(maxlen=_HISTORY_LIMIT)
+            if len(self._stray) > _STRAY_KEPT:
+                self._stray.popitem(last=False)
+        stray.append(outcome)
 
     def latest(self, task_id: str) -> Outcome | None:
         """The newest state received for ``task_id``, if any."""
@@ -194,6 +214,29 @@ class AsyncResult:
         return outcome.traceback if outcome is not None else None
 
     @property
+    def children(self) -> list[AsyncResult | GroupResult]:
+        """The tasks this one sent, once it succeeded (Celery's ``result.children``); [] before.
+
+        The tasks its body sent, then its callbacks and its chain's next step, in that order. Their
+        results come to this client when they answer here: a follow-up without its own ``reply_to``
+        answers the caller of the task before it; a task sent from a task's body answers the
+        worker's app, as with Celery's ``rpc://`` backend.
+        """
+        outcome = self._store.latest(self.id)
+        if outcome is None or not outcome.ready:
+            return []
+        return [self._from_tuple(child) for child in outcome.children if _is_result_tuple(child)]
+
+    def _from_tuple(self, value: list[Any]) -> AsyncResult | GroupResult:
+        # Celery's as_tuple(): ((id, parent), None) for a task, ((id, parent), [members]) for a group.
+        (task_id, _parent), members = value
+        if isinstance(members, list):
+            from broker_svc.group_result import GroupResult  # it imports this module
+
+            return GroupResult(task_id, [self._from_tuple(m) for m in members if _is_result_tuple(m)])
+        return AsyncResult(task_id, store=self._store)
+
+    @property
     def publish_error(self) -> Exception | None:
         """Why the task could not be published, if it could not."""
         return self._publish.error if self._publish is not None else None
@@ -268,3 +311,13 @@ class _Release:
         if not self._done:
             self._done = True
             self._store.release(self._task_id)
+
+
+def _is_result_tuple(value: Any) -> bool:
+    return (
+        isinstance(value, list | tuple)
+        and len(value) == 2
+        and isinstance(value[0], list | tuple)
+        and len(value[0]) == 2
+        and isinstance(value[0][0], str)
+    )

@@ -76,6 +76,8 @@ class Request:
     # The message's own headers (``apply_async(headers=...)``), also readable as attributes, as
     # Celery shows them: ``self.request.headers["tenant"]`` or ``self.request.tenant``.
     headers: dict[str, Any] | None = None
+    # The ids of the tasks this run has sent (Celery's ``request.children``; ``result.children``).
+    children: list[str] = field(default_factory=list)
     # Set by the worker: sends a state update ({"state", "meta"}) to the task's client.
     send_update: Callable[[dict[str, Any]], None] | None = field(default=None, repr=False)
     # Set by ``Task.retry`` when no retries are left, so the worker dead-letters the message.

@@ -59,3 +59,9 @@ def collect(results: list[Any], label: str = "") -> list[Any]:
 def slow_add(x: int, y: int, seconds: float = 0.5) -> int:
     time.sleep(seconds)
     return x + y
+
+
+@app.task(name="canvas.spawn")
+def spawn(count: int, queue: str) -> list[str]:
+    """Sends ``count`` adds from its body (its children, for ``result.children``); returns their ids."""
+    return [add.apply_async((i, i), queue=queue).id for i in range(count)]

@@ -221,3 +221,20 @@ def test_the_body_runs_once_when_a_worker_dies_mid_chord(session_broker: Session
             assert _body_runs(notes_path, name) == [[0, 1, 2, 3, 4, 5]]
         finally:
             app.close()
+
+
+def test_result_children_lists_what_a_task_sent(client: App, queue: str):
+    s = lambda *a, **o: _sig(client, queue, *a, **o)  # noqa: E731
+    parent = s("spawn", 2, queue).apply_async()
+    sent = parent.get(timeout=30)
+    assert [child.id for child in parent.children] == sent  # from its body
+    callback = s("mul", 10)
+    first = s("add", 1, 1, link=[callback]).apply_async()
+    assert first.get(timeout=30) == 2
+    [linked] = first.children
+    assert linked.get(timeout=30) == 20  # the callback answered this client: its handle came later
+    step = chain(s("add", 2, 2), s("add", 1)).apply_async()
+    assert step.get(timeout=30) == 5
+    assert step.parent is not None and [c.id for c in step.parent.children] == [step.id]
+    pending = s("slow_add", 0, 0, 1.0).apply_async()
+    assert pending.children == []  # not ready yet

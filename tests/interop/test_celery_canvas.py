@@ -70,6 +70,7 @@ def test_link_runs_the_callback_with_the_result(celery_client, ours: str):
     parent = celery_client.send_task("canvas.add", (2, 2), queue=ours, link=callback)
     assert parent.get(timeout=30) == 4
     assert celery_client.AsyncResult(callback.id).get(timeout=30) == 20
+    assert [child.id for child in parent.children] == [callback.id]  # Celery's result.children
 
 
 def test_a_failed_step_stops_the_chain_and_its_errbacks_run(celery_client, ours: str, notes_path: Path):

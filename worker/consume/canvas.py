@@ -99,20 +99,29 @@ class Canvas:
             "chord_part_sent", group_id=part.group_id, index=part.index, size=part.size, state=part.state
         )
 
-    async def after_success(self, request: TaskMessage, value: Any) -> None:
-        """Send the callbacks with ``value``, then the chain's next step with it (Celery's order).
+    @staticmethod
+    def after_success(request: TaskMessage, value: Any) -> list[FollowUp]:
+        """The callbacks with ``value``, then the chain's next step with it (Celery's order).
+
+        Built before the task's result is sent, so the result lists them as its children; sent by
+        ``send`` after it.
+        """
+        embed = request.embed
+        planned: list[FollowUp] = []
+        for callback in embed.get("callbacks") or ():
+            planned.extend(follow_ups(callback, parent=request, partial=(value,)))
+        steps = list(embed.get("chain") or ())
+        if steps:
+            planned.extend(follow_ups(steps[-1], parent=request, partial=(value,), chain_rest=steps[:-1]))
+        return planned
+
+    async def send(self, planned: list[FollowUp], *, why: str) -> None:
+        """Send follow-ups, each confirmed.
 
         Raises:
             aio_pika.exceptions.AMQPError: a follow-up was not confirmed (the caller must not ack).
         """
-        embed = request.embed
-        sent: list[FollowUp] = []
-        for callback in embed.get("callbacks") or ():
-            sent.extend(follow_ups(callback, parent=request, partial=(value,)))
-        steps = list(embed.get("chain") or ())
-        if steps:
-            sent.extend(follow_ups(steps[-1], parent=request, partial=(value,), chain_rest=steps[:-1]))
-        await self._send(sent, why="after_success")
+        await self._send(planned, why=why)
 
     async def after_failure(self, request: TaskMessage) -> None:
         """Send each errback that is not run in the child, with the failed task's id as argument.

@@ -11,6 +11,7 @@ import structlog
 
 from broker_svc import signals
 from broker_svc.app import App
+from broker_svc.canvas import FollowUp
 from broker_svc.wire import codec
 from broker_svc.wire.result_message import CELERY_EXCEPTIONS_MODULE, Outcome, wire_exception
 from broker_svc.wire.states import State
@@ -127,9 +128,16 @@ class OutcomeHandler:
         if outcome.status == JobStatus.REJECTED:
             return await self._rejected(request, outcome)
         state = _STATUS_TO_STATE[outcome.status]
+        planned: list[FollowUp] = []
         if outcome.status == JobStatus.SUCCESS:
             log.info("task_succeeded", runtime_ms=runtime_ms, pid=outcome.pid)
-            result = Outcome(task_id=request.id, status=state, result=outcome.value)
+            if Canvas.wants_anything(request):
+                planned = Canvas.after_success(request, outcome.value)
+            # Celery's result.children: what the body sent, then the callbacks and the next step.
+            children = [*outcome.children, *(item.message.id for item in planned)]
+            result = Outcome(
+                task_id=request.id, status=state, result=outcome.value, children=_child_tuples(children)
+            )
             if self._events.task_events:  # off by default: skip the repr and the coroutine
                 await self._events.send(
                     "task-succeeded",
@@ -172,7 +180,7 @@ class OutcomeHandler:
         if Canvas.wants_anything(request):
             # Confirmed before the ack (at-least-once): the caller's get() on a later step waits.
             if outcome.status == JobStatus.SUCCESS:
-                await self._canvas.after_success(request, outcome.value)
+                await self._canvas.send(planned, why="after_success")
             elif state == State.FAILURE:
                 await self._canvas.after_failure(request)
         if outcome.retries_exhausted:
@@ -317,6 +325,11 @@ def _eta_of(value: Any) -> dt.datetime:
         except ValueError:
             pass
     return dt.datetime.now(dt.UTC)
+
+
+def _child_tuples(ids: list[str]) -> list[Any]:
+    # Celery's AsyncResult.as_tuple(): ((id, parent), None); the parent is this task, known already.
+    return [[[task_id, None], None] for task_id in ids]
 
 
 def _describe(error: dict[str, Any] | None) -> str:

@@ -284,7 +284,10 @@ def _call(task: Task, request: Request, job: Job, soft_limit: _SoftLimit) -> dic
         task, request, job.args, job.kwargs, started=started, guard=soft_limit.guarding(job.soft_time_limit_s)
     )
     if traced.state == SUCCESS:
-        return _frame(JobStatus.SUCCESS, value=traced.value)
+        done = _frame(JobStatus.SUCCESS, value=traced.value)
+        if request.children:
+            done["children"] = request.children  # the tasks it sent, for result.children
+        return done
     if traced.state == IGNORED:
         return _frame(JobStatus.IGNORED)
     error = exception_to_wire(traced.exception) if traced.exception is not None else None

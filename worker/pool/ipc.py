@@ -129,6 +129,7 @@ class JobOutcome:
     runtime_s: float = 0.0
     pid: int = 0
     retries_exhausted: bool = False  # a FAILURE after the last retry: the message is dead-lettered
+    children: tuple[str, ...] = ()  # ids of the tasks the run sent (a SUCCESS's result.children)
 
     @classmethod
     def from_frame(cls, frame: dict[str, Any], *, pid: int) -> JobOutcome:
@@ -152,6 +153,7 @@ class JobOutcome:
             runtime_s=_seconds(frame.get("runtime_s")) or 0.0,
             pid=pid,
             retries_exhausted=frame.get("retries_exhausted") is True,
+            children=_ids(frame.get("children")),
         )
 
     @classmethod
@@ -271,3 +273,9 @@ def _seconds(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise DecodeError(f"expected seconds as a number, got {value!r}")
     return float(value)
+
+
+def _ids(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        return ()
+    return tuple(item for item in value if isinstance(item, str))
