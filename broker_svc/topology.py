@@ -26,6 +26,7 @@ __all__ = [
     "QueueType",
     "EVENT_EXCHANGE",
     "MEMBERS_ROUTING_KEY",
+    "EXPIRED_QUEUE",
     "chord_join_queue",
     "control_reply_queue",
     "dead_letter_queue",
@@ -342,3 +343,11 @@ def chord_join_queue(namespace: str = DEFAULT_NAMESPACE) -> QueueSpec:
         durable=True,
         arguments={"x-queue-type": "quorum", "x-single-active-consumer": True},
     )
+
+
+# Where RabbitMQ dead-letters tasks that expire in their queue (a Celery client sets the AMQP
+# ``expiration`` of a task with ``expires``), given the operator's policy on the task queues:
+#   rabbitmqctl set_policy clockwork-expired '^celery$' \
+#     '{"dead-letter-exchange":"","dead-letter-routing-key":"clockwork.expired"}' --apply-to queues
+# Every worker consumes it and answers each such task REVOKED "expired" (docs/guide.md, "Expiry").
+EXPIRED_QUEUE: Final = "clockwork.expired"

@@ -16,7 +16,9 @@ import structlog
 from broker_svc import signals
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
+from broker_svc.topology import EXPIRED_QUEUE, dead_letter_queue, task_queue
 from control.aio.broadcaster import AsyncBroadcaster, declare_members_stream
+from control.aio.declare import declare_queue
 from control.aio.node import MailboxNode
 from control.protocol.commands import CommandRegistry
 from control.protocol.signing import ControlSecurity
@@ -192,6 +194,9 @@ class WorkerService:
             await mingle_step()  # before the first task: peers' revokes hold for it too
         for name in config.queues:
             await queues.add(name)
+        # Tasks a Celery client's broker TTL expired in their queue, given the operator's policy.
+        if await self._may_consume(consuming, EXPIRED_QUEUE):
+            await queues.add(EXPIRED_QUEUE, listed=False)
         await heart.online()
         background.spawn(heart.run(), name="heartbeat")
         if autoscaler is not None:
@@ -249,6 +254,22 @@ class WorkerService:
         await running.pool.close(timeout_s=0)
         await running.background.stop("heartbeat")
         await running.heart.offline()
+
+    async def _may_consume(self, connection: aio_pika.abc.AbstractRobustConnection, queue: str) -> bool:
+        # Tried on a channel of its own: a refusal closes the channel it happens on, and a
+        # deployment whose permissions predate this queue must still start (without it).
+        try:
+            async with connection.channel(publisher_confirms=False) as channel:
+                await declare_queue(channel, task_queue(queue))
+                await declare_queue(channel, dead_letter_queue(queue))
+        except Exception as exc:  # refused (ACCESS_REFUSED, PRECONDITION_FAILED), or closing after it
+            log.warning(
+                "queue_not_consumed", queue=queue, error=str(exc),
+                hint="grant the worker's user configure, write and read on this queue "
+                "(docs/deployment.md, 'Least-privilege users')",
+            )  # fmt: skip
+            return False
+        return True
 
     async def _connect(self, role: str) -> aio_pika.abc.AbstractRobustConnection:
         config = self._config

@@ -202,6 +202,7 @@ def test_s2_the_broker_refuses_a_spoofed_user_id(vhost: str):
 # default queue ``celery`` and namespace ``celery``. Keep the two in step.
 _NODE = r".+@.+\.celery\.pidbox"
 _REPLY = r"[-0-9a-f]+\.reply\.celery\.pidbox"
+_OWN = r"clockwork\.(expired|chords\.celery)(\.dead)?"  # expired tasks, chord parts, their dead letters
 PERMISSIONS = {
     "producer": (
         r"^(celery|celery\.delay\.\d+ms|clockwork\.reply\..+)$",
@@ -210,11 +211,11 @@ PERMISSIONS = {
     ),
     "worker": (
         rf"^(celery|celery\.dead|celery\.delay\.\d+ms|clockwork\.reply\..+|celeryev|celery\.pidbox"
-        rf"|reply\.celery\.pidbox|{_NODE}|{_REPLY}|clockwork\.(members|revoked)\.celery)$",
+        rf"|reply\.celery\.pidbox|{_NODE}|{_REPLY}|clockwork\.(members|revoked)\.celery|{_OWN})$",
         rf"^(amq\.default|celery|celery\.dead|celery\.delay\.\d+ms|celeryev|celery\.pidbox"
-        rf"|reply\.celery\.pidbox|{_NODE}|{_REPLY}|clockwork\.(members|revoked)\.celery)$",
+        rf"|reply\.celery\.pidbox|{_NODE}|{_REPLY}|clockwork\.(members|revoked)\.celery|{_OWN})$",
         rf"^(celery|celeryev|celery\.pidbox|reply\.celery\.pidbox|{_NODE}|{_REPLY}"
-        rf"|clockwork\.(members|revoked)\.celery)$",
+        rf"|clockwork\.(members|revoked)\.celery|{_OWN})$",
     ),
     "operator": (
         rf"^(celery\.pidbox|reply\.celery\.pidbox|{_REPLY}|clockwork\.(members|revoked)\.celery"

@@ -47,6 +47,8 @@ class QueueConsumers:
         self._consumer = consumer
         # Task queues consumed now: name → (queue, consumer tag).
         self._consuming: dict[str, tuple[aio_pika.abc.AbstractQueue, str]] = {}
+        # Consumed but not shown in active_queues (Clockwork's own queues).
+        self._unlisted: set[str] = set()
         # Held while consumers are added, cancelled or re-subscribed (a new prefetch).
         self._consumers_lock = asyncio.Lock()
 
@@ -58,11 +60,17 @@ class QueueConsumers:
         """Whether consumers are being added, cancelled or re-subscribed right now."""
         return self._consumers_lock.locked()
 
-    async def add(self, queue: str) -> str:
-        """Declare ``queue`` (as Celery does) and consume it."""
+    async def add(self, queue: str, *, listed: bool = True) -> str:
+        """Declare ``queue`` (as Celery does) and consume it.
+
+        ``listed=False``: one of Clockwork's own queues (``clockwork.expired``), consumed as a task
+        queue but left out of ``active_queues``, which shows the queues a user asked for.
+        """
         channel, consumer = self._channel, self._consumer
         if queue in self._consuming:
             return f"already consuming from {queue!r}"
+        if not listed:
+            self._unlisted.add(queue)
         await declare_queue(channel, dead_letter_queue(queue))
         queue_type = self._settings.queue_type(queue)  # as the clients declare it
         declared = await declare_queue(channel, task_queue(queue, queue_type=queue_type))
@@ -111,3 +119,7 @@ class QueueConsumers:
     def consuming(self) -> list[str]:
         """The task queues consumed now."""
         return list(self._consuming)
+
+    def listed(self) -> list[str]:
+        """The task queues consumed now that a user asked for (``active_queues``)."""
+        return [queue for queue in self._consuming if queue not in self._unlisted]

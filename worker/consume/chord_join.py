@@ -58,8 +58,9 @@ log = structlog.get_logger(__name__)
 _SETTLED_KEPT: Final = 100_000
 # A chord with no new part for this long is logged (once per period) as waiting.
 STALE_AFTER_S: Final = 3600.0
-# After the join channel is lost, how long to wait before subscribing again.
-_RESUBSCRIBE_S: Final = 1.0
+# After the join channel is lost, how long to wait before subscribing again: doubling from the
+# first to the last while it keeps failing (a refused permission, say).
+_RESUBSCRIBE_S: Final = (1.0, 60.0)
 
 
 @dataclass(slots=True)
@@ -101,17 +102,23 @@ class ChordJoiner:
 
     async def run(self, connection: aio_pika.abc.AbstractRobustConnection) -> None:
         """Subscribe to the join queue, and again whenever the subscription is lost; until cancelled."""
+        pause, longest = _RESUBSCRIBE_S
         while True:
+            subscribed = False
             try:
-                await self._serve(connection)
+                subscribed = await self._serve(connection)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the channel or connection failed: the broker requeued the parts
-                log.warning("chord_joiner_resubscribing", error=f"{type(exc).__name__}: {exc}")
+                log.warning(
+                    "chord_joiner_resubscribing", error=f"{type(exc).__name__}: {exc}", retry_in_s=pause
+                )
             self._forget_held()
-            await asyncio.sleep(_RESUBSCRIBE_S)
+            await asyncio.sleep(pause)
+            pause = _RESUBSCRIBE_S[0] if subscribed else min(pause * 2, longest)
 
-    async def _serve(self, connection: aio_pika.abc.AbstractRobustConnection) -> None:
+    async def _serve(self, connection: aio_pika.abc.AbstractRobustConnection) -> bool:
+        # Returns once the subscription is lost; True if it was made at all.
         channel = await connection.channel(publisher_confirms=False)
         try:
             queue = await declare_queue(channel, self._queue)
@@ -122,7 +129,11 @@ class ChordJoiner:
             self._declared.clear()
             await queue.consume(self._on_message)
             log.info("chord_joiner_subscribed", queue=self._queue.name)
-            await underlay.closing
+            try:
+                await underlay.closing
+            except Exception as exc:  # the channel's end, however it came
+                log.info("chord_joiner_channel_closed", error=f"{type(exc).__name__}: {exc}")
+            return True
         finally:
             self._channel = None
             if not channel.is_closed:

@@ -18,7 +18,7 @@ from broker_svc.app import App
 from broker_svc.clock import LamportClock
 from broker_svc.errors import MessageError
 from broker_svc.settings import Settings
-from broker_svc.topology import DELAY_HOLD_WINDOW_S
+from broker_svc.topology import DELAY_HOLD_WINDOW_S, EXPIRED_QUEUE
 from broker_svc.wire import codec
 from broker_svc.wire.task_message import TaskMessage, decode_task, eta_and_expires, safe_repr
 from worker.consume.admission import Admission, DedupeWindow
@@ -29,7 +29,7 @@ from worker.consume.outcomes import OutcomeHandler
 from worker.consume.publish import ReplyPublisher
 from worker.consume.rate_limits import RateLimits
 from worker.consume.redelivery import Redeliveries, channel_gone
-from worker.consume.rejections import Rejections
+from worker.consume.rejections import Rejections, broker_dead_letter
 from worker.consume.settle import ACK, HAND_BACK, LEFT_TO_BROKER, Disposition, Settler
 from worker.consume.slots import FairSlots
 from worker.events import EventDispatcher
@@ -266,6 +266,12 @@ class TaskConsumer:
         self, message: aio_pika.abc.AbstractIncomingMessage, queue: str, request: TaskMessage
     ) -> Disposition:
         # The guards, in order: each may decide the delivery's fate; one that passes them all runs.
+        if queue == EXPIRED_QUEUE:
+            # Dead-lettered by the broker (the operator's policy): answered, never run.
+            reason, origin = broker_dead_letter(message.headers)
+            if reason == "expired":
+                return await self._rejections.skip_revoked(request, expired=True)
+            return await self._rejections.dropped_by_broker(request, reason=reason, origin=origin)
         if request.task not in self._app.tasks:
             return await self._rejections.unregistered(request)
         if (why := Canvas.refusal(request)) is not None:

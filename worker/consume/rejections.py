@@ -12,6 +12,7 @@ ack (carried out by ``worker.consume.settle``) — and none of the consumer's ru
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import aio_pika.abc
 import structlog
@@ -25,7 +26,7 @@ from worker.consume.publish import ReplyPublisher
 from worker.consume.settle import ACK, Disposition, Owed
 from worker.events import EventDispatcher
 
-__all__ = ["Rejections"]
+__all__ = ["Rejections", "broker_dead_letter"]
 
 log = structlog.get_logger(__name__)
 
@@ -121,9 +122,37 @@ class Rejections:
         )
         return ACK
 
+    async def dropped_by_broker(
+        self, request: TaskMessage, *, reason: str, origin: str | None
+    ) -> Disposition:
+        """Answer a task RabbitMQ dead-lettered for another reason than expiry (a length limit, say).
+
+        It reached ``clockwork.expired`` through the operator's policy; it is not run, its caller
+        gets a FAILURE saying why, and it is kept in ``clockwork.expired.dead``.
+        """
+        why = f"the broker dead-lettered this task from queue {origin!r} ({reason}); it did not run"
+        log.error("task_dropped_by_broker", reason=reason, origin=origin)
+        error = wire_exception("RuntimeError", why, module="builtins")
+        await self._outcomes.reply(request, Outcome(task_id=request.id, status=State.FAILURE, result=error))
+        await self._outcomes.chord_part(request, State.FAILURE, error)
+        return Disposition.dead_letter(f"broker_{reason}", why, owed=self._rejected(request.id))
+
     def _rejected(self, task_id: str) -> Owed:
         # Sent once the dead letter is confirmed: the task is rejected only if it is kept there.
         async def announce() -> None:
             await self._events.send("task-rejected", uuid=task_id, requeue=False)
 
         return announce
+
+
+def broker_dead_letter(headers: Mapping[str, Any] | None) -> tuple[str, str | None]:
+    """Why RabbitMQ dead-lettered a message, and from which queue (its newest ``x-death`` entry)."""
+    deaths = (headers or {}).get("x-death")
+    if isinstance(deaths, list | tuple) and deaths and isinstance(deaths[0], Mapping):
+        newest = deaths[0]
+        reason, origin = newest.get("reason"), newest.get("queue")
+        return (
+            reason if isinstance(reason, str) else "unknown",
+            origin if isinstance(origin, str) else None,
+        )
+    return "unknown", None

@@ -114,7 +114,7 @@ class WorkerCommands:
         return sorted(name for name in self._app.tasks if builtins or not name.startswith("celery."))
 
     async def active_queues(self) -> list[dict[str, Any]]:
-        return [queue_info(name) for name in self._queues.consuming()]
+        return [queue_info(name) for name in self._queues.listed()]
 
     async def stats(self) -> dict[str, Any]:
         """Celery's ``stats``; with autoscale it gains Celery's ``autoscaler`` map."""
