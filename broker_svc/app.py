@@ -10,7 +10,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any, NamedTuple, overload
 
 from broker_svc import shared, signals
 from broker_svc.builtins import register_builtins
@@ -299,12 +299,14 @@ class App:
         prepared: list[tuple[PendingPublish, str, bool]] = []
         announce = signals.before_task_publish.has_receivers or signals.after_task_publish.has_receivers
         for sig in signatures:
-            message, queue, serializer = self._build_message(sig)
+            message, destination, serializer = self._build_message(sig)
+            queue, exchange = destination
             if announce:
-                message = _before_publish(message, queue)
+                message = _before_publish(message, queue, exchange or "")
             pending = publisher.prepare(
-                message, queue=queue, queue_type=self.settings.queue_type(queue), serializer=serializer
-            )
+                message, queue=queue, queue_type=self.settings.queue_type(queue), serializer=serializer,
+                exchange=exchange,
+            )  # fmt: skip
             prepared.append((pending, message.id, message.ignore_result))
         # Results register before the publish, so even an instant reply finds its waiter.
         results = [AsyncResult(task_id, store=self._store, publish=p) for p, task_id, _ in prepared]
@@ -316,12 +318,13 @@ class App:
             for pending, _, _ in prepared:
                 headers = pending.message.headers
                 signals.after_task_publish.send(
-                    sender=headers.get("task"), headers=headers, body=pending.message.body, exchange="",
+                    sender=headers.get("task"), headers=headers, body=pending.message.body,
+                    exchange=pending.exchange,
                     routing_key=pending.queue,
                 )  # fmt: skip
         return results
 
-    def _build_message(self, sig: Signature) -> tuple[TaskMessage, str, str | None]:
+    def _build_message(self, sig: Signature) -> tuple[TaskMessage, Destination, str | None]:
         options = sig.options
         unknown = set(options) - SEND_OPTIONS
         if unknown:
@@ -372,7 +375,13 @@ class App:
             group=options.get("group_id"),
             group_index=options.get("group_index"),
         )
-        return message, _queue(options) or self.settings.default_queue, options.get("serializer")
+        exchange = _other_exchange(options)
+        if exchange is not None:
+            # Celery's routing key on the named exchange (a queue's key, by default its name).
+            key = options.get("routing_key")
+            destination = key if isinstance(key, str) else options.get("queue") or ""
+            return message, Destination(destination, exchange), options.get("serializer")
+        return message, Destination(_queue(options) or self.settings.default_queue), options.get("serializer")
 
     def signature(
         self,
@@ -473,7 +482,7 @@ class App:
                     log.warning("close_hook_failed", hook=repr(hook), error=str(exc))
 
 
-def _before_publish(message: TaskMessage, queue: str) -> TaskMessage:
+def _before_publish(message: TaskMessage, queue: str, exchange: str) -> TaskMessage:
     # Celery's before_task_publish: receivers see the headers and may add their own.
     headers = {
         "task": message.task, "id": message.id, "root_id": message.root_id, "parent_id": message.parent_id,
@@ -481,7 +490,7 @@ def _before_publish(message: TaskMessage, queue: str) -> TaskMessage:
     }  # fmt: skip
     standard = dict(headers)
     signals.before_task_publish.send(
-        sender=message.task, body=(message.args, message.kwargs, message.embed), exchange="",
+        sender=message.task, body=(message.args, message.kwargs, message.embed), exchange=exchange,
         routing_key=queue, headers=headers, properties={}, declare=[], retry_policy=None,
     )  # fmt: skip
     added = {k: v for k, v in headers.items() if k not in standard or standard[k] is not v}
@@ -516,14 +525,31 @@ def _embed(options: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+class Destination(NamedTuple):
+    """Where a task goes: a queue on the default exchange, or a routing key on a named exchange."""
+
+    queue: str
+    exchange: str | None = None
+
+
+def _other_exchange(options: Mapping[str, Any]) -> str | None:
+    # A named exchange other than the default (or the queue's own, which routes the same way).
+    exchange = options.get("exchange")
+    if exchange is None or exchange == "":
+        return None
+    if not isinstance(exchange, str):
+        raise TypeError(f"exchange must be an exchange's name, got {type(exchange).__name__}")
+    if exchange in (options.get("queue"), options.get("routing_key")) and (
+        options.get("routing_key") in (None, exchange)
+    ):
+        return None  # Celery's pairing of a queue with its same-named direct exchange
+    return exchange
+
+
 def _queue(options: Mapping[str, Any]) -> str | None:
-    # Celery's routing_key on the default exchange names the queue; another exchange is not ours.
+    # Celery's routing_key on the default exchange names the queue.
     queue: str | None = options.get("queue")
-    routing_key, exchange = options.get("routing_key"), options.get("exchange")
-    if exchange not in (None, "", queue or routing_key):
-        raise TypeError(
-            f"exchange={exchange!r}: Clockwork sends tasks to a queue on the default exchange; pass queue="
-        )
+    routing_key = options.get("routing_key")
     if queue is None:
         queue = routing_key
     elif routing_key not in (None, queue):

@@ -721,6 +721,11 @@ def _unhonoured_signature(sig: Any, depth: int = 0) -> str | None:
     options = sig.get("options") or {}
     if not isinstance(options, Mapping):
         return "a signature's options must be a map"
+    exchange = options.get("exchange")
+    if exchange not in (None, "", options.get("queue"), options.get("routing_key")):
+        # The worker sends follow-ups to a queue by name; a routing through another exchange would
+        # be dropped in silence if it were simply ignored.
+        return f"a follow-up sent through exchange {exchange!r} is not supported; give it a queue"
     for key in ("link", "link_error"):
         for inner in _as_list(options.get(key)):
             why = _unhonoured_signature(inner, depth + 1)

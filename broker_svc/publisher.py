@@ -71,6 +71,7 @@ class Publisher:
         queue: str,
         queue_type: QueueType = "classic",
         serializer: str | None = None,
+        exchange: str | None = None,
     ) -> PendingPublish:
         """Stamp the clock, encode and size-check a task; nothing is sent yet.
 
@@ -81,6 +82,8 @@ class Publisher:
         Raises:
             MessageTooLarge: the body is over ``max_body_bytes`` (checked before publishing).
             TypeError: an argument cannot be encoded.
+
+        ``exchange``: publish there, with ``queue`` as the routing key, instead of to the queue.
         """
         if message.clock is None:
             message = dataclasses.replace(message, clock=self._clock.forward())
@@ -89,6 +92,10 @@ class Publisher:
         eta = message.eta
         if eta is not None and eta.tzinfo is None:
             eta = eta.replace(tzinfo=dt.UTC)
+        if exchange:
+            # Celery's exchange= (a topic route, say): published there with ``queue`` as the routing
+            # key, declaring nothing; an ETA is held by the worker that gets it (its delay queues).
+            return PendingPublish(wire, exchange=exchange, routing_key=queue)
         return PendingPublish(
             wire,
             exchange=DEFAULT_EXCHANGE,

@@ -18,8 +18,8 @@ from broker_svc.errors import ConfigurationError
 
 __all__ = ["ROUTE_OPTIONS", "route_for"]
 
-# What a route may set; Clockwork sends to a queue on the default exchange (docs: migrating).
-ROUTE_OPTIONS: Final = frozenset({"queue", "priority", "serializer"})
+# What a route may set (docs/migrating-from-celery.md, "task_routes").
+ROUTE_OPTIONS: Final = frozenset({"queue", "exchange", "routing_key", "priority", "serializer"})
 
 
 def route_for(
@@ -28,8 +28,7 @@ def route_for(
     """The options ``routes`` give task ``name`` (``{}`` when none matches).
 
     Raises:
-        ConfigurationError: a route of an unknown form, or one that sets what Clockwork cannot
-            honour (an ``exchange`` or ``routing_key`` other than the queue's own).
+        ConfigurationError: a route of an unknown form, or a routing key that contradicts its queue.
     """
     if routes is None:
         return {}
@@ -76,12 +75,20 @@ def _checked(found: Any, name: str) -> dict[str, Any]:
         queue = queue.get("name")
     exchange = result.pop("exchange", None)
     routing_key = result.pop("routing_key", None)
-    if queue is None and routing_key is not None and exchange in (None, "", queue):
+    if exchange and (exchange != queue or routing_key not in (None, queue)):
+        # Another exchange (a topic route, say): published there with the routing key, as Celery.
+        if not isinstance(exchange, str):
+            raise ConfigurationError(f"task_routes for {name!r}: exchange must be a name, got {exchange!r}")
+        result["exchange"] = exchange
+        result["routing_key"] = routing_key if routing_key is not None else (queue or "")
+        result.pop("queue", None)
+        queue = None
+    elif queue is None and routing_key is not None:
         queue = routing_key  # the default exchange routes by queue name
-    elif routing_key not in (None, queue) or exchange not in (None, "", queue):
+    elif routing_key not in (None, queue):
         raise ConfigurationError(
-            f"task_routes for {name!r} names exchange {exchange!r} / routing_key {routing_key!r}: Clockwork "
-            "sends tasks to a queue on the default exchange; route by 'queue' instead"
+            f"task_routes for {name!r} names routing_key {routing_key!r} for queue {queue!r}: on the default "
+            "exchange the routing key is the queue's name"
         )
     if queue is not None:
         result["queue"] = queue

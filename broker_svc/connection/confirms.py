@@ -19,7 +19,7 @@ import pika.frame
 import pika.spec
 
 from broker_svc.connection.channel import message_properties
-from broker_svc.connection.failures import max_message_size
+from broker_svc.connection.failures import max_message_size, missing_exchange
 from broker_svc.connection.outbox import Outbox
 from broker_svc.connection.pending import PendingPublish
 from broker_svc.errors import BrokerBlocked, BrokerUnavailable, PublishError, PublishNacked, Unroutable
@@ -205,6 +205,13 @@ class Confirms:
         limit = max_message_size(reason)
         if limit is not None:
             self._outbox.fail_oversized(limit, reason)
+        exchange = missing_exchange(reason)
+        if exchange is not None:
+            # Sent to an exchange nobody declared (exchange=): retrying cannot help.
+            self._outbox.fail_held_where(
+                lambda p: p.exchange == exchange,
+                Unroutable(f"no exchange {exchange!r}: declare it (and bind a queue) before sending to it"),
+            )
         if declaring is not None and isinstance(reason, pika.exceptions.ChannelClosedByBroker):
             # The broker refused the declaration itself (406 different arguments, 403 access):
             # retrying cannot help, so the messages for that queue fail now, with the reason.

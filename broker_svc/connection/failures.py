@@ -13,7 +13,7 @@ import ssl
 
 import pika.exceptions
 
-__all__ = ["describe_connect_error", "is_permanent", "max_message_size"]
+__all__ = ["describe_connect_error", "is_permanent", "max_message_size", "missing_exchange"]
 
 
 # An OpenSSL error as text: with TLS 1.3 the server's refusal of our certificate arrives after the
@@ -95,3 +95,15 @@ def max_message_size(reason: BaseException) -> int | None:
         return None
     found = _MAX_SIZE_TEXT.search(str(reason.reply_text))
     return int(found.group(1)) if found else None
+
+
+# RabbitMQ's text when a message is published to an exchange that does not exist (404).
+_NO_EXCHANGE = re.compile(r"no exchange '([^']*)'")
+
+
+def missing_exchange(reason: BaseException) -> str | None:
+    """The exchange named by a channel close for publishing to an exchange that does not exist."""
+    if not isinstance(reason, pika.exceptions.ChannelClosedByBroker) or reason.reply_code != 404:
+        return None
+    found = _NO_EXCHANGE.search(str(reason.reply_text))
+    return found.group(1) if found else None

@@ -198,6 +198,15 @@ class Outbox:
                 MessageTooLarge(f"the broker refused a body of {len(pending.message.body)} bytes: {reason}")
             )
 
+    def fail_held_where(self, matches: Callable[[PendingPublish], bool], error: BrokerSvcError) -> None:
+        """Fail the messages ``matches`` accepts, queued or unconfirmed (the rest go out again)."""
+        with self._lock:
+            tags = [t for t, p in self._unconfirmed.items() if matches(p)]
+            failing = [self._unconfirmed.pop(t) for t in tags]
+        self.fail_where(matches, error)
+        for pending in failing:
+            pending.settle(error)
+
     def fail_all(self, error: BrokerSvcError) -> None:
         """Fail every message held, queued, retried or unconfirmed."""
         with self._lock:

@@ -12,7 +12,8 @@ from collections.abc import Iterator
 import pytest
 
 from broker_svc import App, AsyncResult, Settings, chain, chord, group
-from tests.support.amqp import Got, delete_queues, drain
+from broker_svc.errors import PublishError, Unroutable
+from tests.support.amqp import Got, channel, delete_queues, drain
 from tests.support.waiting import wait_for
 from tests.support.workers import unique_queue
 
@@ -124,5 +125,36 @@ def test_what_cannot_be_sent_is_refused_at_the_call(client):
         chord([group(add.s(1, 1), add.s(2, 2))], add.s(3)).apply_async()
     with pytest.raises(ValueError, match="needs a body"):
         chord([add.s(1, 1)]).apply_async()
-    with pytest.raises(TypeError, match="default exchange"):
-        add.apply_async((1, 1), exchange="media", routing_key="video")
+    with pytest.raises(TypeError, match="exchange's name"):
+        add.apply_async((1, 1), exchange=object(), routing_key="video")
+
+
+def test_exchange_sends_to_that_exchange_with_the_routing_key(client, test_vhost_url: str):
+    """Celery's ``exchange=``/``routing_key=`` (a topic route): the broker routes it; nothing declared."""
+    app, _queue = client
+    add = app.tasks[ADD]
+    exchange, queue = unique_queue("media"), unique_queue("video")
+    with channel(test_vhost_url) as ch:
+        ch.exchange_declare(exchange, exchange_type="topic", durable=False, auto_delete=True)
+        ch.queue_declare(queue, auto_delete=True)
+        ch.queue_bind(queue, exchange, routing_key="video.#")
+    try:
+        sent = add.apply_async((1, 1), exchange=exchange, routing_key="video.hd")
+        app.flush(10)
+        assert sent.publish_error is None
+        got = wait_for(lambda: drain(test_vhost_url, queue), timeout_s=10, message="not routed")
+        assert [json.loads(m.body)[0] for m in got] == [[1, 1]]
+        # A key nothing is bound for is returned, and an exchange nobody declared closes the
+        # channel: both fail the send with Unroutable instead of losing it.
+        unbound = add.apply_async((2, 2), exchange=exchange, routing_key="audio.mp3")
+        missing = add.apply_async((3, 3), exchange=unique_queue("nowhere"), routing_key="x")
+        with pytest.raises(PublishError):
+            app.flush(10)
+        assert isinstance(unbound.publish_error, Unroutable)
+        assert isinstance(missing.publish_error, Unroutable) and "no exchange" in str(missing.publish_error)
+        # The client goes on sending after the closed channel.
+        assert add.apply_async((4, 4), exchange=exchange, routing_key="video.sd").publish_error is None
+        app.flush(10)
+        assert len(wait_for(lambda: drain(test_vhost_url, queue), timeout_s=10, message="lost")) == 1
+    finally:
+        delete_queues(test_vhost_url, queue)

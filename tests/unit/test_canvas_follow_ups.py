@@ -68,6 +68,7 @@ def test_a_chain_callback_runs_its_first_step_carrying_its_rest():
         ({"callbacks": [sig("t.x", kind="weave")]}, "subtask_type"),
         ({"callbacks": [sig("t.x", kind="chord")]}, "kwargs.body"),
         ({"callbacks": "not a list"}, "list"),
+        ({"callbacks": [sig("t.x", exchange="media", routing_key="video.hd")]}, "exchange"),
         ({"errbacks": [{"args": []}]}, "task name"),
         ({"chain": [sig("t.last"), {**sig("g", kind="group"), "kwargs": {"tasks": [sig("t.a")]}}]}, "chord"),
     ],

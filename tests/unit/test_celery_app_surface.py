@@ -119,9 +119,17 @@ def test_routes_take_every_celery_form_and_an_exact_name_beats_a_pattern():
     assert route_for({"c": {"routing_key": "rk"}}, "c", (), {}, {}) == {"queue": "rk"}
 
 
-def test_a_route_to_another_exchange_is_refused_not_ignored():
-    with pytest.raises(ConfigurationError, match="exchange"):
-        route_for({"t": {"exchange": "media", "routing_key": "video"}}, "t", (), {}, {})
+def test_a_route_to_another_exchange_is_kept_with_its_routing_key():
+    assert route_for({"t": {"exchange": "media", "routing_key": "video.hd"}}, "t", (), {}, {}) == {
+        "exchange": "media",
+        "routing_key": "video.hd",
+    }
+    # Celery's pairing of a queue with its same-named exchange is plain queue routing.
+    assert route_for({"t": {"queue": "q", "exchange": "q", "routing_key": "q"}}, "t", (), {}, {}) == {
+        "queue": "q"
+    }
+    with pytest.raises(ConfigurationError, match="routing key is the queue's name"):
+        route_for({"t": {"queue": "q", "routing_key": "other"}}, "t", (), {}, {})
 
 
 def test_shared_tasks_land_on_every_app_and_the_proxy_sends_through_the_current_one():

@@ -157,4 +157,10 @@ def follow_up_queue(app: App, item: FollowUp) -> str:
     message = item.message
     routed = route_for(app.conf.get("task_routes"), message.task, message.args, message.kwargs, {})
     queue: str = routed.get("queue") or app.settings.default_queue
+    if routed.get("exchange"):
+        log.warning(
+            "follow_up_route_not_honoured", follow_up=message.task, exchange=routed["exchange"], queue=queue,
+            hint="a worker sends a chain's steps, callbacks and chord bodies to a queue by name: give "
+            "this task's route a queue",
+        )  # fmt: skip
     return queue
