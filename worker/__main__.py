@@ -6,11 +6,12 @@ import argparse
 import asyncio
 import os
 import sys
+import traceback
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from broker_svc.errors import ConfigurationError
+from broker_svc.errors import BrokerUnavailable, ConfigurationError
 from broker_svc.logging import configure_logging
 from broker_svc.settings import split_names
 from worker.config import (
@@ -21,14 +22,20 @@ from worker.config import (
     expand_hostname,
     parse_autoscale,
 )
-from worker.loader import load_app
+from worker.loader import AppNotFound, BadAppSpec, NotAnApp, load_app, use_current_directory
 from worker.process_files import redirect_output, write_pidfile
 from worker.service import WorkerService
 
 
+class _Parser(argparse.ArgumentParser):
+    # A usage error is the error and a pointer to --help, not the 17 lines of every option.
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\nRun '{self.prog} --help' for the options.\n")
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse the worker's command line (Celery's option names)."""
-    parser = argparse.ArgumentParser(prog="python -m worker", description="Run a Clockwork worker.")
+    parser = _Parser(prog="clockwork-worker", description="Run a Clockwork worker.")
     parser.add_argument("-A", "--app", required=True, help="the app: package.module:app")
     parser.add_argument(
         "-c", "--concurrency", type=int, default=None,
@@ -151,6 +158,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             "-B: Clockwork has no embedded scheduler yet; run `celery beat` beside the worker: it sends "
             "Celery task messages, which Clockwork workers run"
         )
+    if args.concurrency is not None and args.concurrency < 1:
+        parser.error(f"-c/--concurrency must be at least 1, got {args.concurrency}")
+    if args.queues and not [q for q in args.queues.split(",") if q.strip()]:
+        parser.error(f"-Q/--queues names no queue: {args.queues!r}")
     for option in ("max_tasks_per_child", "max_memory_per_child"):
         value = getattr(args, option)
         if value is not None and value < 1:
@@ -166,21 +177,36 @@ def _autoscale(value: str) -> tuple[int, int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit status."""
+    """Entry point; returns the exit status (2: a usage error, 1: another failure, 130: Ctrl-C)."""
     args = parse_args(argv)
     try:
+        return _start(args)
+    except KeyboardInterrupt:  # before the worker's own handlers exist (importing the app, say)
+        _say("interrupted")
+        return 130
+
+
+def _start(args: argparse.Namespace) -> int:
+    try:
+        configure_logging(args.loglevel)
         if args.logfile is not None:
             redirect_output(args.logfile)
         if args.pidfile is not None:
             write_pidfile(args.pidfile)
-    except ConfigurationError as exc:
-        print(f"clockwork-worker: {exc}", file=sys.stderr)  # noqa: T201 - before logging exists
-        return 2
-    configure_logging(args.loglevel)
+    except (ConfigurationError, ValueError) as exc:
+        return _say(str(exc), status=2)
     os.environ["CLOCKWORK_LOGLEVEL"] = args.loglevel  # pool children log at the same level
+    use_current_directory()
     # One rule for every entry point: this command line, then the app's own (settings=, or app.conf
     # over CLOCKWORK_* variables, as App builds them), then the defaults.
-    app = load_app(args.app)
+    try:
+        app = load_app(args.app)
+    except (BadAppSpec, AppNotFound, NotAnApp) as exc:
+        # One line says it all; -l debug adds the traceback. An error raised *inside* the user's
+        # module is not caught here: its traceback points at their line.
+        if args.loglevel.lower() == "debug":
+            traceback.print_exc()
+        return _say(str(exc), status=2)
     settings = app.settings
     if args.broker:
         settings = settings.with_options(broker_url=args.broker)
@@ -221,7 +247,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_tasks_per_child=args.max_tasks_per_child or conf.get("worker_max_tasks_per_child"),
         max_memory_per_child_kib=args.max_memory_per_child or conf.get("worker_max_memory_per_child"),
     )
-    return _run(WorkerService(config, app).run())
+    try:
+        return _run(WorkerService(config, app).run())
+    except BrokerUnavailable as exc:  # a refused login or TLS handshake: retrying cannot help
+        if args.loglevel.lower() == "debug":
+            traceback.print_exc()
+        return _say(str(exc))
+
+
+def _say(message: str, *, status: int = 1) -> int:
+    # A start-up error as a good CLI gives it: one line on stderr, and the exit status.
+    print(f"clockwork-worker: error: {message}", file=sys.stderr)  # noqa: T201 - no logging for this
+    return status
 
 
 def _run(main: Coroutine[Any, Any, int]) -> int:

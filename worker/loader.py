@@ -3,13 +3,42 @@
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Final
 
 from broker_svc.app import App
 
-__all__ = ["load_app", "split_spec"]
+__all__ = ["AppNotFound", "BadAppSpec", "NotAnApp", "load_app", "split_spec", "use_current_directory"]
 
 DEFAULT_ATTRIBUTE: Final = "app"
+
+
+class BadAppSpec(ValueError):
+    """An ``-A`` spec that is not ``package.module:attribute``."""
+
+
+class AppNotFound(ImportError):
+    """The module or attribute an ``-A`` spec names cannot be found (not an error inside the module)."""
+
+
+class NotAnApp(ValueError):
+    """The ``-A`` spec names something that is not a ``broker_svc.App``."""
+
+
+def use_current_directory() -> None:
+    """Let ``-A`` name a module in the current directory, as ``celery -A`` does.
+
+    ``python -m worker`` has the current directory on ``sys.path``; the installed
+    ``clockwork-worker`` script has its own directory there instead. Pool children import the app
+    too, so they get it through ``PYTHONPATH``.
+    """
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if cwd not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([cwd, *paths])
 
 
 def split_spec(spec: str) -> tuple[str, str]:
@@ -23,7 +52,7 @@ def split_spec(spec: str) -> tuple[str, str]:
         attribute = DEFAULT_ATTRIBUTE
     # An empty part ("pkg.mod:") is a typo, not a request for the default attribute.
     if not _is_dotted_name(module) or not _is_dotted_name(attribute):
-        raise ValueError(
+        raise BadAppSpec(
             f"bad app spec {spec!r}: use 'package.module:attribute' (e.g. 'proj.tasks:app'), "
             f"or 'package.module' for an attribute named {DEFAULT_ATTRIBUTE!r}"
         )
@@ -44,13 +73,13 @@ def load_app(spec: str) -> App:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name is not None and (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            raise ImportError(
+            raise AppNotFound(
                 f"cannot load app {spec!r}: no module named {exc.name!r}; check the spelling, and that "
                 f"the directory holding it is the current directory or on PYTHONPATH",
                 name=module_name,
             ) from exc
         # The module exists but one of its own imports is missing: say so instead of blaming the spec.
-        raise ImportError(
+        raise AppNotFound(
             f"cannot load app {spec!r}: importing {module_name!r} failed: {exc}; is a dependency missing?",
             name=module_name,
         ) from exc
@@ -65,12 +94,12 @@ def load_app(spec: str) -> App:
                 if candidates
                 else f"; define one there, e.g. {DEFAULT_ATTRIBUTE} = App({module_name!r})"
             )
-            raise ImportError(
+            raise AppNotFound(
                 f"cannot load app {spec!r}: module {module_name!r} has no attribute {attribute!r}{hint}",
                 name=module_name,
             ) from None
     if not isinstance(value, App):
-        raise ValueError(
+        raise NotAnApp(
             f"app spec {spec!r} names a {type(value).__name__}, not a broker_svc.App; "
             f"point it at the App instance your tasks are registered on (e.g. 'proj.tasks:app')"
         )

@@ -16,6 +16,7 @@ import structlog
 from broker_svc import signals
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
+from broker_svc.errors import BrokerUnavailable
 from broker_svc.topology import EXPIRED_QUEUE, dead_letter_queue, task_queue
 from control.aio.broadcaster import AsyncBroadcaster, declare_members_stream
 from control.aio.declare import declare_queue
@@ -108,19 +109,27 @@ class WorkerService:
         # alarm, and a blocked connection is not read at all, so acks would stall with it. Task
         # deliveries and their acks have a connection that never publishes; results, events,
         # control replies and re-publishes have the other.
-        consuming = await self._connect("consume")
         try:
-            publishing = await self._connect("publish")
-            async with consuming, publishing, Background() as background:
-                running = await self.start(consuming, publishing, pool, background)
-                try:
-                    await self.serve()
-                    await self.shutdown(running)
-                finally:
-                    running.revoker.save()
+            try:
+                consuming = await self._connect("consume")
+            except BrokerUnavailable:
+                if not self._stop.is_set():
+                    raise  # refused for good (a login, TLS): the entry point says why, in one line
+                log.info("worker_stopped", hostname=config.hostname, connected=False)
+                return 0  # asked to stop while the broker was down: nothing to hand back
+            try:
+                publishing = await self._connect("publish")
+                async with consuming, publishing, Background() as background:
+                    running = await self.start(consuming, publishing, pool, background)
+                    try:
+                        await self.serve()
+                        await self.shutdown(running)
+                    finally:
+                        running.revoker.save()
+            finally:
+                await consuming.close()
         finally:
-            await consuming.close()
-            await pool.close(timeout_s=0)
+            await pool.close(timeout_s=0)  # also when connecting failed: no child is reported lost
         log.info("worker_stopped", hostname=config.hostname)
         return 0
 

@@ -56,7 +56,7 @@ def test_a_chain_sends_its_first_step_carrying_the_rest_last_first(client, test_
     assert [step["immutable"] for step in rest] == [True, False]
     assert rest[0]["options"]["task_id"] == result.id  # the call returns the last step's result
     middle = result.parent
-    assert middle is not None and rest[1]["options"]["task_id"] == middle.id
+    assert isinstance(middle, AsyncResult) and rest[1]["options"]["task_id"] == middle.id
     assert middle.parent is not None and middle.parent.id == headers["id"]
     assert {step["options"]["reply_to"] for step in rest} == {app.reply_queue}
     assert {step["options"]["root_id"] for step in rest} == {headers["id"]}

@@ -16,7 +16,7 @@ from typing import Any
 import pika
 import pytest
 
-from broker_svc import App, ChordError, Settings, Signature, chain, chord, group
+from broker_svc import App, AsyncResult, ChordError, Settings, Signature, chain, chord, group
 from broker_svc.topology import chord_join_queue
 from broker_svc.wire.chord_part import ChordPart, encode_part
 from tests.infra.session_broker import SessionBroker
@@ -226,6 +226,7 @@ def test_the_body_runs_once_when_a_worker_dies_mid_chord(session_broker: Session
 def test_result_children_lists_what_a_task_sent(client: App, queue: str):
     s = lambda *a, **o: _sig(client, queue, *a, **o)  # noqa: E731
     parent = s("spawn", 2, queue).apply_async()
+    assert isinstance(parent, AsyncResult)
     sent = parent.get(timeout=30)
     assert [child.id for child in parent.children] == sent  # from its body
     callback = s("mul", 10)
@@ -235,6 +236,7 @@ def test_result_children_lists_what_a_task_sent(client: App, queue: str):
     assert linked.get(timeout=30) == 20  # the callback answered this client: its handle came later
     step = chain(s("add", 2, 2), s("add", 1)).apply_async()
     assert step.get(timeout=30) == 5
-    assert step.parent is not None and [c.id for c in step.parent.children] == [step.id]
+    assert isinstance(step, AsyncResult) and isinstance(step.parent, AsyncResult)
+    assert [c.id for c in step.parent.children] == [step.id]
     pending = s("slow_add", 0, 0, 1.0).apply_async()
     assert pending.children == []  # not ready yet

@@ -49,6 +49,7 @@ from broker_svc.wire.states import State
 from broker_svc.wire.task_message import CLOCK_HEADER, TaskMessage, encode_task
 from control.aio.declare import declare_queue
 from worker.consume.canvas import follow_up_queue
+from worker.consume.publish import task_properties
 
 __all__ = ["STALE_AFTER_S", "ChordJoiner"]
 
@@ -259,16 +260,7 @@ class ChordJoiner:
             self._declared.add(queue)
         serializer = "json" if message.content_type == codec.JSON else "msgpack"
         wire = encode_task(message, serializer=serializer)
-        properties = spec.Basic.Properties(
-            content_type=wire.content_type,
-            content_encoding=wire.content_encoding,
-            headers={**wire.headers, CLOCK_HEADER: self._clock.forward()},
-            delivery_mode=wire.delivery_mode,
-            correlation_id=wire.correlation_id,
-            reply_to=wire.reply_to,
-            priority=wire.priority,
-            expiration=wire.expiration,
-        )
+        properties = task_properties(wire, self._clock)
         await channel.basic_publish(wire.body, exchange="", routing_key=queue, properties=properties)
         log.info(
             "task_follow_up_sent", follow_up_id=message.id, follow_up=message.task, queue=queue, why="chord"

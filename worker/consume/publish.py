@@ -31,7 +31,7 @@ from broker_svc.wire.states import State
 from broker_svc.wire.task_message import CLOCK_HEADER, WireMessage
 from control.aio.declare import declare_queue
 
-__all__ = ["ReplyPublisher", "copy_message"]
+__all__ = ["ReplyPublisher", "copy_message", "task_properties"]
 
 log = structlog.get_logger(__name__)
 
@@ -169,16 +169,7 @@ class ReplyPublisher:
         Raises:
             aio_pika.exceptions.AMQPError: the broker did not take it (the caller must not ack).
         """
-        properties = spec.Basic.Properties(
-            content_type=wire.content_type,
-            content_encoding=wire.content_encoding,
-            headers={**wire.headers, CLOCK_HEADER: self._clock.forward()},
-            delivery_mode=wire.delivery_mode,
-            correlation_id=wire.correlation_id,
-            reply_to=wire.reply_to,
-            priority=wire.priority,
-            expiration=wire.expiration,
-        )
+        properties = task_properties(wire, self._clock)
         try:
             await self._send(wire.body, properties, queue)
         except Unroutable:
@@ -219,6 +210,20 @@ class ReplyPublisher:
         # no queue took must not count as kept, or the caller would ack the original away.
         if isinstance(result, aiormq.abc.DeliveredMessage):
             raise Unroutable(f"no queue {routing_key!r} took the message")
+
+
+def task_properties(wire: WireMessage, clock: LamportClock) -> spec.Basic.Properties:
+    """The AMQP properties of an encoded task the worker sends, stamped with the worker's clock."""
+    return spec.Basic.Properties(
+        content_type=wire.content_type,
+        content_encoding=wire.content_encoding,
+        headers={**wire.headers, CLOCK_HEADER: clock.forward()},
+        delivery_mode=wire.delivery_mode,
+        correlation_id=wire.correlation_id,
+        reply_to=wire.reply_to,
+        priority=wire.priority,
+        expiration=wire.expiration,
+    )
 
 
 def copy_message(

@@ -1,0 +1,122 @@
+"""Starting a worker: one clear line for a start-up error, and ``clockwork-worker -A`` from any directory."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from broker_svc import App, Settings
+from tests.support.amqp import delete_queues
+from tests.support.waiting import wait_for
+from tests.support.workers import ROOT, unique_queue
+
+SCRIPT = Path(sys.executable).with_name("clockwork-worker")
+
+
+def _start(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "worker", *args]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=60, check=False)
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["-A", "nosuch.module:app"], "no module named 'nosuch'"),
+        (["-A", "tests.integration.e2e_tasks:nothing"], "has no attribute 'nothing'"),
+        (["-A", "tests.integration.e2e_tasks:add"], "not a broker_svc.App"),
+        (["-A", "bad spec!"], "bad app spec"),
+        (["-A", "tests.integration.e2e_tasks:app", "-l", "loud"], "unknown log level 'loud'"),
+        (["-A", "tests.integration.e2e_tasks:app", "-c", "0"], "at least 1"),
+        (["-A", "tests.integration.e2e_tasks:app", "-Q", ","], "names no queue"),
+    ],
+)
+def test_a_start_up_error_is_one_line_and_exit_status_2(args: list[str], said: str):
+    result = _start(*args)
+    assert result.returncode == 2, result.stderr
+    assert said in result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) <= 2, result.stderr  # argparse adds its usage line
+
+
+def test_debug_adds_the_traceback():
+    result = _start("-A", "nosuch.module:app", "-l", "debug")
+    assert result.returncode == 2 and "Traceback" in result.stderr
+
+
+def test_clockwork_worker_loads_an_app_from_the_current_directory(test_vhost_url: str, tmp_path: Path):
+    """The installed script, run where the app's file is, as ``celery -A`` is."""
+    assert SCRIPT.exists(), f"{SCRIPT} is not installed (pip install -e .)"
+    queue = unique_queue("cwd")
+    (tmp_path / "myjobs.py").write_text(
+        textwrap.dedent(
+            f"""
+            from broker_svc import App
+
+            app = App("myjobs", broker={test_vhost_url!r}, task_default_queue={queue!r})
+
+
+            @app.task
+            def shout(word):
+                return word.upper()
+            """
+        )
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    log = tmp_path / "worker.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [str(SCRIPT), "-A", "myjobs", "-c", "1", "--statedb", "none"],
+            cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, env=env,
+        )  # fmt: skip
+    client = App("cwd-client", settings=Settings(broker_url=test_vhost_url, default_queue=queue))
+    try:
+        wait_for(
+            lambda: proc.poll() is not None or "worker_ready" in log.read_text(),
+            timeout_s=60,
+            message="the worker did not start",
+        )
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert client.send_task("myjobs.shout", ("hi",)).get(timeout=30) == "HI"  # run by a pool child
+    finally:
+        client.close()
+        proc.terminate()
+        proc.wait(timeout=60)
+        delete_queues(test_vhost_url, queue, f"{queue}.dead")
+
+
+def test_ctrl_c_while_the_broker_is_unreachable_stops_quietly(tmp_path: Path):
+    # Port 9 (discard) refuses the connection: the worker waits for a broker that never comes.
+    log = tmp_path / "worker.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "worker", "-A", "tests.integration.e2e_tasks:app", "-c", "1",
+             "-b", "amqp://guest:guest@127.0.0.1:9/", "--statedb", "none"],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        wait_for(lambda: "broker" in log.read_text(), timeout_s=60, message="no broker wait logged")
+        time.sleep(0.5)
+        proc.send_signal(2)  # SIGINT, as Ctrl-C
+        status = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert "Traceback" not in text, text[-3000:]
+    assert status in (0, 130), text[-3000:]
+
+
+def test_a_refused_login_is_one_line_and_exit_status_1(test_vhost_url: str):
+    bad = test_vhost_url.replace("guest:guest@", "guest:not-the-password@", 1)
+    assert bad != test_vhost_url
+    result = _start("-A", "tests.integration.e2e_tasks:app", "-c", "1", "-b", bad, "--statedb", "none")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("clockwork-worker: error:") and "refused" in last.lower(), last
