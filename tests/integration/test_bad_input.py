@@ -9,8 +9,9 @@ import time
 import msgpack
 import pytest
 
-from broker_svc import App
+from broker_svc import App, Settings
 from broker_svc.wire import codec
+from control import ControlClient
 from tests.support.amqp import channel, delete_queues, drain, publish_raw
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerProcess
@@ -111,6 +112,12 @@ def test_bad_inputs_are_dead_lettered_with_a_reason(
         }  # fmt: skip
         assert small_limit_worker.proc.poll() is None
         assert small_limit_worker.count("task_refused") >= 6
+        # An unknown task says what usually causes it (two apps on one queue), and stats counts them.
+        unknown = small_limit_worker.first("task_unknown")
+        assert unknown["task_name"] == "nope.nope" and "queue of its own" in unknown["hint"]
+        with ControlClient(Settings(broker_url=test_vhost_url)) as control:
+            stats = control.inspect("stats", destination=[small_limit_worker.name], timeout_s=10)
+        assert stats[small_limit_worker.name]["unknown_tasks"] == {"nope.nope": 1}
     finally:
         delete_queues(test_vhost_url, reply)
 

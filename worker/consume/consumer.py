@@ -125,6 +125,11 @@ class TaskConsumer:
         return dict(self._outcomes.totals)
 
     @property
+    def unknown_tasks(self) -> dict[str, int]:
+        """Deliveries of tasks this app does not register, per name (inspect ``stats``)."""
+        return dict(self._rejections.unknown)
+
+    @property
     def running_count(self) -> int:
         """Tasks running in children now."""
         return len(self._state.active_tasks)

@@ -11,6 +11,7 @@ ack (carried out by ``worker.consume.settle``) — and none of the consumer's ru
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Mapping
 from typing import Any
 
@@ -44,6 +45,8 @@ class Rejections:
         self._replies = replies
         self._events = events
         self._outcomes = outcomes
+        # Tasks of names this app does not register, by name (inspect ``stats``: ``unknown_tasks``).
+        self.unknown: collections.Counter[str] = collections.Counter()
 
     async def refuse(
         self, message: aio_pika.abc.AbstractIncomingMessage, *, reason: str, error: str
@@ -73,7 +76,16 @@ class Rejections:
 
     async def unregistered(self, request: TaskMessage) -> Disposition:
         """Dead-letter a task this app does not register (FAILURE ``NotRegistered``)."""
-        log.error("task_unknown", task_name=request.task)
+        self.unknown[request.task] += 1
+        if self.unknown[request.task] == 1:
+            # The usual cause: two apps consume one queue (both on Celery's default 'celery').
+            log.error(
+                "task_unknown", task_name=request.task,
+                hint="this app registers no task of this name: if another app sends to or consumes "
+                "this queue, give each app a queue of its own (task_default_queue, -Q)",
+            )  # fmt: skip
+        else:
+            log.error("task_unknown", task_name=request.task, seen=self.unknown[request.task])
         error = wire_exception("NotRegistered", request.task)
         await self._outcomes.reply(request, Outcome(task_id=request.id, status=State.FAILURE, result=error))
         await self._outcomes.chord_part(request, State.FAILURE, error)

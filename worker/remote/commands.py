@@ -153,6 +153,8 @@ class WorkerCommands:
             },  # fmt: skip
             "prefetch_count": self._sizer.prefetch_count,  # the prefetch applied now
             "rusage": {"utime": usage.ru_utime, "stime": usage.ru_stime, "maxrss": usage.ru_maxrss},
+            # Ours: tasks of names this app does not register (another app on the same queue?).
+            "unknown_tasks": self._consumer.unknown_tasks,
         }
         if self._autoscaler is not None:
             reply["autoscaler"] = self._autoscaler.info()
