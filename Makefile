@@ -24,8 +24,13 @@ $(BIN)/pip:
 	@test -n "$(PY)" || { echo "Python 3.11 is needed (python3.11 or python3 on PATH)." >&2; exit 1; }
 	$(PY) -m venv $(VENV) || { echo "Creating the venv failed; on Debian: apt-get install python3-venv" >&2; exit 1; }
 
-$(VENV)/.installed: $(BIN)/pip pyproject.toml
-	$(BIN)/pip install -e '.[test,speed]'
+# Running (make run, make worker) needs the runtime only; testing adds the test and dev extras.
+$(VENV)/.runtime: $(BIN)/pip pyproject.toml
+	$(BIN)/pip install -e '.[speed]'
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.runtime pyproject.toml
+	$(BIN)/pip install -e '.[test,dev,speed]'
 	touch $@
 
 # Debian's chromium, for the Flower screenshot test (tests/interop/browser.py fails without it, never
@@ -39,13 +44,13 @@ chromium:
 		|| { echo "Installing chromium failed; the Flower screenshot test needs Debian's chromium." >&2; exit 1; }; \
 	command -v chromium >/dev/null 2>&1 || { echo "chromium is still not on PATH after installing it." >&2; exit 1; }
 
-run: $(VENV)/.installed
+run: $(VENV)/.runtime
 	@$(WITH_BROKER); CLOCKWORK_BROKER_URL="$$url" $(BIN)/python -m examples.demo
 
 test: lint typecheck chromium
 	@$(WITH_BROKER); AMQP_URL="$$url" $(BIN)/pytest
 
-worker: $(VENV)/.installed
+worker: $(VENV)/.runtime
 	@$(WITH_BROKER); CLOCKWORK_BROKER_URL="$$url" $(BIN)/python -m worker -A examples.tasks:app -l info
 
 # Us beside Celery and Dramatiq (installed into .bench-peers/ on first use) and the raw AMQP

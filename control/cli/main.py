@@ -23,7 +23,7 @@ from broker_svc.errors import BrokerUnavailable, ConfigurationError
 from broker_svc.logging import configure_logging
 from broker_svc.settings import Settings
 from control.blocking.client import ControlClient
-from control.cli.render import format_event, format_nodes, is_error, is_ok, show, summarize
+from control.cli.render import Style, format_event, format_nodes, is_error, is_ok, show, summarize
 from control.protocol.commands import COMMANDS, CommandKind, Param
 from control.protocol.event_order import ReorderBuffer
 from control.protocol.replies import BroadcastResult
@@ -51,6 +51,18 @@ INSPECT_METHODS: Final = {
 }
 
 # ``ctl control <method> ARG...``: every control command but those with a command of their own.
+CONTROL_HELP: Final = {
+    "time_limit": "set a task's time limits: TASK SOFT HARD (seconds; none for no limit)",
+    "rate_limit": "set a task's rate limit: TASK RATE (e.g. 10/s, 100/m; 0 turns it off)",
+    "pool_grow": "add N pool children (default 1)",
+    "pool_shrink": "remove N pool children (default 1)",
+    "autoscale": "set the autoscaler's bounds: MAX MIN",
+    "add_consumer": "start consuming QUEUE",
+    "cancel_consumer": "stop consuming QUEUE (tasks already taken still run)",
+    "enable_events": "start sending task events (what Flower and ctl events show)",
+    "disable_events": "stop sending task events",
+    "heartbeat": "send a worker-heartbeat event now",
+}
 CONTROL_METHODS: Final = {
     name: command
     for name, command in COMMANDS.items()
@@ -88,8 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     control = commands.add_parser("control", parents=[common], help="change workers (rate limits, pool, ...)")
     changes = control.add_subparsers(dest="method", required=True, metavar="METHOD")
     for name, command in CONTROL_METHODS.items():
+        text = CONTROL_HELP.get(name, name.replace("_", " "))
         change = changes.add_parser(
-            name.replace("_", "-"), parents=[common], help=command.reply, description=command.reply
+            name.replace("_", "-"), parents=[common], help=text, description=f"{text}. Reply: {command.reply}"
         )
         order = ", ".join(command.params) or "none"
         change.add_argument("values", nargs="*", metavar="ARG", help=f"arguments in order: {order}")
@@ -176,7 +189,7 @@ def _inspect(
     elif method == "registered":
         arguments["taskinfoitems"] = args.taskinfoitems
     result = client.broadcast(method, arguments, destination=dest, reply=True, timeout_s=args.timeout)
-    show(flatten_replies(result.replies), args.json, out)
+    show(flatten_replies(result.replies), args.json, out, method=method, style=Style.for_stream(out))
     return _status(result, err)
 
 
@@ -191,7 +204,7 @@ def _control(
         name: _convert(value, params[name]) for name, value in zip(params, args.values, strict=False)
     }
     result = client.broadcast(method, arguments, destination=dest, reply=True, timeout_s=args.timeout)
-    show(flatten_replies(result.replies), args.json, out)
+    show(flatten_replies(result.replies), args.json, out, style=Style.for_stream(out))
     return _status(result, err)
 
 
@@ -218,8 +231,9 @@ def _status_command(
     if args.json:
         out.write(json.dumps(by_node, default=str) + "\n")
     else:
+        style = Style.for_stream(out)
         for node, value in by_node.items():
-            out.write(f"{node}: {'OK' if is_ok(value) else summarize(value)}\n")
+            out.write(f"{style.node(node)}: {style.ok('OK') if is_ok(value) else summarize(value)}\n")
         if by_node:
             out.write(f"\n{len(by_node)} node{'s' if len(by_node) != 1 else ''} online.\n")
     return _status(result, err)

@@ -1,23 +1,80 @@
-"""How ``ctl`` prints replies and events for a person (``--json`` prints them as they are)."""
+"""How ``ctl`` prints replies and events for a person (``--json`` prints them as they are).
+
+Each inspect method has a layout of its own (a table of tasks, a worker's figures with their units,
+a queue per line); anything else is a summary line per node with its items below. Colour is used
+on a terminal only, and never with ``NO_COLOR`` set.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
 import json
-from typing import Any, TextIO
+import os
+import time
+from collections.abc import Callable
+from typing import Any, Final, TextIO
 
-__all__ = ["format_event", "format_nodes", "is_ok", "show", "summarize"]
+__all__ = [
+    "Style",
+    "format_event",
+    "format_nodes",
+    "human_bytes",
+    "human_seconds",
+    "is_error",
+    "is_ok",
+    "show",
+    "summarize",
+]
 
 
-def show(by_node: dict[str, Any], as_json: bool, out: TextIO) -> None:
-    """Write ``{node: value}``: a summary line per node, then its items indented (or one JSON line)."""
+class Style:
+    """ANSI colour for a terminal, or none (``NO_COLOR``, a pipe, a file)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+
+    @classmethod
+    def for_stream(cls, out: TextIO) -> Style:
+        """Colour when ``out`` is a terminal and ``NO_COLOR`` is not set (no-color.org)."""
+        isatty = getattr(out, "isatty", None)
+        return cls(bool(isatty and isatty()) and "NO_COLOR" not in os.environ)
+
+    def _wrap(self, code: str, text: str) -> str:
+        return f"\x1b[{code}m{text}\x1b[0m" if self.enabled else text
+
+    def ok(self, text: str) -> str:
+        return self._wrap("32", text)
+
+    def error(self, text: str) -> str:
+        return self._wrap("31;1", text)
+
+    def node(self, text: str) -> str:
+        return self._wrap("1", text)
+
+    def dim(self, text: str) -> str:
+        return self._wrap("2", text)
+
+
+_PLAIN: Final = Style(False)
+
+
+def show(
+    by_node: dict[str, Any], as_json: bool, out: TextIO, *, method: str | None = None, style: Style = _PLAIN
+) -> None:
+    """Write ``{node: value}`` for a person (a layout per inspect ``method``), or as one JSON line."""
     if as_json:
         out.write(json.dumps(by_node, default=str) + "\n")
         return
     width = max((len(node) for node in by_node), default=0)
+    layout = _LAYOUTS.get(method or "")
     for node, value in by_node.items():
-        out.write(f"{node:<{width}}  {summarize(value)}\n")
-        for line in _details(value):
+        if is_error(value) or is_ok(value) or layout is None:
+            out.write(f"{style.node(node.ljust(width))}  {_summary(value, style)}\n")
+            lines = [] if is_error(value) or is_ok(value) else _details(value)
+        else:
+            head, lines = layout(value)
+            out.write(f"{style.node(node.ljust(width))}  {head}\n")
+        for line in lines:
             out.write(f"{'':<{width}}    {line}\n")
 
 
@@ -33,14 +90,179 @@ def is_error(value: Any) -> bool:
 
 def summarize(value: Any) -> str:
     """One reply in a few words: ``OK pong``, ``ERROR ...``, ``3 items``, ``5 keys``."""
+    return _summary(value, _PLAIN)
+
+
+def _summary(value: Any, style: Style) -> str:
     if isinstance(value, dict) and len(value) == 1 and ("ok" in value or "error" in value):
         [(key, inner)] = value.items()
-        return f"{'OK' if key == 'ok' else 'ERROR'} {_short(inner)}"
+        word = style.ok("OK") if key == "ok" else style.error("ERROR")
+        return f"{word} {_short(inner)}"
     if isinstance(value, list):
         return f"{len(value)} item{'s' if len(value) != 1 else ''}"
     if isinstance(value, dict):
         return f"{len(value)} key{'s' if len(value) != 1 else ''}"
     return _short(value)
+
+
+# -- units -------------------------------------------------------------------------------------------
+
+
+def human_seconds(seconds: float) -> str:
+    """``92 µs``, ``12 ms``, ``3.2 s``, ``4m 05s``, ``1h 02m``, ``2d 03h``."""
+    if seconds < 0.001:
+        return f"{seconds * 1e6:.0f} µs"
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m {secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours}h {minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d {hours:02d}h"
+
+
+def human_bytes(count: float) -> str:
+    """``512 B``, ``1.5 KiB``, ``48.2 MiB``, ``1.1 GiB``."""
+    size = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"  # pragma: no cover - the loop returns
+
+
+def _map(value: Any, key: str) -> dict[str, Any]:
+    inner = value.get(key) if isinstance(value, dict) else None
+    return inner if isinstance(inner, dict) else {}
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+# -- a layout per inspect method: (head line, detail lines) ------------------------------------------
+
+
+def _tasks(value: Any) -> tuple[str, list[str]]:
+    # active / reserved: Celery's task info maps.
+    items = value if isinstance(value, list) else []
+    now = time.time()
+    rows = []
+    for task in items:
+        if not isinstance(task, dict):
+            continue
+        started = _number(task.get("time_start"))
+        when = f"running {human_seconds(max(0.0, now - started))}" if started else "waiting"
+        args = task.get("argsrepr") or task.get("args")
+        rows.append([
+            str(task.get("id", "?")), str(task.get("name", "?")), _short(args, 40), when,
+            f"pid {task['worker_pid']}" if task.get("worker_pid") else "",
+        ])  # fmt: skip
+    return _count(len(rows), "task"), _table(rows)
+
+
+def _scheduled(value: Any) -> tuple[str, list[str]]:
+    items = value if isinstance(value, list) else []
+    rows = []
+    for entry in items:
+        if not isinstance(entry, dict):
+            continue
+        request = _map(entry, "request")
+        rows.append([str(request.get("id", "?")), str(request.get("name", "?")), f"eta {entry.get('eta')}"])
+    return _count(len(rows), "task"), _table(rows)
+
+
+def _stats(value: Any) -> tuple[str, list[str]]:
+    if not isinstance(value, dict):
+        return _short(value), []
+    pool = _map(value, "pool")
+    totals = _map(value, "total")
+    done = sum(int(n) for n in totals.values() if isinstance(n, int))
+    uptime = _number(value.get("uptime"))
+    head = f"up {human_seconds(uptime)}" if uptime is not None else "up ?"
+    head += f", {done} task{'s' if done != 1 else ''} done, pid {value.get('pid')}"
+    lines = []
+    processes = pool.get("processes")
+    processes = processes if isinstance(processes, list) else []
+    lines.append(f"pool: {len(processes)} processes (max {pool.get('max-concurrency')}), "
+                 f"prefetch {value.get('prefetch_count')}")  # fmt: skip
+    for name, count in sorted(totals.items(), key=lambda item: -item[1] if isinstance(item[1], int) else 0)[
+        :5
+    ]:
+        lines.append(f"  {count:>8}  {name}")
+    rusage = _map(value, "rusage")
+    utime, stime, maxrss = (
+        _number(rusage.get("utime")),
+        _number(rusage.get("stime")),
+        _number(rusage.get("maxrss")),
+    )
+    if utime is not None and stime is not None:
+        memory = f", max RSS {human_bytes(maxrss * 1024)}" if maxrss is not None else ""
+        lines.append(f"cpu: user {human_seconds(utime)}, system {human_seconds(stime)}{memory}")
+    broker = _map(value, "broker")
+    if broker:
+        lines.append(
+            f"broker: {broker.get('hostname')}:{broker.get('port')} vhost {broker.get('virtual_host')!r}"
+        )
+    unknown = value.get("unknown_tasks")
+    if isinstance(unknown, dict) and unknown:
+        shown = ", ".join(f"{name} ×{count}" for name, count in unknown.items())
+        lines.append(f"unknown tasks (dead-lettered): {shown}")
+    autoscaler = value.get("autoscaler")
+    if isinstance(autoscaler, dict):
+        bounds = f"max {autoscaler.get('max')}, min {autoscaler.get('min')}"
+        lines.append(f"autoscale: {bounds}, demand {autoscaler.get('qty')}")
+    return head, lines
+
+
+def _queues(value: Any) -> tuple[str, list[str]]:
+    items = value if isinstance(value, list) else []
+    rows = []
+    for queue in items:
+        if not isinstance(queue, dict):
+            continue
+        exchange = _map(queue, "exchange")
+        arguments = _map(queue, "queue_arguments")
+        kind = arguments.get("x-queue-type", "classic")
+        rows.append([
+            str(queue.get("name")), str(kind), "durable" if queue.get("durable") else "transient",
+            f"exchange {exchange.get('name')!r} ({exchange.get('type')})",
+            f"key {queue.get('routing_key')!r}",
+        ])  # fmt: skip
+    return _count(len(rows), "queue"), _table(rows)
+
+
+def _clock(value: Any) -> tuple[str, list[str]]:
+    return (f"clock {value.get('clock')}" if isinstance(value, dict) else _short(value)), []
+
+
+_LAYOUTS: Final[dict[str, Callable[[Any], tuple[str, list[str]]]]] = {
+    "active": _tasks,
+    "reserved": _tasks,
+    "scheduled": _scheduled,
+    "stats": _stats,
+    "active_queues": _queues,
+    "clock": _clock,
+}
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' if n != 1 else ''}"
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    # Columns padded to their widest cell; the last one is not padded.
+    if not rows:
+        return []
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    last = len(widths) - 1
+    return ["  ".join(cell if i == last else cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip()
+            for row in rows]  # fmt: skip
 
 
 def _details(value: Any) -> list[str]:

@@ -1,0 +1,94 @@
+"""What ctl prints for a person: a layout per inspect method, units, colour only on a terminal."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import time
+
+import pytest
+
+from control.cli.main import build_parser
+from control.cli.render import Style, human_bytes, human_seconds, show
+
+
+def _shown(by_node: dict, method: str | None, style: Style | None = None) -> str:
+    out = io.StringIO()
+    show(by_node, False, out, method=method, style=style or Style(False))
+    return out.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [
+        (9.24e-05, "92 µs"),
+        (0.012, "12 ms"),
+        (3.21, "3.2 s"),
+        (245, "4m 05s"),
+        (3720, "1h 02m"),
+        (183600, "2d 03h"),
+    ],
+)
+def test_durations_have_units(seconds: float, text: str):
+    assert human_seconds(seconds) == text
+
+
+def test_sizes_have_units():
+    assert [human_bytes(n) for n in (512, 1536, 50_540_000)] == ["512 B", "1.5 KiB", "48.2 MiB"]
+
+
+def test_active_tasks_are_a_table_with_how_long_each_has_run():
+    task = {
+        "id": "6f1c-task", "name": "proj.resize", "args": [1, 2], "argsrepr": "(1, 2)", "kwargs": {},
+        "time_start": time.time() - 125, "worker_pid": 4242, "hostname": "w1@box",
+    }  # fmt: skip
+    text = _shown({"w1@box": [task]}, "active")
+    head, row = text.splitlines()
+    assert head.startswith("w1@box") and "1 task" in head
+    assert "6f1c-task" in row and "proj.resize" in row and "(1, 2)" in row and "pid 4242" in row
+    assert "running 2m 0" in row  # 2m 05s, give or take the test's own time
+    assert "{" not in text  # no JSON blob
+
+
+def test_stats_show_uptime_tasks_pool_and_cpu_with_units():
+    stats = {
+        "total": {"proj.add": 1200, "proj.mul": 30}, "pid": 77, "uptime": 3725,
+        "pool": {"max-concurrency": 4, "processes": [1, 2, 3, 4]}, "prefetch_count": 4,
+        "rusage": {"utime": 12.5, "stime": 0.25, "maxrss": 51200},
+        "broker": {"hostname": "rabbit", "port": 5672, "virtual_host": "/"},
+        "unknown_tasks": {"other.app.task": 3},
+    }  # fmt: skip
+    text = _shown({"w1@box": stats}, "stats")
+    assert "up 1h 02m, 1230 tasks done, pid 77" in text
+    assert "pool: 4 processes (max 4), prefetch 4" in text
+    assert "1200  proj.add" in text
+    assert "cpu: user 12.5 s, system 250 ms, max RSS 50.0 MiB" in text
+    assert "unknown tasks (dead-lettered): other.app.task ×3" in text
+
+
+def test_active_queues_one_line_each():
+    queue = {
+        "name": "emails", "exchange": {"name": "emails", "type": "direct"}, "routing_key": "emails",
+        "queue_arguments": {"x-queue-type": "quorum"}, "durable": True,
+    }  # fmt: skip
+    text = _shown({"w1@box": [queue]}, "active_queues")
+    assert "emails  quorum  durable  exchange 'emails' (direct)  key 'emails'" in text
+
+
+def test_errors_stand_out_and_colour_is_only_for_a_terminal():
+    replies = {"w1@box": {"error": "unknown task"}, "w2@box": {"ok": "rate limit set"}}
+    plain = _shown(replies, None)
+    assert "ERROR unknown task" in plain and "OK rate limit set" in plain and "\x1b[" not in plain
+    coloured = _shown(replies, None, Style(True))
+    assert "\x1b[31;1mERROR\x1b[0m" in coloured and "\x1b[32mOK\x1b[0m" in coloured
+    assert not Style.for_stream(io.StringIO()).enabled  # not a terminal
+
+
+def test_control_commands_have_help_that_says_what_they_do():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        build_parser().parse_args(["control", "--help"])
+    text = out.getvalue()
+    assert "rate-limit" in text and "set a task's rate limit" in text
+    assert "pool-grow" in text and "add N pool children" in text
+    assert '{"ok"' not in text  # the reply's shape is not the help
