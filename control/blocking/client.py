@@ -11,6 +11,7 @@ import os
 import socket
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final, Literal, Unpack
 
@@ -34,9 +35,18 @@ from control.protocol.request import CLOCK_HEADER, EXPIRES_HEADER, ControlReques
 from control.protocol.revoke_log import LOGGED_HEADER, RevokeEntry
 from control.protocol.signing import ControlSecurity
 
-__all__ = ["ControlClient"]
+__all__ = ["ControlClient", "QueueDepth"]
 
 log = get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class QueueDepth:
+    """A queue as a passive declare sees it: messages ready for delivery, and consumers."""
+
+    ready: int
+    consumers: int
+
 
 # While waiting, membership is re-read this often, so a node whose heartbeats stop stops
 # holding the call up.
@@ -254,6 +264,35 @@ class ControlClient:
             yield from events
         except (pika.exceptions.AMQPError, OSError) as exc:
             raise self._connection.unavailable(exc) from exc
+
+    def queue_depths(self, names: Sequence[str]) -> dict[str, QueueDepth | None]:
+        """The ready messages and consumers of each queue (a passive declare); None if it does not exist.
+
+        Raises:
+            BrokerUnavailable: the broker cannot be reached, or refused for another reason.
+        """
+        conn, _ = self._connection.ensure_open()
+        depths: dict[str, QueueDepth | None] = {}
+        channel: Channel | None = None
+        try:
+            for name in names:
+                if channel is None or not channel.is_open:
+                    channel = conn.channel()  # a missing queue (404) closes the channel it was asked on
+                try:
+                    frame = channel.queue_declare(name, passive=True)
+                except pika.exceptions.ChannelClosedByBroker as exc:
+                    if exc.reply_code != 404:
+                        raise
+                    depths[name] = None
+                    continue
+                method = frame.method
+                assert isinstance(method, pika.spec.Queue.DeclareOk)
+                depths[name] = QueueDepth(ready=method.message_count, consumers=method.consumer_count)
+            if channel is not None and channel.is_open:
+                channel.close()
+        except (pika.exceptions.AMQPError, OSError) as exc:
+            raise self._connection.unavailable(exc) from exc
+        return depths
 
     # -- replies ---------------------------------------------------------------------------------
 

@@ -23,7 +23,16 @@ from broker_svc.errors import BrokerUnavailable, ConfigurationError
 from broker_svc.logging import configure_logging
 from broker_svc.settings import Settings
 from control.blocking.client import ControlClient
-from control.cli.render import Style, format_event, format_nodes, is_error, is_ok, show, summarize
+from control.cli.render import (
+    Style,
+    format_event,
+    format_nodes,
+    is_error,
+    is_ok,
+    queue_table,
+    show,
+    summarize,
+)
 from control.protocol.commands import COMMANDS, CommandKind, Param
 from control.protocol.event_order import ReorderBuffer
 from control.protocol.replies import BroadcastResult
@@ -111,6 +120,18 @@ def build_parser() -> argparse.ArgumentParser:
     revoke.add_argument("ids", nargs="+", metavar="ID", help="task ids")
     revoke.add_argument("--terminate", action="store_true", help="also kill the tasks if running")
     revoke.add_argument("--signal", default="SIGTERM", help="signal for --terminate (default SIGTERM)")
+    queues = commands.add_parser(
+        "queues",
+        parents=[common],
+        help="queue depths: ready, held by workers, consumers, dead letters, rate",
+        description="Each queue's ready messages, the tasks workers hold from it (running or prefetched), "
+        "its consumers, its dead letters (<queue>.dead) and how fast it grows or drains. Without "
+        "names: the queues the live workers consume.",
+    )
+    queues.add_argument("names", nargs="*", metavar="QUEUE", help="queues to show (default: the workers')")
+    queues.add_argument(
+        "--interval", type=float, default=1.0, metavar="S", help="seconds between the two samples of the rate"
+    )
     commands.add_parser("status", parents=[common], help="list the workers that answer")
     commands.add_parser("shutdown", parents=[common], help="ask workers to shut down (warm)")
     events = commands.add_parser("events", parents=[common], help="follow live events")
@@ -310,8 +331,58 @@ def _events(
     return EX_OK
 
 
+def _queues(
+    client: ControlClient, args: argparse.Namespace, dest: list[str] | None, out: TextIO, err: TextIO
+) -> int:
+    if args.interval <= 0:
+        raise ValueError("--interval must be positive")
+    held: dict[str, int] = {}
+    names = list(args.names)
+    for method in ("active", "reserved"):
+        replies = client.broadcast(method, destination=dest, reply=True, timeout_s=args.timeout).replies
+        for tasks in flatten_replies(replies).values():
+            for task in tasks if isinstance(tasks, list) else ():
+                key = task.get("delivery_info", {}).get("routing_key") if isinstance(task, dict) else None
+                if isinstance(key, str):
+                    held[key] = held.get(key, 0) + 1
+    if not names:
+        replies = client.broadcast(
+            "active_queues", destination=dest, reply=True, timeout_s=args.timeout
+        ).replies
+        for consumed in flatten_replies(replies).values():
+            for queue in consumed if isinstance(consumed, list) else ():
+                name = queue.get("name") if isinstance(queue, dict) else None
+                if isinstance(name, str) and name not in names:
+                    names.append(name)
+    if not names:
+        err.write("No queues: no worker answered, and none was named.\n")
+        return EX_UNAVAILABLE
+    watched = [*names, *(f"{name}.dead" for name in names)]
+    first, started = client.queue_depths(watched), time.monotonic()
+    time.sleep(args.interval)  # the rate is the change between two samples
+    second, elapsed = client.queue_depths(watched), time.monotonic() - started
+    rows: dict[str, dict[str, Any]] = {}
+    for name in names:
+        now, before, dead = second.get(name), first.get(name), second.get(f"{name}.dead")
+        if now is None:
+            rows[name] = {"exists": False}
+            continue
+        rate = (now.ready - before.ready) / elapsed if before is not None else 0.0
+        rows[name] = {
+            "exists": True, "ready": now.ready, "held_by_workers": held.get(name, 0),
+            "consumers": now.consumers, "dead": dead.ready if dead is not None else 0,
+            "rate_per_s": round(rate, 1),
+        }  # fmt: skip
+    if args.json:
+        out.write(json.dumps(rows) + "\n")
+    else:
+        out.write(queue_table(rows, Style.for_stream(out)))
+    return EX_OK
+
+
 _COMMANDS: Final[dict[str, Command]] = {
     "inspect": _inspect,
+    "queues": _queues,
     "control": _control,
     "status": _status_command,
     "revoke": _revoke,

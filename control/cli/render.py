@@ -22,6 +22,7 @@ __all__ = [
     "human_seconds",
     "is_error",
     "is_ok",
+    "queue_table",
     "show",
     "summarize",
 ]
@@ -249,6 +250,23 @@ _LAYOUTS: Final[dict[str, Callable[[Any], tuple[str, list[str]]]]] = {
     "active_queues": _queues,
     "clock": _clock,
 }
+
+
+def queue_table(rows: dict[str, dict[str, Any]], style: Style) -> str:
+    """``ctl queues``: a row per queue, a header, and the rate as a signed change per second."""
+    table = [["QUEUE", "READY", "HELD", "CONSUMERS", "DEAD", "RATE"]]
+    for name, row in rows.items():
+        if not row.get("exists"):
+            table.append([name, "-", "-", "-", "-", "no such queue"])
+            continue
+        rate = float(row["rate_per_s"])
+        trend = "steady" if rate == 0 else f"{rate:+.1f}/s ({'growing' if rate > 0 else 'draining'})"
+        table.append([
+            name, str(row["ready"]), str(row["held_by_workers"]), str(row["consumers"]), str(row["dead"]),
+            trend,
+        ])  # fmt: skip
+    lines = _table(table)
+    return "\n".join([style.node(lines[0]), *lines[1:]]) + "\n"
 
 
 def _count(n: int, noun: str) -> str:

@@ -281,3 +281,39 @@ def test_events_prints_json_lines_ordered_by_clock_then_origin(vhost_url: str):
     assert proc.returncode == 0
     got = [(e["clock"], e["hostname"]) for e in map(json.loads, out.splitlines())]
     assert got == [(10, "z@h"), (20, "a@h"), (20, "b@h"), (30, "b@h")]
+
+
+def test_ctl_queues_shows_depth_held_tasks_consumers_dead_letters_and_rate(
+    vhost_url: str, node: WorkerProcess
+):
+    queue = node.queues[0]
+    app = App("queues-probe", settings=Settings(broker_url=vhost_url, default_queue=queue))
+    try:
+        # One unknown task is dead-lettered, one slow task runs (held by the worker), five wait.
+        app.send_task("no.such.task")
+        app.send_task("tests.integration.e2e_tasks.sleep_s", (5.0,))
+        app.send_many(app.signature("tests.integration.e2e_tasks.add", (i, i)) for i in range(5))
+        app.flush(10)
+        with ControlClient(Settings(broker_url=vhost_url)) as client:
+
+            def sleeping() -> bool:
+                active = client.inspect("active", destination=[node.name], timeout_s=5)
+                return bool(active.get(node.name))
+
+            wait_for(sleeping, timeout_s=20, message="the slow task did not start")
+        proc, _ = ctl("queues", "-b", vhost_url, "--json", "--timeout", "5", "--interval", "0.2")
+        assert proc.returncode == 0, output(proc)
+        row = json.loads(proc.stdout)[queue]
+        assert row["exists"] and row["consumers"] == 1 and row["dead"] == 1
+        assert row["held_by_workers"] >= 1  # the sleeper, at least
+        assert row["ready"] + row["held_by_workers"] >= 5
+        assert isinstance(row["rate_per_s"], float)
+        # Named queues, one missing; the table for a person.
+        proc, _ = ctl("queues", queue, "nope-queue", "-b", vhost_url, "--timeout", "5", "--interval", "0.2")
+        assert proc.returncode == 0, output(proc)
+        header, *lines = proc.stdout.splitlines()
+        assert header.split() == ["QUEUE", "READY", "HELD", "CONSUMERS", "DEAD", "RATE"]
+        assert any(line.startswith(queue) for line in lines)
+        assert any(line.startswith("nope-queue") and "no such queue" in line for line in lines)
+    finally:
+        app.close()
