@@ -1,44 +1,52 @@
-"""Clockwork's client library: tasks, publishing with confirms, results, and the shared wire parts."""
+"""Clockwork's client library: tasks, publishing with confirms, results, and the shared wire parts.
+
+Every export is loaded on first use (PEP 562): ``ctl`` and the worker's pool children import
+``broker_svc.errors`` or ``broker_svc.settings`` without paying for the app, the canvas and pika
+(``ctl`` starts in under a quarter of a second; BENCHMARKS.md).
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from broker_svc.app import App
-from broker_svc.canvas import Signature, chain, chord, chunks, group, signature, xmap, xstarmap
-from broker_svc.clock import LamportClock
-from broker_svc.errors import (
-    BrokerBlocked,
-    BrokerSvcError,
-    BrokerUnavailable,
-    ChordError,
-    ConfigurationError,
-    ContentDisallowed,
-    DecodeError,
-    Ignore,
-    InvalidTaskMessage,
-    MaxRetriesExceededError,
-    MessageError,
-    MessageTooLarge,
-    NotRegistered,
-    PublishError,
-    PublishNacked,
-    Reject,
-    ResultTimeout,
-    Retry,
-    SoftTimeLimitExceeded,
-    TaskError,
-    TaskRevokedError,
-    Unroutable,
-)
-from broker_svc.group_result import GroupResult, ResultSet
 from broker_svc.lazy_exports import lazy_exports
-from broker_svc.result import AsyncResult
-from broker_svc.settings import Settings
-from broker_svc.shared import current_app, shared_task
-from broker_svc.task import Task
-from broker_svc.wire.states import State
-from broker_svc.wire.task_message import TaskMessage
+
+if TYPE_CHECKING:
+    from broker_svc.app import App
+    from broker_svc.canvas import Signature, chain, chord, chunks, group, signature, xmap, xstarmap
+    from broker_svc.clock import LamportClock
+    from broker_svc.errors import (
+        BrokerBlocked,
+        BrokerSvcError,
+        BrokerUnavailable,
+        ChordError,
+        ConfigurationError,
+        ContentDisallowed,
+        DecodeError,
+        Ignore,
+        InvalidTaskMessage,
+        MaxRetriesExceededError,
+        MessageError,
+        MessageTooLarge,
+        NotRegistered,
+        PublishError,
+        PublishNacked,
+        Reject,
+        ResultTimeout,
+        Retry,
+        SoftTimeLimitExceeded,
+        TaskError,
+        TaskRevokedError,
+        Unroutable,
+    )
+    from broker_svc.group_result import GroupResult, ResultSet
+    from broker_svc.publisher import Publisher
+    from broker_svc.result import AsyncResult
+    from broker_svc.settings import Settings
+    from broker_svc.shared import current_app, shared_task
+    from broker_svc.task import Task
+    from broker_svc.wire.states import State
+    from broker_svc.wire.task_message import TaskMessage
 
 __all__ = [
     # the app and its tasks
@@ -90,9 +98,49 @@ __all__ = [
 ]
 
 
-if TYPE_CHECKING:
-    from broker_svc.publisher import Publisher
+_EXPORTS = {
+    "App": "broker_svc.app",
+    "AsyncResult": "broker_svc.result",
+    "BrokerBlocked": "broker_svc.errors",
+    "BrokerSvcError": "broker_svc.errors",
+    "BrokerUnavailable": "broker_svc.errors",
+    "ChordError": "broker_svc.errors",
+    "ConfigurationError": "broker_svc.errors",
+    "ContentDisallowed": "broker_svc.errors",
+    "DecodeError": "broker_svc.errors",
+    "GroupResult": "broker_svc.group_result",
+    "Ignore": "broker_svc.errors",
+    "InvalidTaskMessage": "broker_svc.errors",
+    "LamportClock": "broker_svc.clock",
+    "MaxRetriesExceededError": "broker_svc.errors",
+    "MessageError": "broker_svc.errors",
+    "MessageTooLarge": "broker_svc.errors",
+    "NotRegistered": "broker_svc.errors",
+    "PublishError": "broker_svc.errors",
+    "PublishNacked": "broker_svc.errors",
+    "Publisher": "broker_svc.publisher",
+    "Reject": "broker_svc.errors",
+    "ResultSet": "broker_svc.group_result",
+    "ResultTimeout": "broker_svc.errors",
+    "Retry": "broker_svc.errors",
+    "Settings": "broker_svc.settings",
+    "Signature": "broker_svc.canvas",
+    "SoftTimeLimitExceeded": "broker_svc.errors",
+    "State": "broker_svc.wire.states",
+    "Task": "broker_svc.task",
+    "TaskError": "broker_svc.errors",
+    "TaskMessage": "broker_svc.wire.task_message",
+    "TaskRevokedError": "broker_svc.errors",
+    "Unroutable": "broker_svc.errors",
+    "chain": "broker_svc.canvas",
+    "chord": "broker_svc.canvas",
+    "chunks": "broker_svc.canvas",
+    "current_app": "broker_svc.shared",
+    "group": "broker_svc.canvas",
+    "shared_task": "broker_svc.shared",
+    "signature": "broker_svc.canvas",
+    "xmap": "broker_svc.canvas",
+    "xstarmap": "broker_svc.canvas",
+}
 
-
-# Publisher brings pika in: loaded on first use, so a worker importing an app does not pay for it.
-__getattr__ = lazy_exports(__name__, {"Publisher": "broker_svc.publisher"})
+__getattr__ = lazy_exports(__name__, _EXPORTS)
