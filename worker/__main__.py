@@ -84,6 +84,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="KIB",
         help="replace a pool child whose resident memory passed KIB kilobytes, after its task",
     )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics (celery-exporter's names) on this port at /metrics (default: off)",
+    )
+    parser.add_argument(
+        "--metrics-address",
+        default="0.0.0.0",
+        metavar="ADDR",
+        help="address for --metrics-port (default all)",
+    )
     parser.add_argument("--logfile", "-f", type=Path, default=None, help="append all output to this file")
     parser.add_argument("--pidfile", type=Path, default=None, help="write the worker's pid here")
     parser.add_argument(
@@ -246,6 +259,8 @@ def _start(args: argparse.Namespace) -> int:
         consumer_timeout_s=args.consumer_timeout or None,
         max_tasks_per_child=args.max_tasks_per_child or conf.get("worker_max_tasks_per_child"),
         max_memory_per_child_kib=args.max_memory_per_child or conf.get("worker_max_memory_per_child"),
+        metrics_port=args.metrics_port,
+        metrics_address=args.metrics_address,
     )
     try:
         return _run(WorkerService(config, app).run())

@@ -119,6 +119,8 @@ class WorkerConfig:
         max_tasks_per_child: a child is replaced after this many tasks (None: never).
         max_memory_per_child_kib: a child whose resident memory passed this many KiB is replaced
             after the task it ran (None: never).
+        metrics_port: serve Prometheus metrics on this port (None: not served; worker/metrics.py).
+        metrics_address: the address the metrics are served on.
 
     Raises:
         ConfigurationError: an option out of range (a ``ValueError``, with the fix in its text).
@@ -145,6 +147,8 @@ class WorkerConfig:
     consumer_timeout_s: float | None = DEFAULT_CONSUMER_TIMEOUT_S
     max_tasks_per_child: int | None = None
     max_memory_per_child_kib: int | None = None
+    metrics_port: int | None = None
+    metrics_address: str = "0.0.0.0"
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:

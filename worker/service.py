@@ -35,6 +35,7 @@ from worker.consume.eta import EtaScheduler
 from worker.consume.publish import ReplyPublisher
 from worker.consume.rate_limits import RateLimits
 from worker.events import EventDispatcher, Heart, software_version
+from worker.metrics import WorkerMetrics
 from worker.pool.autoscale import Autoscaler, PoolSizer
 from worker.pool.pool import ProcessPool
 from worker.remote.commands import WorkerCommands
@@ -313,7 +314,15 @@ class WorkerService:
         self, pool: ProcessPool, publish_channel: aio_pika.abc.AbstractChannel, events: EventDispatcher
     ) -> TaskConsumer:
         config = self._config
-        return TaskConsumer(
+        metrics = None
+        if config.metrics_port is not None:
+            # Read at each scrape, so the figures are now's; the consumer exists once this returns.
+            metrics = WorkerMetrics(
+                config.hostname, pool_size=lambda: pool.target, busy=lambda: consumer.running_count
+            )
+            metrics.serve(config.metrics_port, config.metrics_address)
+            log.info("metrics_serving", port=config.metrics_port, address=config.metrics_address)
+        consumer = TaskConsumer(
             app=self._app,
             pool=pool,
             replies=ReplyPublisher(
@@ -331,7 +340,9 @@ class WorkerService:
             limits=self._limits,
             default_time_limits=(config.time_limit_s, config.soft_time_limit_s),
             namespace=config.namespace,
+            metrics=metrics,
         )
+        return consumer
 
     async def _start_events(self, publishing: aio_pika.abc.AbstractRobustConnection) -> EventDispatcher:
         config = self._config

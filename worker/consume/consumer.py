@@ -6,7 +6,7 @@ import asyncio
 import datetime as dt
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import aio_pika
 import aio_pika.abc
@@ -30,12 +30,15 @@ from worker.consume.publish import ReplyPublisher
 from worker.consume.rate_limits import RateLimits
 from worker.consume.redelivery import Redeliveries, channel_gone
 from worker.consume.rejections import Rejections, broker_dead_letter
-from worker.consume.settle import ACK, HAND_BACK, LEFT_TO_BROKER, Disposition, Settler
+from worker.consume.settle import ACK, HAND_BACK, LEFT_TO_BROKER, Disposition, Fate, Settler
 from worker.consume.slots import FairSlots
 from worker.events import EventDispatcher
 from worker.pool.pool import Job, JobOutcome, ProcessPool
 from worker.remote.revoked_set import RevokedSet
 from worker.state import Tracked, WorkerState
+
+if TYPE_CHECKING:
+    from worker.metrics import WorkerMetrics
 
 __all__ = ["RATE_RESERVED_HEADER", "TaskConsumer"]
 
@@ -74,6 +77,7 @@ class TaskConsumer:
         default_time_limits: tuple[float | None, float | None] = (None, None),
         dedupe_window_s: float | None = None,
         namespace: str = "celery",
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         self._app = app
         self._pool = pool
@@ -94,6 +98,7 @@ class TaskConsumer:
         self._signums: dict[str, int] = {}
         self.received = 0
         self._replies = replies
+        self._metrics = metrics  # --metrics-port; None: nothing counted
         self._outcomes = OutcomeHandler(
             app=app, replies=replies, eta=eta, events=events, delivery_limit=settings.delivery_limit,
             namespace=namespace,
@@ -224,11 +229,13 @@ class TaskConsumer:
     async def _handle(self, message: aio_pika.abc.AbstractIncomingMessage, queue: str) -> None:
         admitted = await self._admit(message, queue)
         if isinstance(admitted, Disposition):
+            self._count_dead_letter(queue, admitted)
             await self._settler.settle(message, queue, admitted)
             return
         request = admitted
         try:
             disposition = await self._handle_task(message, queue, request)
+            self._count_dead_letter(queue, disposition)
             await self._settler.settle(message, queue, disposition)
             if disposition.finished:
                 self._admission.finished(request)
@@ -236,6 +243,15 @@ class TaskConsumer:
                 self._redeliveries.remember_done(request.id, message)
         finally:
             self._admission.release(request)
+
+    def _count_dead_letter(self, queue: str, disposition: Disposition) -> None:
+        if self._metrics is not None and disposition.fate is Fate.DEAD_LETTER:
+            self._metrics.dead_lettered(queue, disposition.reason or "unknown")
+
+    async def _skip_revoked(self, request: TaskMessage, queue: str, *, expired: bool) -> Disposition:
+        if self._metrics is not None:
+            self._metrics.revoked(request.task, queue)
+        return await self._rejections.skip_revoked(request, expired=expired)
 
     async def _admit(
         self, message: aio_pika.abc.AbstractIncomingMessage, queue: str
@@ -275,7 +291,7 @@ class TaskConsumer:
             # Dead-lettered by the broker (the operator's policy): answered, never run.
             reason, origin = broker_dead_letter(message.headers)
             if reason == "expired":
-                return await self._rejections.skip_revoked(request, expired=True)
+                return await self._skip_revoked(request, queue, expired=True)
             return await self._rejections.dropped_by_broker(request, reason=reason, origin=origin)
         if request.task not in self._app.tasks:
             return await self._rejections.unregistered(request)
@@ -286,15 +302,17 @@ class TaskConsumer:
             log.info("task_redelivery_already_done")
             return ACK
         if request.id in self._revoked:
-            return await self._rejections.skip_revoked(request, expired=False)
+            return await self._skip_revoked(request, queue, expired=False)
         if request.expires is not None and request.expires <= dt.datetime.now(dt.UTC):
-            return await self._rejections.skip_revoked(request, expired=True)
+            return await self._skip_revoked(request, queue, expired=True)
         tracked = Tracked(request, delivery)
         if request.eta is not None and (parked := await self._until_due(tracked, request.eta)) is not None:
             return parked  # parked in a delay queue until nearly due
         if (parked := await self._rate_limited(message, request)) is not None:
             return parked  # parked until its turn under the task's rate limit
         self.received += 1
+        if self._metrics is not None:
+            self._metrics.received(request.task, queue)
         if signals.task_received.has_receivers:
             signals.task_received.send(sender=self, request=request)
         # Task events are off unless asked for (-E): check before building one, as every task
@@ -314,6 +332,8 @@ class TaskConsumer:
         outcome = await self._run(tracked, message, queue)
         if isinstance(outcome, Disposition):
             return outcome  # handed back (shutdown), revoked while it waited, or joined
+        if self._metrics is not None:
+            self._metrics.finished(request.task, queue, outcome)
         signum = self._signums.pop(request.id, None)
         return await self._outcomes.finish(message, request, outcome, stopping=self._stopping, signum=signum)
 
@@ -375,10 +395,10 @@ class TaskConsumer:
             self._state.reserved_tasks.pop(request.id, None)
         try:
             if request.id in self._revoked:  # revoked while it waited for a child
-                return await self._rejections.skip_revoked(request, expired=False)
+                return await self._skip_revoked(request, queue, expired=False)
             if request.expires is not None and request.expires <= dt.datetime.now(dt.UTC):
                 # Expired while it waited for a child (prefetched): Celery checks again here too.
-                return await self._rejections.skip_revoked(request, expired=True)
+                return await self._skip_revoked(request, queue, expired=True)
             hard, soft = time_limits(
                 request,
                 self._app.tasks[request.task],
@@ -395,6 +415,8 @@ class TaskConsumer:
                 soft_time_limit_s=soft,
             )
             self._state.start(tracked)
+            if self._metrics is not None:
+                self._metrics.started(request.task, queue)
             if self._events.task_events:
                 await self._events.send("task-started", uuid=request.id)
             run = self._redeliveries.start(request.id, message)

@@ -1,0 +1,151 @@
+"""A worker's Prometheus metrics, under celery-exporter's names and labels, served on ``--metrics-port``.
+
+Dashboards and alerts built for celery-exporter (Grafana 17508/17509, the celery-mixin) read these
+unchanged: ``celery_task_{received,started,succeeded,failed,retried,rejected,revoked}_total`` with
+``name``, ``hostname`` (the host part of the node name, as celery-exporter shortens it) and
+``queue_name`` (``failed`` adds ``exception``), the ``celery_task_runtime`` histogram, and
+``celery_worker_up`` / ``celery_worker_tasks_active`` per ``hostname``. Unlike celery-exporter they
+need no events and no separate process: each worker serves its own, and Prometheus sums them.
+
+Ours, under ``clockwork_``: dead letters by queue and reason, and the pool's children, busy or
+idle. Every task's outcome is known in the worker's main process (the pool
+children report to it), so one registry there is the whole count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Final
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from worker.pool.pool import JobOutcome, JobStatus
+
+__all__ = ["WorkerMetrics"]
+
+_TASK_LABELS: Final = ("name", "hostname", "queue_name")
+# celery-exporter's default buckets are Prometheus's; tasks here run from microseconds to hours.
+_RUNTIME_BUCKETS: Final = (
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    300,
+    900,
+    3600,
+)
+
+
+class WorkerMetrics:
+    """The counters and gauges of one worker, in a registry of their own.
+
+    Args:
+        nodename: the worker's node name (``w1@host``); labels carry its host part.
+        pool_size: the pool's current size (read at each scrape).
+        busy: how many children run a task now (read at each scrape).
+    """
+
+    def __init__(self, nodename: str, *, pool_size: Callable[[], int], busy: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.hostname = nodename.rpartition("@")[2] or nodename
+        registry = self.registry
+
+        def counter(event: str, text: str, *extra: str) -> Counter:
+            labels = (*_TASK_LABELS[:2], *extra, _TASK_LABELS[2])
+            return Counter(f"celery_task_{event}", text, labels, registry=registry)
+
+        self._received = counter("received", "Tasks the worker received.")
+        self._started = counter("started", "Tasks the worker started.")
+        self._succeeded = counter("succeeded", "Tasks that succeeded.")
+        self._failed = counter("failed", "Tasks that failed for good.", "exception")
+        self._retried = counter("retried", "Tasks that failed and will be retried.")
+        self._rejected = counter("rejected", "Tasks rejected (Reject), to be requeued or dead-lettered.")
+        self._revoked = counter("revoked", "Tasks revoked or expired, and running tasks terminated.")
+        self._runtime = Histogram(
+            "celery_task_runtime", "Task runtime in seconds.", _TASK_LABELS, registry=registry,
+            buckets=_RUNTIME_BUCKETS,
+        )  # fmt: skip
+        self._up = Gauge("celery_worker_up", "1 while the worker runs.", ("hostname",), registry=registry)
+        self._dead = Counter(
+            "clockwork_dead_letters", "Deliveries kept in <queue>.dead, by reason.",
+            ("hostname", "queue_name", "reason"), registry=registry,
+        )  # fmt: skip
+        self._up.labels(self.hostname).set(1)
+        registry.register(_PoolCollector(self.hostname, pool_size, busy))
+
+    def serve(self, port: int, address: str = "0.0.0.0") -> None:
+        """Serve ``/metrics`` on ``address:port`` from a thread of its own."""
+        start_http_server(port, addr=address, registry=self.registry)
+
+    def received(self, name: str, queue: str) -> None:
+        """A task was taken to run (not refused, not parked)."""
+        self._received.labels(name, self.hostname, queue).inc()
+
+    def started(self, name: str, queue: str) -> None:
+        """A task was handed to a pool child."""
+        self._started.labels(name, self.hostname, queue).inc()
+
+    def finished(self, name: str, queue: str, outcome: JobOutcome) -> None:
+        """A run ended; counted by how (a lost child's run is neither success nor failure yet)."""
+        status = outcome.status
+        labels = (name, self.hostname, queue)
+        if status in (JobStatus.SUCCESS, JobStatus.FAILURE, JobStatus.TIME_LIMIT):
+            self._runtime.labels(*labels).observe(outcome.runtime_s)
+        if status is JobStatus.SUCCESS:
+            self._succeeded.labels(*labels).inc()
+        elif status in (JobStatus.FAILURE, JobStatus.TIME_LIMIT):
+            exception = str((outcome.error or {}).get("exc_type") or "Exception")
+            self._failed.labels(name, self.hostname, exception, queue).inc()
+        elif status is JobStatus.RETRY:
+            self._retried.labels(*labels).inc()
+        elif status is JobStatus.REJECTED:
+            self._rejected.labels(*labels).inc()
+        elif status is JobStatus.TERMINATED:
+            self._revoked.labels(*labels).inc()
+
+    def revoked(self, name: str, queue: str) -> None:
+        """A revoked or expired task was answered without running."""
+        self._revoked.labels(name, self.hostname, queue).inc()
+
+    def dead_lettered(self, queue: str, reason: str) -> None:
+        """A delivery was kept in ``<queue>.dead``."""
+        self._dead.labels(self.hostname, queue, reason).inc()
+
+
+class _PoolCollector(Collector):
+    # The pool's size and busy children, read when Prometheus scrapes.
+    def __init__(self, hostname: str, size: Callable[[], int], busy: Callable[[], int]) -> None:
+        self._hostname = hostname
+        self._size = size
+        self._busy = busy
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        # Registering must not read the figures: the consumer they come from may not exist yet.
+        return iter(())
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        # Read, not counted: a gauge kept by increments would drift on a run cut short.
+        active = GaugeMetricFamily(
+            "celery_worker_tasks_active", "Tasks the worker runs now.", labels=["hostname"]
+        )
+        processes = GaugeMetricFamily(
+            "clockwork_pool_processes", "Pool children, busy or idle.", labels=["hostname", "state"]
+        )
+        size, busy = self._size(), self._busy()
+        processes.add_metric([self._hostname, "busy"], busy)
+        processes.add_metric([self._hostname, "idle"], max(0, size - busy))
+        active.add_metric([self._hostname], busy)
+        yield active
+        yield processes
