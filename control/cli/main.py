@@ -32,6 +32,7 @@ from control.cli.render import (
     queue_table,
     show,
     summarize,
+    top_screen,
 )
 from control.protocol.commands import COMMANDS, CommandKind, Param
 from control.protocol.event_order import ReorderBuffer
@@ -132,6 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
     queues.add_argument(
         "--interval", type=float, default=1.0, metavar="S", help="seconds between the two samples of the rate"
     )
+    top = commands.add_parser(
+        "top",
+        parents=[common],
+        help="a live view: workers, their running tasks, queue depths and rates",
+        description="Refreshed in place every --interval seconds until Ctrl-C (or --iterations).",
+    )
+    top.add_argument("--interval", type=float, default=2.0, metavar="S", help="seconds between refreshes")
+    top.add_argument("--iterations", type=int, default=None, metavar="N", help="stop after N refreshes")
     commands.add_parser("status", parents=[common], help="list the workers that answer")
     commands.add_parser("shutdown", parents=[common], help="ask workers to shut down (warm)")
     events = commands.add_parser("events", parents=[common], help="follow live events")
@@ -380,9 +389,57 @@ def _queues(
     return EX_OK
 
 
+def _top(
+    client: ControlClient, args: argparse.Namespace, dest: list[str] | None, out: TextIO, err: TextIO
+) -> int:
+    if args.interval <= 0:
+        raise ValueError("--interval must be positive")
+    style = Style.for_stream(out)
+    previous: dict[str, int] = {}
+    last_at: float | None = None
+    count = 0
+    try:
+        while args.iterations is None or count < args.iterations:
+            started = time.monotonic()
+            stats = flatten_replies(
+                client.broadcast("stats", destination=dest, reply=True, timeout_s=args.timeout).replies
+            )
+            active = flatten_replies(
+                client.broadcast("active", destination=dest, reply=True, timeout_s=args.timeout).replies
+            )
+            queues = flatten_replies(
+                client.broadcast(
+                    "active_queues", destination=dest, reply=True, timeout_s=args.timeout
+                ).replies
+            )
+            names = sorted({q["name"] for qs in queues.values() if isinstance(qs, list) for q in qs
+                            if isinstance(q, dict) and isinstance(q.get("name"), str)})  # fmt: skip
+            depths = client.queue_depths(names) if names else {}
+            now = time.monotonic()
+            rates = {}
+            for name, depth in depths.items():
+                if depth is not None and name in previous and last_at is not None:
+                    rates[name] = (depth.ready - previous[name]) / (now - last_at)
+            previous = {name: depth.ready for name, depth in depths.items() if depth is not None}
+            last_at = now
+            screen = top_screen(stats, active, depths, rates, style=style, clock=time.strftime("%H:%M:%S"))
+            if style.enabled:
+                out.write("\x1b[H\x1b[2J")  # redraw in place on a terminal
+            out.write(screen)
+            out.flush()
+            count += 1
+            if args.iterations is not None and count >= args.iterations:
+                break
+            time.sleep(max(0.0, args.interval - (time.monotonic() - started)))
+    except KeyboardInterrupt:
+        pass
+    return EX_OK
+
+
 _COMMANDS: Final[dict[str, Command]] = {
     "inspect": _inspect,
     "queues": _queues,
+    "top": _top,
     "control": _control,
     "status": _status_command,
     "revoke": _revoke,

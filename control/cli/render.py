@@ -25,6 +25,7 @@ __all__ = [
     "queue_table",
     "show",
     "summarize",
+    "top_screen",
 ]
 
 
@@ -267,6 +268,59 @@ def queue_table(rows: dict[str, dict[str, Any]], style: Style) -> str:
         ])  # fmt: skip
     lines = _table(table)
     return "\n".join([style.node(lines[0]), *lines[1:]]) + "\n"
+
+
+def top_screen(
+    stats: dict[str, Any],
+    active: dict[str, Any],
+    depths: dict[str, Any],
+    rates: dict[str, float],
+    *,
+    style: Style,
+    clock: str,
+) -> str:
+    """``ctl top``: the workers (busy children, tasks done, uptime), their running tasks, the queues."""
+    lines = [style.node(f"clockwork top  {clock}  {_count(len(stats), 'worker')}"), ""]
+    workers = [["WORKER", "BUSY", "DONE", "UP", "PREFETCH"]]
+    for node, value in sorted(stats.items()):
+        if not isinstance(value, dict):
+            workers.append([node, "?", "?", "?", "?"])
+            continue
+        pool = _map(value, "pool")
+        running = active.get(node)
+        busy = len(running) if isinstance(running, list) else 0
+        totals = _map(value, "total")
+        done = sum(int(n) for n in totals.values() if isinstance(n, int))
+        uptime = _number(value.get("uptime"))
+        workers.append([
+            node, f"{busy}/{pool.get('max-concurrency', '?')}", str(done),
+            human_seconds(uptime) if uptime is not None else "?", str(value.get("prefetch_count", "?")),
+        ])  # fmt: skip
+    lines.extend(_table(workers))
+    tasks = []
+    now = time.time()
+    for node, running in sorted(active.items()):
+        for task in running if isinstance(running, list) else ():
+            if isinstance(task, dict):
+                started = _number(task.get("time_start"))
+                took = human_seconds(max(0.0, now - started)) if started else "-"
+                tasks.append([str(task.get("id", "?")), str(task.get("name", "?")), node, took])
+    lines.append("")
+    if tasks:
+        lines.extend(_table([["TASK", "NAME", "WORKER", "RUNNING"], *sorted(tasks, key=lambda row: row[3])]))
+    else:
+        lines.append(style.dim("no task running"))
+    queue_rows = [["QUEUE", "READY", "CONSUMERS", "RATE"]]
+    for name, depth in sorted(depths.items()):
+        if depth is None:
+            continue
+        rate = rates.get(name)
+        shown = "-" if rate is None else ("steady" if rate == 0 else f"{rate:+.1f}/s")
+        queue_rows.append([name, str(depth.ready), str(depth.consumers), shown])
+    if len(queue_rows) > 1:
+        lines.append("")
+        lines.extend(_table(queue_rows))
+    return "\n".join(lines) + "\n"
 
 
 def _count(n: int, noun: str) -> str:

@@ -317,3 +317,27 @@ def test_ctl_queues_shows_depth_held_tasks_consumers_dead_letters_and_rate(
         assert any(line.startswith("nope-queue") and "no such queue" in line for line in lines)
     finally:
         app.close()
+
+
+def test_ctl_top_shows_workers_running_tasks_and_queues(vhost_url: str, node: WorkerProcess):
+    queue = node.queues[0]
+    app = App("top-probe", settings=Settings(broker_url=vhost_url, default_queue=queue))
+    try:
+        app.send_task("tests.integration.e2e_tasks.sleep_s", (5.0,), task_id="top-sleeper")
+        app.flush(10)
+        with ControlClient(Settings(broker_url=vhost_url)) as client:
+            wait_for(
+                lambda: bool(client.inspect("active", destination=[node.name], timeout_s=5).get(node.name)),
+                timeout_s=20,
+                message="the task did not start",
+            )
+        proc, _ = ctl("top", "-b", vhost_url, "--timeout", "5", "--interval", "0.3", "--iterations", "2")
+        assert proc.returncode == 0, output(proc)
+        text = proc.stdout
+        assert text.count("clockwork top") == 2  # two refreshes (no screen clearing in a pipe)
+        worker_row = next(line for line in text.splitlines() if line.startswith(node.name))
+        assert worker_row.split()[1] == "1/1"  # one busy child of one
+        assert any(line.startswith("top-sleeper") and "sleep_s" in line for line in text.splitlines())
+        assert any(line.startswith(queue) for line in text.splitlines())
+    finally:
+        app.close()
