@@ -43,6 +43,7 @@ from worker.remote.mingle import mingle
 from worker.remote.revocation_log import RevocationLog
 from worker.remote.revoked_set import RevokedSet
 from worker.remote.revoker import Revoker
+from worker.remote.shared_queues import check_shared_queues
 
 __all__ = ["WorkerService"]
 
@@ -207,6 +208,7 @@ class WorkerService:
         # Tasks a Celery client's broker TTL expired in their queue, given the operator's policy.
         if await self._may_consume(consuming, EXPIRED_QUEUE):
             await queues.add(EXPIRED_QUEUE, listed=False)
+        background.spawn(self._check_shared_queues(publishing), name="shared-queues")
         await heart.online()
         background.spawn(heart.run(), name="heartbeat")
         if autoscaler is not None:
@@ -363,6 +365,26 @@ class WorkerService:
             )
             await events.start()
         return events
+
+    async def _check_shared_queues(self, publishing: aio_pika.abc.AbstractRobustConnection) -> None:
+        # A peer of another app on one of our queues (worker/remote/shared_queues.py); never fatal.
+        config = self._config
+        channel = await publishing.channel(publisher_confirms=False)
+        try:
+            broadcaster = AsyncBroadcaster(
+                channel,
+                clock=self._clock,
+                namespace=config.namespace,
+                security=ControlSecurity.from_settings(config.settings),
+            )
+            await broadcaster.start()
+            await check_shared_queues(
+                broadcaster, nodename=config.hostname, queues=config.queues, registered=self._app.tasks
+            )
+        except Exception as exc:  # a check, not a duty: the worker runs on without it
+            log.info("shared_queue_check_failed", error=f"{type(exc).__name__}: {exc}")
+        finally:
+            await channel.close()
 
     async def _mingle_step(
         self, publishing: aio_pika.abc.AbstractRobustConnection, revoker: Revoker

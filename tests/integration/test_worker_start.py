@@ -120,3 +120,31 @@ def test_a_refused_login_is_one_line_and_exit_status_1(test_vhost_url: str):
     assert "Traceback" not in result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("clockwork-worker: error:") and "refused" in last.lower(), last
+
+
+def test_a_worker_warns_when_another_app_consumes_its_queue(test_vhost_url: str):
+    """Two apps on one queue: the second worker names the first and a task it would dead-letter."""
+    from tests.support.workers import WorkerProcess
+
+    queue = unique_queue("shared")
+    with WorkerProcess(test_vhost_url, queues=[queue], concurrency=1) as first:
+        first.wait_ready()
+        with WorkerProcess(
+            test_vhost_url, app="tests.integration.canvas_tasks:app", queues=[queue], concurrency=1
+        ) as second:
+            second.wait_ready()
+            warning = second.first("queue_shared_with_another_app", timeout_s=30)
+            assert warning["peer"] == first.name and warning["queues"] == [queue]
+            assert (
+                "tests.integration.e2e_tasks.add" in warning["their_tasks"] or warning["their_task_count"] > 5
+            )
+    # Two workers of the same app share a queue as intended: no warning.
+    with WorkerProcess(test_vhost_url, queues=[queue], concurrency=1) as a:
+        a.wait_ready()
+        with WorkerProcess(test_vhost_url, queues=[queue], concurrency=1) as b:
+            b.wait_ready()
+            done = b.first("shared_queue_check_done", timeout_s=30)
+            assert done["peers_sharing"] >= 1 and done["other_apps"] == 0
+            assert a.count("queue_shared_with_another_app") == 0
+            assert b.count("queue_shared_with_another_app") == 0
+    delete_queues(test_vhost_url, queue, f"{queue}.dead")
