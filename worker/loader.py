@@ -9,7 +9,17 @@ from typing import Final
 
 from broker_svc.app import App
 
-__all__ = ["AppNotFound", "BadAppSpec", "NotAnApp", "load_app", "split_spec", "use_current_directory"]
+__all__ = [
+    "APP_PATH_ENV",
+    "SAFE_PATH_ADDED_ENV",
+    "AppNotFound",
+    "BadAppSpec",
+    "NotAnApp",
+    "extend_path_from_environment",
+    "load_app",
+    "split_spec",
+    "use_current_directory",
+]
 
 DEFAULT_ATTRIBUTE: Final = "app"
 
@@ -26,19 +36,34 @@ class NotAnApp(ValueError):
     """The ``-A`` spec names something that is not a ``broker_svc.App``."""
 
 
+# Where the pool children find the user's modules (``use_current_directory``; worker.pool.child).
+APP_PATH_ENV: Final = "CLOCKWORK_APP_PATH"
+
+
 def use_current_directory() -> None:
     """Let ``-A`` name a module in the current directory, as ``celery -A`` does.
 
     ``python -m worker`` has the current directory on ``sys.path``; the installed
-    ``clockwork-worker`` script has its own directory there instead. Pool children import the app
-    too, so they get it through ``PYTHONPATH``.
+    ``clockwork-worker`` script has its own directory there instead. The directory goes *last*, so
+    a module of the user's named like one of ours (``worker.py``) does not replace it; the pool
+    children get it through ``CLOCKWORK_APP_PATH`` (not ``PYTHONPATH``, which comes before the
+    installed packages).
     """
     cwd = os.getcwd()
     if cwd not in sys.path and "" not in sys.path:
-        sys.path.insert(0, cwd)
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if cwd not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([cwd, *paths])
+        sys.path.append(cwd)
+    os.environ[APP_PATH_ENV] = cwd
+
+
+# Set when the pool added PYTHONSAFEPATH for its forkserver only (worker.pool.pool).
+SAFE_PATH_ADDED_ENV: Final = "CLOCKWORK_SAFE_PATH_ADDED"
+
+
+def extend_path_from_environment() -> None:
+    """In a pool child: put the worker's ``CLOCKWORK_APP_PATH`` last on ``sys.path``."""
+    path = os.environ.get(APP_PATH_ENV)
+    if path and path not in sys.path:
+        sys.path.append(path)
 
 
 def split_spec(spec: str) -> tuple[str, str]:

@@ -53,6 +53,8 @@ def test_clockwork_worker_loads_an_app_from_the_current_directory(test_vhost_url
     """The installed script, run where the app's file is, as ``celery -A`` is."""
     assert SCRIPT.exists(), f"{SCRIPT} is not installed (pip install -e .)"
     queue = unique_queue("cwd")
+    # A file named like our package must not replace it (``python -m worker`` would pick it up).
+    (tmp_path / "worker.py").write_text("raise SystemExit('the user\\'s worker.py was imported')\n")
     (tmp_path / "myjobs.py").write_text(
         textwrap.dedent(
             f"""

@@ -40,13 +40,19 @@ from broker_svc.logging import configure_logging
 from broker_svc.task import Request, Task, executing
 from broker_svc.trace import IGNORED, REJECTED, RETRY, SUCCESS, trace
 from broker_svc.wire.result_message import exception_to_wire, wire_exception
-from worker.loader import load_app
+from worker.loader import SAFE_PATH_ADDED_ENV, extend_path_from_environment, load_app
 from worker.pool import ipc
 from worker.pool.ipc import Job, JobStatus
 
 log = structlog.get_logger(__name__)
 
 __all__ = ["PoolStartError", "current_request", "main", "reap", "send_update", "spawn"]
+
+# Imported first in the forkserver (its preload): the user's modules are found from here on, after
+# ours, and a PYTHONSAFEPATH the pool set only for the forkserver does not reach task code.
+extend_path_from_environment()
+if os.environ.pop(SAFE_PATH_ADDED_ENV, None):
+    os.environ.pop("PYTHONSAFEPATH", None)
 
 
 # multiprocessing's table of children is process-wide, and Process.start() polls every child in

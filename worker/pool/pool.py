@@ -14,7 +14,7 @@ from typing import Any, Final
 import structlog
 
 from broker_svc.errors import BrokerSvcError, DecodeError, MessageTooLarge
-from worker.loader import load_app, split_spec
+from worker.loader import SAFE_PATH_ADDED_ENV, load_app, split_spec
 from worker.pool import child as child_module
 from worker.pool import ipc
 from worker.pool.child import PoolStartError
@@ -131,6 +131,13 @@ class ProcessPool:
         self._context.set_forkserver_preload([child_module.__name__, split_spec(self._app_spec)[0]])
         loop = asyncio.get_running_loop()
         first_starts: list[asyncio.Future[None]] = [loop.create_future() for _ in range(self._concurrency)]
+        # The forkserver runs ``python -c``, which puts the current directory first on its path,
+        # where a user's ``worker.py`` would replace our package: PYTHONSAFEPATH keeps it off (the
+        # children drop it again, and find the user's modules last: worker.pool.child).
+        added = "PYTHONSAFEPATH" not in os.environ
+        if added:
+            os.environ["PYTHONSAFEPATH"] = "1"
+            os.environ[SAFE_PATH_ADDED_ENV] = "1"
         for ready in first_starts:
             self._add_slot(ready)
         try:
@@ -141,6 +148,10 @@ class ProcessPool:
                 if ready.done() and not ready.cancelled():
                     ready.exception()
             raise
+        finally:
+            if added:  # the forkserver has started: nothing else this process starts gets it
+                os.environ.pop("PYTHONSAFEPATH", None)
+                os.environ.pop(SAFE_PATH_ADDED_ENV, None)
 
     def grow(self, n: int = 1) -> None:
         """Keep ``n`` more children; each takes jobs once it has loaded the app.
