@@ -7,16 +7,19 @@ unchanged: ``celery_task_{received,started,succeeded,failed,retried,rejected,rev
 ``celery_worker_up`` / ``celery_worker_tasks_active`` per ``hostname``. Unlike celery-exporter they
 need no events and no separate process: each worker serves its own, and Prometheus sums them.
 
-Ours, under ``clockwork_``: dead letters by queue and reason, and the pool's children, busy or
-idle. Every task's outcome is known in the worker's main process (the pool
-children report to it), so one registry there is the whole count.
+Ours, under ``clockwork_``: dead letters by queue and reason, redeliveries, the pool's children
+(busy or idle), and each consumed queue's depth and consumers, sampled every 15 s. Every task's
+outcome is known in the worker's main process (the pool children report to it), so one registry
+there is the whole count.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator
 from typing import Final
 
+import aio_pika.abc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -82,6 +85,18 @@ class WorkerMetrics:
             "clockwork_dead_letters", "Deliveries kept in <queue>.dead, by reason.",
             ("hostname", "queue_name", "reason"), registry=registry,
         )  # fmt: skip
+        self._redelivered = Counter(
+            "clockwork_redeliveries", "Deliveries that were a repeat (a worker or child died, a lost ack).",
+            ("hostname", "queue_name"), registry=registry,
+        )  # fmt: skip
+        self._queue_ready = Gauge(
+            "clockwork_queue_messages", "Messages ready in a queue this worker consumes (sampled).",
+            ("queue_name",), registry=registry,
+        )  # fmt: skip
+        self._queue_consumers = Gauge(
+            "clockwork_queue_consumers", "Consumers of a queue this worker consumes (sampled).",
+            ("queue_name",), registry=registry,
+        )  # fmt: skip
         self._up.labels(self.hostname).set(1)
         registry.register(_PoolCollector(self.hostname, pool_size, busy))
 
@@ -118,6 +133,31 @@ class WorkerMetrics:
     def revoked(self, name: str, queue: str) -> None:
         """A revoked or expired task was answered without running."""
         self._revoked.labels(name, self.hostname, queue).inc()
+
+    def redelivered(self, queue: str) -> None:
+        """A delivery came again (it ran, or started, before)."""
+        self._redelivered.labels(self.hostname, queue).inc()
+
+    def queue_depth(self, queue: str, ready: int, consumers: int) -> None:
+        """A sample of a consumed queue (every worker on it reports the same: take the max)."""
+        self._queue_ready.labels(queue).set(ready)
+        self._queue_consumers.labels(queue).set(consumers)
+
+    async def sample_queues(
+        self, connection: aio_pika.abc.AbstractConnection, queues: Callable[[], list[str]], *, every_s: float
+    ) -> None:
+        """Sample the depth of each consumed queue every ``every_s`` seconds; until cancelled."""
+        while True:
+            try:
+                # A channel per round: a queue deleted meanwhile (404) closes the channel it is asked on.
+                async with connection.channel(publisher_confirms=False) as channel:
+                    for name in queues():
+                        declared = await channel.declare_queue(name, passive=True)
+                        result = declared.declaration_result
+                        self.queue_depth(name, result.message_count or 0, result.consumer_count or 0)
+            except Exception:
+                pass
+            await asyncio.sleep(every_s)
 
     def dead_lettered(self, queue: str, reason: str) -> None:
         """A delivery was kept in ``<queue>.dead``."""

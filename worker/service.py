@@ -7,7 +7,7 @@ import os
 import signal
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import aio_pika
 import aio_pika.abc
@@ -49,6 +49,9 @@ __all__ = ["WorkerService"]
 
 log = structlog.get_logger(__name__)
 
+# How often the metrics sample the depth of the consumed queues.
+_QUEUE_SAMPLE_S: Final = 15.0
+
 
 @dataclass(frozen=True, slots=True)
 class Running:
@@ -81,6 +84,7 @@ class WorkerService:
         self._signals = 0
         self._revoked = RevokedSet()
         self._limits = RateLimits.for_tasks(app.tasks)
+        self._metrics: WorkerMetrics | None = None  # --metrics-port
         # Set by start(); the pool, which starts first, relays its children's updates to it.
         self._consumer: TaskConsumer | None = None
 
@@ -209,6 +213,11 @@ class WorkerService:
         if await self._may_consume(consuming, EXPIRED_QUEUE):
             await queues.add(EXPIRED_QUEUE, listed=False)
         background.spawn(self._check_shared_queues(publishing), name="shared-queues")
+        if self._metrics is not None:
+            background.spawn(
+                self._metrics.sample_queues(consuming, queues.listed, every_s=_QUEUE_SAMPLE_S),
+                name="queue-depths",
+            )
         await heart.online()
         background.spawn(heart.run(), name="heartbeat")
         if autoscaler is not None:
@@ -316,12 +325,13 @@ class WorkerService:
         self, pool: ProcessPool, publish_channel: aio_pika.abc.AbstractChannel, events: EventDispatcher
     ) -> TaskConsumer:
         config = self._config
-        metrics = None
+        metrics = self._metrics = None
         if config.metrics_port is not None:
             # Read at each scrape, so the figures are now's; the consumer exists once this returns.
             metrics = WorkerMetrics(
                 config.hostname, pool_size=lambda: pool.target, busy=lambda: consumer.running_count
             )
+            self._metrics = metrics
             metrics.serve(config.metrics_port, config.metrics_address)
             log.info("metrics_serving", port=config.metrics_port, address=config.metrics_address)
         consumer = TaskConsumer(

@@ -298,6 +298,8 @@ class TaskConsumer:
         if (why := Canvas.refusal(request)) is not None:
             return await self._rejections.cannot_honour(request, why)
         delivery = delivery_info(message)
+        if self._metrics is not None and delivery["redelivered"]:
+            self._metrics.redelivered(queue)
         if delivery["delivery_count"] >= 1 and self._redeliveries.done_but_unacked(request.id):
             log.info("task_redelivery_already_done")
             return ACK
