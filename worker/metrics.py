@@ -8,7 +8,8 @@ unchanged: ``celery_task_{received,started,succeeded,failed,retried,rejected,rev
 need no events and no separate process: each worker serves its own, and Prometheus sums them.
 
 Ours, under ``clockwork_``: dead letters by queue and reason, redeliveries, the pool's children
-(busy or idle), and each consumed queue's depth and consumers, sampled every 15 s. Every task's
+(busy or idle), each consumed queue's depth and consumers (sampled every 15 s), and how long the
+broker takes to confirm what the worker publishes. Every task's
 outcome is known in the worker's main process (the pool children report to it), so one registry
 there is the whole count.
 """
@@ -97,6 +98,12 @@ class WorkerMetrics:
             "clockwork_queue_consumers", "Consumers of a queue this worker consumes (sampled).",
             ("queue_name",), registry=registry,
         )  # fmt: skip
+        self._confirm = Histogram(
+            "clockwork_publish_confirm_seconds",
+            "Seconds from a worker's publish (result, follow-up task, dead letter, ...) to its confirm.",
+            ("hostname", "kind"), registry=registry,
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+        )  # fmt: skip
         self._up.labels(self.hostname).set(1)
         registry.register(_PoolCollector(self.hostname, pool_size, busy))
 
@@ -133,6 +140,10 @@ class WorkerMetrics:
     def revoked(self, name: str, queue: str) -> None:
         """A revoked or expired task was answered without running."""
         self._revoked.labels(name, self.hostname, queue).inc()
+
+    def confirmed(self, kind: str, seconds: float) -> None:
+        """A publish of the worker's was confirmed by the broker after ``seconds``."""
+        self._confirm.labels(self.hostname, kind).observe(seconds)
 
     def redelivered(self, queue: str) -> None:
         """A delivery came again (it ran, or started, before)."""

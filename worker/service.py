@@ -338,7 +338,10 @@ class WorkerService:
             app=self._app,
             pool=pool,
             replies=ReplyPublisher(
-                publish_channel, clock=self._clock, persistent=config.settings.result_persistent
+                publish_channel,
+                clock=self._clock,
+                persistent=config.settings.result_persistent,
+                observe=metrics.confirmed if metrics is not None else None,
             ),
             clock=self._clock,
             settings=config.settings,

@@ -83,6 +83,8 @@ def test_metrics_count_a_drain_under_celery_exporters_names(test_vhost_url: str,
         assert value(samples, "celery_worker_tasks_active", hostname=host) == 0
         assert value(samples, "clockwork_pool_processes", hostname=host, state="idle") == 2
         assert value(samples, "clockwork_dead_letters_total", queue_name=queue, reason="NotRegistered") == 1
+        # Every result the worker published was confirmed, and timed.
+        assert value(samples, "clockwork_publish_confirm_seconds_count", kind="result") >= COUNT
         # The queue's depth is sampled in the background: drained now, with our one consumer.
         wait_for(
             lambda: value(scrape(port), "clockwork_queue_consumers", queue_name=queue) == 1,

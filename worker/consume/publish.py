@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import aio_pika
@@ -46,10 +47,17 @@ class ReplyPublisher:
     """
 
     def __init__(
-        self, channel: aio_pika.abc.AbstractChannel, *, clock: LamportClock, persistent: bool
+        self,
+        channel: aio_pika.abc.AbstractChannel,
+        *,
+        clock: LamportClock,
+        persistent: bool,
+        observe: Callable[[str, float], None] | None = None,
     ) -> None:
         self._channel = channel
         self._clock = clock
+        # Called with each confirmed publish's kind and seconds to its confirm (the metrics).
+        self._observe = observe
         self._delivery_mode = (
             aio_pika.DeliveryMode.PERSISTENT if persistent else aio_pika.DeliveryMode.NOT_PERSISTENT
         ).value
@@ -104,7 +112,7 @@ class ReplyPublisher:
             headers={CLOCK_HEADER: self._clock.forward()},
         )
         try:
-            await self._send(payload, properties, reply_to)
+            await self._send(payload, properties, reply_to, kind="result")
         except (aio_pika.exceptions.DeliveryError, Unroutable):
             # Its client and result queue are gone (a caller that sent and left, which is normal):
             # nobody can receive it any more.
@@ -127,11 +135,11 @@ class ReplyPublisher:
         spec = dead_letter_queue(queue)
         copy = copy_message(message, headers)
         try:
-            await self._publish(copy, spec.name)
+            await self._publish(copy, spec.name, kind="dead_letter")
         except Unroutable:
             # Someone deleted the dead-letter queue: make it again rather than loop on redelivery.
             await self._channel.declare_queue(spec.name, durable=spec.durable)
-            await self._publish(copy, spec.name)
+            await self._publish(copy, spec.name, kind="dead_letter")
         log.warning("task_dead_lettered", reason=reason, error=error[:200], queue=queue)
 
     async def republish(
@@ -159,7 +167,7 @@ class ReplyPublisher:
         for name in drop:
             merged.pop(name, None)
         merged.update(headers)
-        await self._publish(copy_message(message, merged, body=body), queue)
+        await self._publish(copy_message(message, merged, body=body), queue, kind="republish")
 
     async def publish_task(self, wire: WireMessage, *, queue: str, queue_type: QueueType) -> None:
         """Send a task a finished task asked for (a chain's next step, a callback); confirmed.
@@ -171,10 +179,10 @@ class ReplyPublisher:
         """
         properties = task_properties(wire, self._clock)
         try:
-            await self._send(wire.body, properties, queue)
+            await self._send(wire.body, properties, queue, kind="task")
         except Unroutable:
             await declare_queue(self._channel, task_queue(queue, queue_type=queue_type))
-            await self._send(wire.body, properties, queue)
+            await self._send(wire.body, properties, queue, kind="task")
 
     async def publish_to(self, body: bytes, *, content_type: str, encoding: str, queue: QueueSpec) -> None:
         """Send a persistent message to one of Clockwork's own queues, declaring it if missing; confirmed.
@@ -189,20 +197,23 @@ class ReplyPublisher:
             headers={CLOCK_HEADER: self._clock.forward()},
         )
         try:
-            await self._send(body, properties, queue.name)
+            await self._send(body, properties, queue.name, kind="internal")
         except Unroutable:
             await declare_queue(self._channel, queue)
-            await self._send(body, properties, queue.name)
+            await self._send(body, properties, queue.name, kind="internal")
 
-    async def _publish(self, message: aio_pika.Message, routing_key: str) -> None:
-        await self._send(message.body, message.properties, routing_key)
+    async def _publish(self, message: aio_pika.Message, routing_key: str, *, kind: str) -> None:
+        await self._send(message.body, message.properties, routing_key, kind=kind)
 
-    async def _send(self, body: bytes, properties: spec.Basic.Properties, routing_key: str) -> None:
+    async def _send(
+        self, body: bytes, properties: spec.Basic.Properties, routing_key: str, *, kind: str
+    ) -> None:
         # What ``default_exchange.publish`` does, less building a Message: aio-pika's channel
         # check, then the underlying aiormq channel's ``basic_publish``.
         if self._channel.is_closed:
             raise aiormq.exceptions.ChannelInvalidStateError(f"{self._channel!r} closed")
         channel = await self._channel.get_underlay_channel()
+        started = time.monotonic() if self._observe is not None else 0.0
         result = await channel.basic_publish(
             body, exchange="", routing_key=routing_key, properties=properties, mandatory=True
         )
@@ -210,6 +221,8 @@ class ReplyPublisher:
         # no queue took must not count as kept, or the caller would ack the original away.
         if isinstance(result, aiormq.abc.DeliveredMessage):
             raise Unroutable(f"no queue {routing_key!r} took the message")
+        if self._observe is not None:
+            self._observe(kind, time.monotonic() - started)
 
 
 def task_properties(wire: WireMessage, clock: LamportClock) -> spec.Basic.Properties:
