@@ -7,7 +7,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import pytest
 
@@ -25,9 +25,12 @@ def celery_client(test_vhost_url: str):
     app = Celery("interop-client", broker=test_vhost_url, backend="rpc://")
     app.conf.update(accept_content=["json", "msgpack"], result_accept_content=["json", "msgpack"])
     yield app
-    # Celery's rpc backend keeps its own consumer connection; close it so no socket leaks.
-    backend = app.backend
-    consumer = getattr(backend, "result_consumer", None)
+    close_celery_client(app)
+
+
+def close_celery_client(app: Any) -> None:
+    """Close a Celery client app, and its rpc backend's own consumer connection (no socket leaks)."""
+    consumer = getattr(app.backend, "result_consumer", None)
     if consumer is not None and getattr(consumer, "_connection", None) is not None:
         consumer._connection.close()
     app.close()

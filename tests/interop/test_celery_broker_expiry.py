@@ -16,6 +16,7 @@ from celery import Celery
 from celery import exceptions as celery_exceptions
 
 from tests.infra.session_broker import SessionBroker
+from tests.interop.conftest import close_celery_client
 from tests.support.amqp import drain
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerProcess, unique_queue
@@ -57,10 +58,7 @@ def client(vhost: str) -> Iterator[Celery]:
     app = Celery("interop-expiry", broker=vhost, backend="rpc://")
     app.conf.update(accept_content=["json"], result_accept_content=["json"])
     yield app
-    consumer = getattr(app.backend, "result_consumer", None)
-    if consumer is not None and getattr(consumer, "_connection", None) is not None:
-        consumer._connection.close()
-    app.close()
+    close_celery_client(app)
 
 
 def test_a_task_that_expires_in_its_queue_is_answered_revoked(client: Celery):

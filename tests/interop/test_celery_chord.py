@@ -16,6 +16,7 @@ import pytest
 from celery import Celery, chain, chord, group
 from celery import exceptions as celery_exceptions
 
+from tests.interop.conftest import close_celery_client
 from tests.support.amqp import delete_queues
 from tests.support.workers import WorkerProcess, unique_queue
 
@@ -45,10 +46,7 @@ def client(test_vhost_url: str) -> Iterator[Celery]:
     app = Celery("interop-chords", broker=test_vhost_url, backend=BACKEND)
     app.conf.update(accept_content=["json"], result_accept_content=["json"], task_serializer="json")
     yield app
-    consumer = getattr(app.backend, "result_consumer", None)
-    if consumer is not None and getattr(consumer, "_connection", None) is not None:
-        consumer._connection.close()
-    app.close()
+    close_celery_client(app)
 
 
 def s(client: Celery, name: str, *args, queue: str, **options):
