@@ -278,3 +278,34 @@ def test_one_rule_explicit_argument_then_conf_then_environment_then_default(monk
     assert App("c", broker=URL).settings.broker_url == URL
     monkeypatch.delenv("CLOCKWORK_DEFAULT_QUEUE")
     assert App("d").settings.default_queue == "celery"
+
+
+# Per setting Celery names: (conf value, env text, the field's value from each, the default).
+_PRECEDENCE = {
+    "broker_url": ("amqp://guest:guest@h1:5672/conf", "amqp://guest:guest@h2:5672/env"),
+    "task_default_queue": ("q-conf", "q-env"),
+    "task_serializer": ("msgpack", "json"),
+    "accept_content": (["json"], "msgpack"),
+    "result_expires": (60, "120"),
+    "result_persistent": (False, "true"),
+    "broker_heartbeat": (11, "22"),
+    "broker_connection_timeout": (3.5, "7.5"),
+}
+
+
+@pytest.mark.parametrize("celery_name", sorted(_PRECEDENCE))
+def test_each_setting_follows_the_one_rule(celery_name: str, monkeypatch: pytest.MonkeyPatch):
+    from broker_svc.conf import SETTINGS_FIELDS
+    from broker_svc.settings import Settings
+
+    field, convert = SETTINGS_FIELDS[celery_name]
+    conf_value, env_text = _PRECEDENCE[celery_name]
+    default = getattr(App("defaults", broker=URL).settings, field) if celery_name != "broker_url" else None
+    monkeypatch.setenv(f"CLOCKWORK_{field.upper()}", env_text)
+    from_env = getattr(Settings.from_env(), field)
+    assert from_env != default  # the environment changes it
+    assert getattr(App("env").settings, field) == from_env  # no argument, no conf: the environment
+    by_conf = getattr(App("conf", **{celery_name: conf_value}).settings, field)
+    assert by_conf == convert(conf_value) and by_conf != from_env  # app.conf beats the environment
+    explicit = App("explicit", settings=Settings(**{field: convert(conf_value)}))
+    assert getattr(explicit.settings, field) == convert(conf_value)  # the argument beats both
