@@ -7,6 +7,7 @@ import re
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import BaseModel, ValidationError
@@ -281,7 +282,7 @@ def test_one_rule_explicit_argument_then_conf_then_environment_then_default(monk
 
 
 # Per setting Celery names: (conf value, env text, the field's value from each, the default).
-_PRECEDENCE = {
+_PRECEDENCE: dict[str, tuple[Any, str]] = {
     "broker_url": ("amqp://guest:guest@h1:5672/conf", "amqp://guest:guest@h2:5672/env"),
     "task_default_queue": ("q-conf", "q-env"),
     "task_serializer": ("msgpack", "json"),
