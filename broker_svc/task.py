@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 from broker_svc import canvas
-from broker_svc.canvas import Signature
 from broker_svc.errors import MaxRetriesExceededError, Retry
 from broker_svc.library_log import get_logger
 from broker_svc.pydantic_args import call_with_models
+from broker_svc.signature import Signature
 from broker_svc.wire.rates import parse_rate
 
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ from typing import Any
 import structlog
 
 from broker_svc.app import App
-from broker_svc.canvas import FollowUp, chord_header_problem, follow_ups, runs_in_process, unhonoured
+from broker_svc.follow_ups import FollowUp, chord_header_problem, follow_ups, runs_in_process, unhonoured
 from broker_svc.routes import route_for
 from broker_svc.topology import chord_join_queue
 from broker_svc.wire.chord_part import ChordPart, encode_part

@@ -39,8 +39,8 @@ import structlog
 from aiormq import spec
 
 from broker_svc.app import App
-from broker_svc.canvas import FollowUp, follow_ups
 from broker_svc.clock import LamportClock
+from broker_svc.follow_ups import FollowUp, as_list, follow_ups
 from broker_svc.topology import chord_join_queue, dead_letter_queue, task_queue
 from broker_svc.wire import codec
 from broker_svc.wire.chord_part import ChordPart, decode_part
@@ -237,7 +237,7 @@ class ChordJoiner:
             await channel.basic_publish(payload, exchange="", routing_key=reply_to, properties=properties)
         # The body's errbacks run with its id, as after the body's own failure.
         parent = self._parent(part, chord.content_type, task_id=body_id if isinstance(body_id, str) else None)
-        for errback in _as_list(options.get("link_error")):
+        for errback in as_list(options.get("link_error")):
             for item in follow_ups(errback, parent=parent, partial=(parent.id,)):
                 await self._send_task(channel, item)
         await channel.tx_commit()  # the failure is told now; the parts stay held until all are in
@@ -317,9 +317,3 @@ class ChordJoiner:
                         hint="a header task of this chord has not ended yet, or this is a late copy of "
                         "a part of a chord settled before the joiner failed over",
                     )  # fmt: skip
-
-
-def _as_list(value: Any) -> list[Any]:
-    if not value:
-        return []
-    return list(value) if isinstance(value, list | tuple) else [value]

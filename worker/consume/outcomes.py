@@ -11,7 +11,7 @@ import structlog
 
 from broker_svc import signals
 from broker_svc.app import App
-from broker_svc.canvas import FollowUp
+from broker_svc.follow_ups import FollowUp
 from broker_svc.wire import codec
 from broker_svc.wire.result_message import CELERY_EXCEPTIONS_MODULE, Outcome, wire_exception
 from broker_svc.wire.states import State

@@ -28,7 +28,6 @@ import structlog
 
 from broker_svc import signals
 from broker_svc.app import App
-from broker_svc.canvas import runs_in_process
 from broker_svc.errors import (
     BrokerSvcError,
     DecodeError,
@@ -36,6 +35,7 @@ from broker_svc.errors import (
     Reject,
     SoftTimeLimitExceeded,
 )
+from broker_svc.follow_ups import runs_in_process
 from broker_svc.logging import configure_logging
 from broker_svc.task import Request, Task, executing
 from broker_svc.trace import IGNORED, REJECTED, RETRY, SUCCESS, trace
