@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import atexit
-import dataclasses
-import datetime as dt
-import importlib
 import threading
-import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, NamedTuple, overload
+from typing import TYPE_CHECKING, Any, overload
 
 from broker_svc import shared, signals
 from broker_svc.builtins import register_builtins
@@ -18,19 +13,16 @@ from broker_svc.clock import LamportClock
 from broker_svc.conf import Config
 from broker_svc.connection.pending import PendingPublish
 from broker_svc.control_plane import ControlPlane, load_control
-from broker_svc.errors import BrokerSvcError, NotRegistered
+from broker_svc.errors import NotRegistered
 from broker_svc.library_log import get_logger
+from broker_svc.open_apps import open_apps
+from broker_svc.request import current_request
 from broker_svc.result import AsyncResult, ResultStore
-from broker_svc.routes import route_for
+from broker_svc.send_message import Destination, before_publish, build_message
 from broker_svc.settings import Settings
-from broker_svc.task import (
-    SEND_OPTIONS,
-    Signature,
-    build_task_class,
-    countdown_to_eta,
-    current_request,
-)
+from broker_svc.task import Signature, build_task_class
 from broker_svc.task import Task as TaskBase
+from broker_svc.task_modules import Discovery, import_task_modules
 from broker_svc.topology import new_reply_queue_name, result_queue
 from broker_svc.wire import codec
 from broker_svc.wire.task_message import TaskMessage
@@ -97,7 +89,7 @@ class App:
         if include is not None:
             initial["include"] = list(include)
         self.conf.update(initial)
-        self._autodiscover: list[tuple[Any, str]] = []
+        self._autodiscover: list[Discovery] = []
         self._reply_queue = new_reply_queue_name()
         self._store = ResultStore(
             accept=codec.accept_set(self.settings.accept_content), max_bytes=self.settings.max_body_bytes
@@ -105,7 +97,7 @@ class App:
         self._control: ControlPlane | None = None
         self._close_hooks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
-        _open_apps.add(self)
+        open_apps.add(self)
         register_builtins(self)
         shared.app_created(self, set_as_current=set_as_current)
 
@@ -159,24 +151,7 @@ class App:
         Raises:
             ImportError: a module named by ``imports`` or ``include`` does not import.
         """
-        names: list[str] = []
-        for key in ("imports", "include"):
-            value = self.conf.get(key) or ()
-            names.extend([value] if isinstance(value, str) else value)
-        for packages, related_name in self._autodiscover:
-            listed = packages() if callable(packages) else packages
-            for package in listed:
-                candidate = f"{package}.{related_name}"
-                try:
-                    importlib.import_module(candidate)
-                except ModuleNotFoundError as exc:
-                    if exc.name not in (candidate, package):
-                        raise  # the module exists but one of its own imports is missing
-                    continue
-                names.append(candidate)
-        for name in names:
-            importlib.import_module(name)
-        return list(dict.fromkeys(names))
+        return import_task_modules(self.conf, self._autodiscover)
 
     @property
     def reply_queue(self) -> str:
@@ -302,7 +277,7 @@ class App:
             message, destination, serializer = self._build_message(sig)
             queue, exchange = destination
             if announce:
-                message = _before_publish(message, queue, exchange or "")
+                message = before_publish(message, queue, exchange or "")
             pending = publisher.prepare(
                 message, queue=queue, queue_type=self.settings.queue_type(queue), serializer=serializer,
                 exchange=exchange,
@@ -325,63 +300,9 @@ class App:
         return results
 
     def _build_message(self, sig: Signature) -> tuple[TaskMessage, Destination, str | None]:
-        options = sig.options
-        unknown = set(options) - SEND_OPTIONS
-        if unknown:
-            raise TypeError(f"unknown send option(s) {sorted(unknown)}; known: {sorted(SEND_OPTIONS)}")
-        if not isinstance(sig.kwargs, Mapping):
-            raise TypeError("kwargs must be a mapping")
-        if "queue" not in options:
-            routed = route_for(self.conf.get("task_routes"), sig.task, sig.args, sig.kwargs, options)
-            options = {**routed, **options}
-        if "priority" not in options and self.conf.get("task_default_priority") is not None:
-            options = {**options, "priority": self.conf["task_default_priority"]}
-        eta = options.get("eta")
-        if options.get("countdown") is not None:
-            eta = countdown_to_eta(float(options["countdown"]))
-        expires = options.get("expires")
-        if isinstance(expires, int | float):
-            expires = countdown_to_eta(float(expires))
-        for label, value in (("eta", eta), ("expires", expires)):
-            if value is not None and not isinstance(value, dt.datetime):
-                raise TypeError(f"{label} must be a datetime (or a number of seconds for expires)")
-        eta = _aware(eta)
-        expires = _aware(expires)
-        task_id = options.get("task_id") or TaskMessage.new_id()
-        ignore_result = bool(options.get("ignore_result", self.conf.get("task_ignore_result", False)))
-        # A task sent from inside a running task is its child: parent_id/root_id link the tree.
-        parent = current_request()
-        if parent is not None and not parent.called_directly:
-            options = {"parent_id": parent.id, "root_id": parent.root_id or parent.id, **options}
-        message = TaskMessage(
-            id=task_id,
-            task=sig.task,
-            args=list(sig.args),
-            kwargs=dict(sig.kwargs),
-            root_id=options.get("root_id"),
-            parent_id=options.get("parent_id"),
-            retries=int(options.get("retries", 0)),
-            eta=eta,
-            expires=expires,
-            timelimit=(options.get("time_limit"), options.get("soft_time_limit")),
-            ignore_result=ignore_result,
-            shadow=options.get("shadow"),
-            clock=self.clock.forward(),
-            reply_to=options.get("reply_to") or self._reply_queue,
-            correlation_id=task_id,
-            priority=options.get("priority"),
-            extra_headers=dict(options.get("headers") or {}),
-            embed=_embed(options),
-            group=options.get("group_id"),
-            group_index=options.get("group_index"),
+        return build_message(
+            sig, conf=self.conf, settings=self.settings, clock=self.clock, reply_queue=self._reply_queue
         )
-        exchange = _other_exchange(options)
-        if exchange is not None:
-            # Celery's routing key on the named exchange (a queue's key, by default its name).
-            key = options.get("routing_key")
-            destination = key if isinstance(key, str) else options.get("queue") or ""
-            return message, Destination(destination, exchange), options.get("serializer")
-        return message, Destination(_queue(options) or self.settings.default_queue), options.get("serializer")
 
     def signature(
         self,
@@ -459,118 +380,17 @@ class App:
         Raises:
             PublishError: some tasks were not confirmed; the connection is closed all the same.
         """
-        _open_apps.discard(self)
+        open_apps.discard(self)
         with self._lock:
             publisher, self._publisher = self._publisher, None
             hooks, self._close_hooks = self._close_hooks, []
             self._control = None
         try:
             if publisher is not None:
-                try:
-                    publisher.flush(self.settings.confirm_timeout_s if timeout is None else timeout)
-                finally:
-                    try:
-                        publisher.connection.delete_queue(self._reply_queue, timeout=2.0)
-                    except BrokerSvcError:
-                        pass  # x-expires removes it later
-                    publisher.connection.close()
+                publisher.close(timeout, delete_queue=self._reply_queue)
         finally:
             for hook in hooks:
                 try:
                     hook()
                 except Exception as exc:  # one failing hook must not keep the others from running
                     log.warning("close_hook_failed", hook=repr(hook), error=str(exc))
-
-
-def _before_publish(message: TaskMessage, queue: str, exchange: str) -> TaskMessage:
-    # Celery's before_task_publish: receivers see the headers and may add their own.
-    headers = {
-        "task": message.task, "id": message.id, "root_id": message.root_id, "parent_id": message.parent_id,
-        "retries": message.retries, **message.extra_headers,
-    }  # fmt: skip
-    standard = dict(headers)
-    signals.before_task_publish.send(
-        sender=message.task, body=(message.args, message.kwargs, message.embed), exchange=exchange,
-        routing_key=queue, headers=headers, properties={}, declare=[], retry_policy=None,
-    )  # fmt: skip
-    added = {k: v for k, v in headers.items() if k not in standard or standard[k] is not v}
-    if not added:
-        return message
-    return dataclasses.replace(message, extra_headers={**message.extra_headers, **added})
-
-
-def _embed(options: Mapping[str, Any]) -> dict[str, Any]:
-    # Protocol v2's embed: callbacks (link), errbacks (link_error), the rest of a chain.
-    def maps(value: Any) -> list[dict[str, Any]] | None:
-        if not value:
-            return None
-        items = value if isinstance(value, list | tuple) else [value]
-        return [
-            Signature(item).as_wire() if not isinstance(item, Signature) else item.as_wire() for item in items
-        ]
-
-    if (
-        "link" not in options
-        and "link_error" not in options
-        and "chain" not in options
-        and "chord" not in options
-    ):
-        return {"callbacks": None, "errbacks": None, "chain": None, "chord": None}  # most sends
-    chord = options.get("chord")  # a chord's body, carried by each header task
-    return {
-        "callbacks": maps(options.get("link")),
-        "errbacks": maps(options.get("link_error")),
-        "chain": maps(options.get("chain")),
-        "chord": chord.as_wire() if isinstance(chord, Signature) else chord,
-    }
-
-
-class Destination(NamedTuple):
-    """Where a task goes: a queue on the default exchange, or a routing key on a named exchange."""
-
-    queue: str
-    exchange: str | None = None
-
-
-def _other_exchange(options: Mapping[str, Any]) -> str | None:
-    # A named exchange other than the default (or the queue's own, which routes the same way).
-    exchange = options.get("exchange")
-    if exchange is None or exchange == "":
-        return None
-    if not isinstance(exchange, str):
-        raise TypeError(f"exchange must be an exchange's name, got {type(exchange).__name__}")
-    if exchange in (options.get("queue"), options.get("routing_key")) and (
-        options.get("routing_key") in (None, exchange)
-    ):
-        return None  # Celery's pairing of a queue with its same-named direct exchange
-    return exchange
-
-
-def _queue(options: Mapping[str, Any]) -> str | None:
-    # Celery's routing_key on the default exchange names the queue.
-    queue: str | None = options.get("queue")
-    routing_key = options.get("routing_key")
-    if queue is None:
-        queue = routing_key
-    elif routing_key not in (None, queue):
-        raise TypeError(f"routing_key={routing_key!r} names another queue than queue={queue!r}")
-    return queue
-
-
-def _aware(value: dt.datetime | None) -> dt.datetime | None:
-    if value is not None and value.tzinfo is None:
-        return value.replace(tzinfo=dt.UTC)
-    return value
-
-
-_open_apps: weakref.WeakSet[App] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_open_apps() -> None:
-    # Interpreter exit waits for outstanding confirms and says what was not confirmed.
-    for app in list(_open_apps):
-        try:
-            app.close()
-        except BrokerSvcError as exc:
-            log.error("unconfirmed_at_exit", app=app.main, error=str(exc))

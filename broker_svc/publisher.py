@@ -170,15 +170,21 @@ class Publisher:
             )
             raise error from first
 
-    def close(self, timeout: float | None = None) -> None:
-        """Flush, then close the connection.
+    def close(self, timeout: float | None = None, *, delete_queue: str | None = None) -> None:
+        """Flush, delete ``delete_queue`` (a client's result queue) if given, then close the connection.
 
         Raises:
-            PublishError: what ``flush`` raises; the connection is closed all the same.
+            PublishError: what ``flush`` raises; the queue is deleted and the connection closed all
+                the same.
         """
         try:
             self.flush(self._settings.confirm_timeout_s if timeout is None else timeout)
         finally:
+            if delete_queue is not None:
+                try:
+                    self._connection.delete_queue(delete_queue, timeout=2.0)
+                except BrokerSvcError:
+                    pass  # its x-expires removes it later
             self._connection.close()
 
     def _prune(self) -> None:

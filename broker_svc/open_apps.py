@@ -1,0 +1,29 @@
+"""The apps not closed yet: at interpreter exit each is closed, so its outstanding confirms are
+waited for and what was not confirmed is said, not lost in silence."""
+
+from __future__ import annotations
+
+import atexit
+import weakref
+from typing import TYPE_CHECKING
+
+from broker_svc.errors import BrokerSvcError
+from broker_svc.library_log import get_logger
+
+if TYPE_CHECKING:
+    from broker_svc.app import App
+
+__all__ = ["open_apps"]
+
+log = get_logger(__name__)
+
+open_apps: weakref.WeakSet[App] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_apps() -> None:
+    for app in list(open_apps):
+        try:
+            app.close()
+        except BrokerSvcError as exc:
+            log.error("unconfirmed_at_exit", app=app.main, error=str(exc))

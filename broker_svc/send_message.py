@@ -1,0 +1,173 @@
+"""A signature and its send options as the task message to send, and where it goes.
+
+What ``App.send_task``/``apply_async`` build before handing a message to the publisher: the
+options checked against ``SEND_OPTIONS``, the route (``task_routes``, or Celery's ``exchange``
+and ``routing_key``), ETA and expiry as aware datetimes, the parent and root of a task sent from
+a task, and protocol v2's embed (callbacks, errbacks, the rest of a chain, a chord's body).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from broker_svc import signals
+from broker_svc.clock import LamportClock
+from broker_svc.request import SEND_OPTIONS, countdown_to_eta, current_request
+from broker_svc.routes import route_for
+from broker_svc.settings import Settings
+from broker_svc.signature import Signature
+from broker_svc.wire.task_message import TaskMessage
+
+__all__ = ["Destination", "before_publish", "build_message"]
+
+
+def build_message(
+    sig: Signature, *, conf: Mapping[str, Any], settings: Settings, clock: LamportClock, reply_queue: str
+) -> tuple[TaskMessage, Destination, str | None]:
+    """A signature as the task message to send, where to send it, and its serializer (None: default).
+
+    Raises:
+        TypeError: an unknown send option, kwargs that are not a map, an eta or expires of the
+            wrong type, or an exchange that is not a name.
+    """
+    options = sig.options
+    unknown = set(options) - SEND_OPTIONS
+    if unknown:
+        raise TypeError(f"unknown send option(s) {sorted(unknown)}; known: {sorted(SEND_OPTIONS)}")
+    if not isinstance(sig.kwargs, Mapping):
+        raise TypeError("kwargs must be a mapping")
+    if "queue" not in options:
+        routed = route_for(conf.get("task_routes"), sig.task, sig.args, sig.kwargs, options)
+        options = {**routed, **options}
+    if "priority" not in options and conf.get("task_default_priority") is not None:
+        options = {**options, "priority": conf["task_default_priority"]}
+    eta = options.get("eta")
+    if options.get("countdown") is not None:
+        eta = countdown_to_eta(float(options["countdown"]))
+    expires = options.get("expires")
+    if isinstance(expires, int | float):
+        expires = countdown_to_eta(float(expires))
+    for label, value in (("eta", eta), ("expires", expires)):
+        if value is not None and not isinstance(value, dt.datetime):
+            raise TypeError(f"{label} must be a datetime (or a number of seconds for expires)")
+    eta = _aware(eta)
+    expires = _aware(expires)
+    task_id = options.get("task_id") or TaskMessage.new_id()
+    ignore_result = bool(options.get("ignore_result", conf.get("task_ignore_result", False)))
+    # A task sent from inside a running task is its child: parent_id/root_id link the tree.
+    parent = current_request()
+    if parent is not None and not parent.called_directly:
+        options = {"parent_id": parent.id, "root_id": parent.root_id or parent.id, **options}
+    message = TaskMessage(
+        id=task_id,
+        task=sig.task,
+        args=list(sig.args),
+        kwargs=dict(sig.kwargs),
+        root_id=options.get("root_id"),
+        parent_id=options.get("parent_id"),
+        retries=int(options.get("retries", 0)),
+        eta=eta,
+        expires=expires,
+        timelimit=(options.get("time_limit"), options.get("soft_time_limit")),
+        ignore_result=ignore_result,
+        shadow=options.get("shadow"),
+        clock=clock.forward(),
+        reply_to=options.get("reply_to") or reply_queue,
+        correlation_id=task_id,
+        priority=options.get("priority"),
+        extra_headers=dict(options.get("headers") or {}),
+        embed=_embed(options),
+        group=options.get("group_id"),
+        group_index=options.get("group_index"),
+    )
+    exchange = _other_exchange(options)
+    if exchange is not None:
+        # Celery's routing key on the named exchange (a queue's key, by default its name).
+        key = options.get("routing_key")
+        destination = key if isinstance(key, str) else options.get("queue") or ""
+        return message, Destination(destination, exchange), options.get("serializer")
+    return message, Destination(_queue(options) or settings.default_queue), options.get("serializer")
+
+
+def before_publish(message: TaskMessage, queue: str, exchange: str) -> TaskMessage:
+    # Celery's before_task_publish: receivers see the headers and may add their own.
+    headers = {
+        "task": message.task, "id": message.id, "root_id": message.root_id, "parent_id": message.parent_id,
+        "retries": message.retries, **message.extra_headers,
+    }  # fmt: skip
+    standard = dict(headers)
+    signals.before_task_publish.send(
+        sender=message.task, body=(message.args, message.kwargs, message.embed), exchange=exchange,
+        routing_key=queue, headers=headers, properties={}, declare=[], retry_policy=None,
+    )  # fmt: skip
+    added = {k: v for k, v in headers.items() if k not in standard or standard[k] is not v}
+    if not added:
+        return message
+    return dataclasses.replace(message, extra_headers={**message.extra_headers, **added})
+
+
+def _embed(options: Mapping[str, Any]) -> dict[str, Any]:
+    # Protocol v2's embed: callbacks (link), errbacks (link_error), the rest of a chain.
+    def maps(value: Any) -> list[dict[str, Any]] | None:
+        if not value:
+            return None
+        items = value if isinstance(value, list | tuple) else [value]
+        return [
+            Signature(item).as_wire() if not isinstance(item, Signature) else item.as_wire() for item in items
+        ]
+
+    if (
+        "link" not in options
+        and "link_error" not in options
+        and "chain" not in options
+        and "chord" not in options
+    ):
+        return {"callbacks": None, "errbacks": None, "chain": None, "chord": None}  # most sends
+    chord = options.get("chord")  # a chord's body, carried by each header task
+    return {
+        "callbacks": maps(options.get("link")),
+        "errbacks": maps(options.get("link_error")),
+        "chain": maps(options.get("chain")),
+        "chord": chord.as_wire() if isinstance(chord, Signature) else chord,
+    }
+
+
+class Destination(NamedTuple):
+    """Where a task goes: a queue on the default exchange, or a routing key on a named exchange."""
+
+    queue: str
+    exchange: str | None = None
+
+
+def _other_exchange(options: Mapping[str, Any]) -> str | None:
+    # A named exchange other than the default (or the queue's own, which routes the same way).
+    exchange = options.get("exchange")
+    if exchange is None or exchange == "":
+        return None
+    if not isinstance(exchange, str):
+        raise TypeError(f"exchange must be an exchange's name, got {type(exchange).__name__}")
+    if exchange in (options.get("queue"), options.get("routing_key")) and (
+        options.get("routing_key") in (None, exchange)
+    ):
+        return None  # Celery's pairing of a queue with its same-named direct exchange
+    return exchange
+
+
+def _queue(options: Mapping[str, Any]) -> str | None:
+    # Celery's routing_key on the default exchange names the queue.
+    queue: str | None = options.get("queue")
+    routing_key = options.get("routing_key")
+    if queue is None:
+        queue = routing_key
+    elif routing_key not in (None, queue):
+        raise TypeError(f"routing_key={routing_key!r} names another queue than queue={queue!r}")
+    return queue
+
+
+def _aware(value: dt.datetime | None) -> dt.datetime | None:
+    if value is not None and value.tzinfo is None:
+        return value.replace(tzinfo=dt.UTC)
+    return value
