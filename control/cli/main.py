@@ -23,17 +23,17 @@ from broker_svc.errors import BrokerUnavailable, ConfigurationError
 from broker_svc.logging import configure_logging
 from broker_svc.settings import Settings
 from control.blocking.client import ControlClient
+from control.cli.exit_codes import EX_FAILURE, EX_OK, EX_UNAVAILABLE
 from control.cli.render import (
     Style,
     format_event,
     format_nodes,
     is_error,
     is_ok,
-    queue_table,
     show,
     summarize,
-    top_screen,
 )
+from control.cli.watch import queues_command, top_command
 from control.protocol.commands import COMMANDS, CommandKind, Param
 from control.protocol.event_order import ReorderBuffer
 from control.protocol.replies import BroadcastResult
@@ -41,9 +41,6 @@ from control.protocol.request import flatten_replies
 
 __all__ = ["EX_UNAVAILABLE", "build_parser", "main"]
 
-EX_OK: Final = 0
-EX_FAILURE: Final = 1
-EX_UNAVAILABLE: Final = 69  # sysexits.h, what `celery inspect` returns when nobody answered
 
 # CLI name -> (wire method, help)
 INSPECT_METHODS: Final = {
@@ -340,106 +337,10 @@ def _events(
     return EX_OK
 
 
-def _queues(
-    client: ControlClient, args: argparse.Namespace, dest: list[str] | None, out: TextIO, err: TextIO
-) -> int:
-    if args.interval <= 0:
-        raise ValueError("--interval must be positive")
-    held: dict[str, int] = {}
-    names = list(args.names)
-    for method in ("active", "reserved"):
-        replies = client.broadcast(method, destination=dest, reply=True, timeout_s=args.timeout).replies
-        for tasks in flatten_replies(replies).values():
-            for task in tasks if isinstance(tasks, list) else ():
-                key = task.get("delivery_info", {}).get("routing_key") if isinstance(task, dict) else None
-                if isinstance(key, str):
-                    held[key] = held.get(key, 0) + 1
-    if not names:
-        replies = client.broadcast(
-            "active_queues", destination=dest, reply=True, timeout_s=args.timeout
-        ).replies
-        for consumed in flatten_replies(replies).values():
-            for queue in consumed if isinstance(consumed, list) else ():
-                name = queue.get("name") if isinstance(queue, dict) else None
-                if isinstance(name, str) and name not in names:
-                    names.append(name)
-    if not names:
-        err.write("No queues: no worker answered, and none was named.\n")
-        return EX_UNAVAILABLE
-    watched = [*names, *(f"{name}.dead" for name in names)]
-    first, started = client.queue_depths(watched), time.monotonic()
-    time.sleep(args.interval)  # the rate is the change between two samples
-    second, elapsed = client.queue_depths(watched), time.monotonic() - started
-    rows: dict[str, dict[str, Any]] = {}
-    for name in names:
-        now, before, dead = second.get(name), first.get(name), second.get(f"{name}.dead")
-        if now is None:
-            rows[name] = {"exists": False}
-            continue
-        rate = (now.ready - before.ready) / elapsed if before is not None else 0.0
-        rows[name] = {
-            "exists": True, "ready": now.ready, "held_by_workers": held.get(name, 0),
-            "consumers": now.consumers, "dead": dead.ready if dead is not None else 0,
-            "rate_per_s": round(rate, 1),
-        }  # fmt: skip
-    if args.json:
-        out.write(json.dumps(rows) + "\n")
-    else:
-        out.write(queue_table(rows, Style.for_stream(out)))
-    return EX_OK
-
-
-def _top(
-    client: ControlClient, args: argparse.Namespace, dest: list[str] | None, out: TextIO, err: TextIO
-) -> int:
-    if args.interval <= 0:
-        raise ValueError("--interval must be positive")
-    style = Style.for_stream(out)
-    previous: dict[str, int] = {}
-    last_at: float | None = None
-    count = 0
-    try:
-        while args.iterations is None or count < args.iterations:
-            started = time.monotonic()
-            stats = flatten_replies(
-                client.broadcast("stats", destination=dest, reply=True, timeout_s=args.timeout).replies
-            )
-            active = flatten_replies(
-                client.broadcast("active", destination=dest, reply=True, timeout_s=args.timeout).replies
-            )
-            queues = flatten_replies(
-                client.broadcast(
-                    "active_queues", destination=dest, reply=True, timeout_s=args.timeout
-                ).replies
-            )
-            names = sorted({q["name"] for qs in queues.values() if isinstance(qs, list) for q in qs
-                            if isinstance(q, dict) and isinstance(q.get("name"), str)})  # fmt: skip
-            depths = client.queue_depths(names) if names else {}
-            now = time.monotonic()
-            rates = {}
-            for name, depth in depths.items():
-                if depth is not None and name in previous and last_at is not None:
-                    rates[name] = (depth.ready - previous[name]) / (now - last_at)
-            previous = {name: depth.ready for name, depth in depths.items() if depth is not None}
-            last_at = now
-            screen = top_screen(stats, active, depths, rates, style=style, clock=time.strftime("%H:%M:%S"))
-            if style.enabled:
-                out.write("\x1b[H\x1b[2J")  # redraw in place on a terminal
-            out.write(screen)
-            out.flush()
-            count += 1
-            if args.iterations is not None and count >= args.iterations:
-                break
-            time.sleep(max(0.0, args.interval - (time.monotonic() - started)))
-    except KeyboardInterrupt:
-        pass
-    return EX_OK
-
-
 _COMMANDS: Final[dict[str, Command]] = {
     "inspect": _inspect,
-    "queues": _queues,
-    "top": _top,
+    "queues": queues_command,
+    "top": top_command,
     "control": _control,
     "status": _status_command,
     "revoke": _revoke,
