@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Final
 import structlog
 
 from broker_svc.wire.task_message import TaskMessage
-from worker.consume.settle import ACK, Disposition
+from worker.consume.disposition import ACK, Disposition
 
 if TYPE_CHECKING:
     import aio_pika.abc

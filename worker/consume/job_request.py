@@ -10,16 +10,29 @@ no I/O next to it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Final
+from collections.abc import Mapping
+from typing import Any, Final, Protocol
 
 from broker_svc.task import Task
 from broker_svc.wire.task_message import RESENT_HEADER, TaskMessage, eta_and_expires
 from worker.consume.admission import delivery_count
 
-if TYPE_CHECKING:
-    import aio_pika.abc
+__all__ = ["DeliveryFacts", "custom_headers", "delivery_info", "request_context", "time_limits"]
 
-__all__ = ["custom_headers", "delivery_info", "request_context", "time_limits"]
+
+class DeliveryFacts(Protocol):
+    """What ``delivery_info`` reads of a delivery (aio-pika's, or a consuming child's)."""
+
+    @property
+    def headers(self) -> Mapping[str, Any] | None: ...
+    @property
+    def redelivered(self) -> bool | None: ...
+    @property
+    def exchange(self) -> str | None: ...
+    @property
+    def routing_key(self) -> str | None: ...
+    @property
+    def priority(self) -> int | None: ...
 
 
 def time_limits(
@@ -86,7 +99,7 @@ _NOT_CUSTOM_PREFIXES: Final = ("x-clockwork-", "x-death", "x-first-death-", "x-l
 _NOT_CUSTOM: Final = frozenset({"meth"})
 
 
-def delivery_info(message: aio_pika.abc.AbstractIncomingMessage) -> dict[str, Any]:
+def delivery_info(message: DeliveryFacts) -> dict[str, Any]:
     """Celery's ``delivery_info`` for ``message``, with ``redelivered`` set on any repeat run."""
     # ``redelivered`` also marks a copy the worker made of a redelivery (classic queues) or of a
     # delivery whose child died, and a message our client sent again after a lost confirm: a
