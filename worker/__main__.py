@@ -160,6 +160,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="the broker's consumer_timeout (default 1800, RabbitMQ's); warns at start-up about task "
         "time limits it would cut short; 0 skips the check",
     )
+    parser.add_argument(
+        "--children-consume",
+        action="store_true",
+        help="experimental: each pool child consumes and acks its own tasks (no chains, callbacks, "
+        "rate limits or task events yet; see docs/architecture.md)",
+    )
     args = parser.parse_args(argv)
     if args.pool not in ("prefork", "processes"):
         parser.error(
@@ -261,6 +267,7 @@ def _start(args: argparse.Namespace) -> int:
         max_memory_per_child_kib=args.max_memory_per_child or conf.get("worker_max_memory_per_child"),
         metrics_port=args.metrics_port,
         metrics_address=args.metrics_address,
+        children_consume=args.children_consume,
     )
     try:
         return _run(WorkerService(config, app).run())

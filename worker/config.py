@@ -121,6 +121,10 @@ class WorkerConfig:
             after the task it ran (None: never).
         metrics_port: serve Prometheus metrics on this port (None: not served; worker/metrics.py).
         metrics_address: the address the metrics are served on.
+        children_consume: experimental (issue 16): each pool child consumes the task queues on a
+            connection of its own and runs, answers and acks its tasks itself; the main process
+            supervises and keeps the control plane. What it does not do yet is in
+            ``worker/feed/handle.py``; it excludes ``task_events`` and ``autoscale``.
 
     Raises:
         ConfigurationError: an option out of range (a ``ValueError``, with the fix in its text).
@@ -149,6 +153,7 @@ class WorkerConfig:
     max_memory_per_child_kib: int | None = None
     metrics_port: int | None = None
     metrics_address: str = "0.0.0.0"
+    children_consume: bool = False
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -169,6 +174,11 @@ class WorkerConfig:
             )
         if self.consumer_timeout_s is not None and not self.consumer_timeout_s > 0:
             raise ConfigurationError(f"consumer_timeout_s must be positive, got {self.consumer_timeout_s}")
+        if self.children_consume and (self.task_events or self.autoscale is not None):
+            raise ConfigurationError(
+                "--children-consume does not send task events or autoscale yet: drop -E/--autoscale, "
+                "or run without --children-consume"
+            )
         if "@" not in self.hostname:
             raise ConfigurationError(f"hostname must look like name@host, got {self.hostname!r}")
         if self.autoscale is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 from collections.abc import Callable, Coroutine
@@ -35,6 +36,7 @@ from worker.consume.eta import EtaScheduler
 from worker.consume.publish import ReplyPublisher
 from worker.consume.rate_limits import RateLimits
 from worker.events import EventDispatcher, Heart, software_version
+from worker.feed.spec import FeedSpec
 from worker.metrics import WorkerMetrics
 from worker.pool.autoscale import Autoscaler, PoolSizer
 from worker.pool.pool import ProcessPool
@@ -108,6 +110,7 @@ class WorkerService:
             on_update=self._relay_update,
             max_tasks_per_child=config.max_tasks_per_child,
             max_memory_per_child_kib=config.max_memory_per_child_kib,
+            feed=self._feed_spec() if config.children_consume else None,
         )
         self._warn_time_limits()
         await pool.start()
@@ -176,7 +179,12 @@ class WorkerService:
                 minimum=minimum,
                 keepalive_s=config.autoscale_keepalive_s,
             )
-        revoker = Revoker(self._revoked, terminate=consumer.terminate, state_path=config.state_path)
+        revoker = Revoker(
+            self._revoked,
+            terminate=consumer.terminate,
+            state_path=config.state_path,
+            on_new=pool.send_revoked,
+        )
         revocation_log = RevocationLog(
             revoker, clock=self._clock, hostname=config.hostname, namespace=config.namespace
         )
@@ -207,8 +215,13 @@ class WorkerService:
         mingle_step = await self._mingle_step(publishing, revoker) if config.mingle else None
         if mingle_step is not None:
             await mingle_step()  # before the first task: peers' revokes hold for it too
-        for name in config.queues:
-            await queues.add(name)
+        if config.children_consume:
+            for name in config.queues:
+                await queues.declare(name)
+            pool.start_feeding(lambda: list(self._revoked))  # each child consumes for itself
+        else:
+            for name in config.queues:
+                await queues.add(name)
         # Tasks a Celery client's broker TTL expired in their queue, given the operator's policy.
         if await self._may_consume(consuming, EXPIRED_QUEUE):
             await queues.add(EXPIRED_QUEUE, listed=False)
@@ -300,6 +313,20 @@ class WorkerService:
             connection_name=f"clockwork-worker {config.hostname} {role}",
             heartbeat_s=config.broker_heartbeat_s,
             stop=self._stop,
+        )
+
+    def _feed_spec(self) -> FeedSpec:
+        # What each consuming child is told (--children-consume): one delivery per child at a time.
+        config = self._config
+        settings = config.settings
+        if config.broker_heartbeat_s is not None:
+            settings = dataclasses.replace(settings, heartbeat_s=config.broker_heartbeat_s)
+        return FeedSpec(
+            settings=settings,
+            queues=config.queues,
+            prefetch=config.prefetch_multiplier,
+            hostname=config.hostname,
+            default_time_limits=(config.time_limit_s, config.soft_time_limit_s),
         )
 
     def _warn_time_limits(self) -> None:

@@ -60,6 +60,15 @@ class QueueConsumers:
         """Whether consumers are being added, cancelled or re-subscribed right now."""
         return self._consumers_lock.locked()
 
+    async def declare(self, queue: str) -> None:
+        """Declare ``queue`` and its dead-letter queue (as Celery does) without consuming it.
+
+        With ``--children-consume`` the pool children consume; the worker only declares.
+        """
+        await declare_queue(self._channel, dead_letter_queue(queue))
+        queue_type = self._settings.queue_type(queue)
+        await declare_queue(self._channel, task_queue(queue, queue_type=queue_type))
+
     async def add(self, queue: str, *, listed: bool = True) -> str:
         """Declare ``queue`` (as Celery does) and consume it.
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from multiprocessing.context import ForkServerContext
 from multiprocessing.process import BaseProcess
 from types import FrameType
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import structlog
 
@@ -44,9 +44,22 @@ from worker.loader import SAFE_PATH_ADDED_ENV, extend_path_from_environment, loa
 from worker.pool import ipc
 from worker.pool.ipc import Job, JobStatus
 
+if TYPE_CHECKING:
+    from worker.feed.spec import FeedSpec
+
 log = structlog.get_logger(__name__)
 
-__all__ = ["PoolStartError", "current_request", "main", "reap", "send_update", "spawn"]
+__all__ = [
+    "ChildChannel",
+    "PoolStartError",
+    "SoftLimit",
+    "current_request",
+    "main",
+    "reap",
+    "run_job",
+    "send_update",
+    "spawn",
+]
 
 # Imported first in the forkserver (its preload): the user's modules are found from here on, after
 # ours, and a PYTHONSAFEPATH the pool set only for the forkserver does not reach task code.
@@ -65,7 +78,7 @@ class PoolStartError(BrokerSvcError, RuntimeError):
     """A pool child could not start: the app did not load in it, or it did not report ready in time."""
 
 
-class _Channel:
+class ChildChannel:
     """This child's end of the socket; the lock keeps an update and the done frame from interleaving."""
 
     def __init__(self, sock: socket.socket) -> None:
@@ -97,7 +110,7 @@ class _Channel:
 @dataclass(slots=True)
 class _JobContext:
     job: Job
-    channel: _Channel
+    channel: ChildChannel
     open: bool = True
 
 
@@ -142,7 +155,7 @@ def current_request() -> dict[str, Any]:
     return {"id": context.job.task_id, "task": context.job.task_name, **context.job.request}
 
 
-class _SoftLimit:
+class SoftLimit:
     """Turns the worker's SIGUSR1 into ``SoftTimeLimitExceeded`` inside the running task."""
 
     def __init__(self) -> None:
@@ -172,21 +185,22 @@ class _SoftLimit:
             raise SoftTimeLimitExceeded(f"soft time limit ({self.limit_s:g} s) exceeded")
 
 
-def main(app_spec: str, sock: socket.socket) -> None:
+def main(app_spec: str, sock: socket.socket, feed: FeedSpec | None = None) -> None:
     """Run jobs until the worker closes the socket; the target of the pool's ``Process``.
 
     Args:
         app_spec: ``package.module:attr`` of the app whose tasks this child runs.
         sock: this child's end of the socket pair.
+        feed: consume these queues here instead of taking jobs from the worker (``worker/feed``).
     """
     # Ctrl-C reaches the whole process group; the worker alone decides when children stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # A child is an entry point of its own: hook failures and task logs use the worker's level.
     configure_logging(os.environ.get("CLOCKWORK_LOGLEVEL", "info"))
-    soft_limit = _SoftLimit()
+    soft_limit = SoftLimit()
     signal.signal(signal.SIGUSR1, soft_limit.on_signal)
     sock.setblocking(True)
-    channel = _Channel(sock)
+    channel = ChildChannel(sock)
     try:
         try:
             app = load_app(app_spec)
@@ -199,11 +213,16 @@ def main(app_spec: str, sock: socket.socket) -> None:
         signals.worker_process_init.send(sender=None)
         channel.send(ipc.encode_frame({"op": "ready", "pid": os.getpid()}))
         _exit_with_the_worker()
+        if feed is not None:
+            from worker.feed.child import serve  # only a consuming child loads pika
+
+            serve(app, feed, channel, soft_limit)
+            return
         while (frame := channel.receive()) is not None:
             job = Job.from_frame(frame)
             started = time.monotonic()
             try:
-                done = _run(app, job, channel, soft_limit)
+                done = run_job(app, job, channel, soft_limit)
             except SoftTimeLimitExceeded as exc:  # landed between the task's end and disarming
                 done = _failure(exc, "")
             done["runtime_s"] = time.monotonic() - started
@@ -215,7 +234,7 @@ def main(app_spec: str, sock: socket.socket) -> None:
 
 
 def spawn(
-    context: ForkServerContext, app_spec: str, *, timeout_s: float
+    context: ForkServerContext, app_spec: str, *, timeout_s: float, feed: FeedSpec | None = None
 ) -> tuple[BaseProcess, socket.socket]:
     """Start a child and wait until it has loaded the app (blocking).
 
@@ -227,13 +246,15 @@ def spawn(
             report ready within ``timeout_s`` (the child is reaped).
     """
     parent_sock, child_sock = socket.socketpair()
-    process = context.Process(target=main, args=(app_spec, child_sock), name="clockwork-pool", daemon=True)
+    process = context.Process(
+        target=main, args=(app_spec, child_sock, feed), name="clockwork-pool", daemon=True
+    )
     frame: dict[str, Any] | None
     try:
         with child_sock, _PROCESS_TABLE:  # the child holds its own copy of the socket once started
             process.start()
         parent_sock.settimeout(timeout_s)
-        frame = _Channel(parent_sock).receive()
+        frame = ChildChannel(parent_sock).receive()
         parent_sock.settimeout(None)
     except TimeoutError:
         frame = {"op": "error", "message": f"no ready report within {timeout_s:g} s"}
@@ -263,7 +284,7 @@ def reap(process: BaseProcess, *, grace_s: float) -> int | None:
     return exitcode
 
 
-def _run(app: App, job: Job, channel: _Channel, soft_limit: _SoftLimit) -> dict[str, Any]:
+def run_job(app: App, job: Job, channel: ChildChannel, soft_limit: SoftLimit) -> dict[str, Any]:
     task = app.tasks.get(job.task_name)
     if task is None:
         return _frame(JobStatus.FAILURE, error=wire_exception("NotRegistered", job.task_name))
@@ -281,7 +302,7 @@ def _run(app: App, job: Job, channel: _Channel, soft_limit: _SoftLimit) -> dict[
         _current_job.reset(token)
 
 
-def _call(task: Task, request: Request, job: Job, soft_limit: _SoftLimit) -> dict[str, Any]:
+def _call(task: Task, request: Request, job: Job, soft_limit: SoftLimit) -> dict[str, Any]:
     def started() -> None:
         if task.track_started:
             send_update({"state": "STARTED", "meta": {"pid": os.getpid(), "hostname": request.hostname}})

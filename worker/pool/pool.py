@@ -8,8 +8,8 @@ import contextlib
 import multiprocessing
 import os
 import signal
-from collections.abc import Callable
-from typing import Any, Final
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Final
 
 import structlog
 
@@ -20,6 +20,9 @@ from worker.pool import ipc
 from worker.pool.child import PoolStartError
 from worker.pool.handle import EXIT_GRACE_S, ChildHandle
 from worker.pool.ipc import Job, JobOutcome, JobStatus
+
+if TYPE_CHECKING:
+    from worker.feed.spec import FeedSpec
 
 __all__ = ["Job", "JobOutcome", "JobStatus", "PoolClosedError", "PoolStartError", "ProcessPool"]
 
@@ -62,8 +65,11 @@ class ProcessPool:
         start_timeout_s: float = 60.0,
         max_tasks_per_child: int | None = None,
         max_memory_per_child_kib: int | None = None,
+        feed: FeedSpec | None = None,
     ) -> None:
         split_spec(app_spec)
+        self._feed = feed  # children consume for themselves (worker/feed): no jobs from here
+        self._revoked: Callable[[], Iterable[str]] | None = None  # set by start_feeding()
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
         for label, limit in (("max_tasks_per_child", max_tasks_per_child),
@@ -245,6 +251,27 @@ class ProcessPool:
                 return True
         return False
 
+    def start_feeding(self, revoked: Callable[[], Iterable[str]]) -> None:
+        """Let consuming children (``feed``) consume, now and each new one, knowing ``revoked()`` first."""
+        self._revoked = revoked
+        for child in self._children.values():
+            self._let_consume(child)
+
+    def send_revoked(self, task_ids: Sequence[str]) -> None:
+        """Tell consuming children of newly revoked ids; they skip those tasks."""
+        if self._feed is None or not task_ids:
+            return
+        frame = ipc.encode_frame({"op": "revoke", "ids": list(task_ids)})
+        for child in self._children.values():
+            if not child.writer.is_closing():
+                child.writer.write(frame)
+
+    def _let_consume(self, child: ChildHandle) -> None:
+        if self._revoked is None or child.writer.is_closing():
+            return
+        child.writer.write(ipc.encode_frame({"op": "revoke", "ids": list(self._revoked())}))
+        child.writer.write(ipc.encode_frame({"op": "consume"}))
+
     async def close(self, *, timeout_s: float) -> None:
         """Take no more jobs; give running ones ``timeout_s``, kill the rest (LOST); stop all children.
 
@@ -353,7 +380,11 @@ class ProcessPool:
             begun = asyncio.get_running_loop().time()
             try:
                 process, sock = await asyncio.to_thread(
-                    child_module.spawn, self._context, self._app_spec, timeout_s=self._start_timeout_s
+                    child_module.spawn,
+                    self._context,
+                    self._app_spec,
+                    timeout_s=self._start_timeout_s,
+                    feed=self._feed,
                 )
             except PoolStartError as exc:
                 if first_start is not None and not first_start.done():
@@ -380,8 +411,10 @@ class ProcessPool:
         self._children[child.pid] = child
         if self._closing.is_set():
             child.writer.close()
-        else:
+        elif self._feed is None:
             self._release(child)
+        else:
+            self._let_consume(child)
         try:
             while (frame := await child.next_frame()) is not None:
                 self._on_frame(child, frame)

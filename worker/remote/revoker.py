@@ -60,6 +60,7 @@ class Revoker:
         revoked: the set (shared with the ``revoked`` and ``hello`` commands).
         terminate: signals the child running a task; True if it ran here.
         state_path: the state file, or None to keep the set in memory only.
+        on_new: called with ids that were not revoked before (consuming children learn them).
     """
 
     def __init__(
@@ -68,8 +69,10 @@ class Revoker:
         *,
         terminate: Callable[[str, int], Awaitable[bool]],
         state_path: Path | None,
+        on_new: Callable[[list[str]], None] | None = None,
     ) -> None:
         self._revoked = revoked
+        self._on_new = on_new
         self._terminate = terminate
         self._state_path = state_path
         self._save_handle: asyncio.TimerHandle | None = None
@@ -112,20 +115,24 @@ class Revoker:
             How many ids were not revoked before.
         """
         at = time.monotonic() - max(0.0, age_s)
-        new = 0
+        new: list[str] = []
         for task_id in task_ids:
             if task_id not in self._revoked:
-                new += 1
+                new.append(task_id)
             self._revoked.add(task_id, at=at)
         if new:
             self._changed()
-        return new
+            if self._on_new is not None:
+                self._on_new(new)
+        return len(new)
 
     def merge_peer(self, data: Any) -> int:
         """Merge a peer's revoked set (Mingle); returns how many ids were new."""
         new = self._revoked.merge_wire(data)
         if new:
             self._changed()
+            if self._on_new is not None:
+                self._on_new(list(self._revoked))
         return new
 
     async def revoke(

@@ -1,0 +1,195 @@
+"""``--children-consume`` (issue 16, experimental): each pool child consumes, runs, answers and acks.
+
+One worker for the module (``-c 2``, a 1 s AMQP heartbeat so a task that outlives it proves the
+child's connection is serviced while the task runs).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from broker_svc import App, AsyncResult, Settings, TaskError
+from broker_svc.canvas import chain
+from broker_svc.errors import TaskRevokedError
+from broker_svc.wire.states import State
+from tests.support.amqp import channel, delete_queues, drain, publish_raw
+from tests.support.pidbox import call
+from tests.support.waiting import wait_for
+from tests.support.workers import WorkerProcess, unique_queue
+
+TASKS = "tests.integration.semantics_tasks"
+
+
+@pytest.fixture(scope="module")
+def feed_queue(test_vhost_url: str) -> Iterator[str]:
+    name = unique_queue("feed")
+    yield name
+    delete_queues(test_vhost_url, name, f"{name}.dead")
+
+
+@pytest.fixture(scope="module")
+def feed_worker(test_vhost_url: str, feed_queue: str) -> Iterator[WorkerProcess]:
+    with WorkerProcess(
+        test_vhost_url,
+        app=f"{TASKS}:app",
+        queues=[feed_queue],
+        concurrency=2,
+        extra_args=["--children-consume", "--broker-heartbeat", "1", "--without-mingle"],
+    ) as proc:
+        yield proc.wait_ready()
+
+
+@pytest.fixture
+def app(test_vhost_url: str) -> Iterator[App]:
+    client = App("feed-client", settings=Settings(broker_url=test_vhost_url))
+    yield client
+    client.close(timeout=10)
+
+
+def _consumers(url: str, queue: str) -> int:
+    with channel(url) as ch:
+        return int(ch.queue_declare(queue, passive=True).method.consumer_count)
+
+
+def test_each_child_consumes_and_the_worker_itself_does_not(
+    test_vhost_url: str, feed_queue: str, feed_worker: WorkerProcess, app: App
+):
+    wait_for(lambda: _consumers(test_vhost_url, feed_queue) == 2, timeout_s=30, message="two child consumers")
+    results = [app.send_task(f"{TASKS}.sleeper", (0,), queue=feed_queue) for _ in range(200)]
+    pids = {r.get(timeout=60) for r in results}
+    assert feed_worker.pid not in pids
+    assert len(pids) == 2  # both children ran tasks, each from its own consumer
+    assert feed_worker.log_text().count('"event": "feed_child_consuming"') >= 2
+
+
+def test_results_failures_and_the_request_a_task_sees(feed_queue: str, feed_worker: WorkerProcess, app: App):
+    report = app.send_task(f"{TASKS}.report_request", queue=feed_queue).get(timeout=30)
+    assert report["hostname"] == feed_worker.name and report["routing_key"] == feed_queue
+    assert report["retries"] == 0
+    with pytest.raises(ValueError, match="hooked failure") as info:
+        app.send_task(f"{TASKS}.hooked", ("/dev/null",), {"fail": True}, queue=feed_queue).get(timeout=30)
+    assert isinstance(info.value, TaskError) and "Traceback" in (info.value.remote_traceback or "")
+
+
+def test_a_retry_is_a_confirmed_copy_and_runs_again(
+    feed_queue: str, feed_worker: WorkerProcess, app: App, tmp_path: Path
+):
+    path = tmp_path / "attempts.jsonl"
+    assert app.send_task(f"{TASKS}.succeeds_on_third", (str(path),), queue=feed_queue).get(timeout=60) == 2
+    attempts = [json.loads(line)["attempt"] for line in path.read_text().splitlines()]
+    assert attempts == [0, 1, 2]
+
+
+def test_exhausted_retries_fail_and_are_kept_as_dead_letters(
+    test_vhost_url: str, feed_queue: str, feed_worker: WorkerProcess, app: App, tmp_path: Path
+):
+    result = app.send_task(f"{TASKS}.always_retry", (str(tmp_path / "a.jsonl"), 0.05), queue=feed_queue)
+    with pytest.raises(ValueError, match="attempt 3"):
+        result.get(timeout=60)
+    kept = wait_for(
+        lambda: [m for m in drain(test_vhost_url, f"{feed_queue}.dead") if m.headers.get("id") == result.id],
+        timeout_s=20, message="the dead letter",
+    )  # fmt: skip
+    assert kept[0].headers["x-clockwork-reason"] == "max_retries_exceeded"
+
+
+def test_soft_and_hard_time_limits(feed_queue: str, feed_worker: WorkerProcess, app: App):
+    assert app.send_task(f"{TASKS}.soft_limited", queue=feed_queue).get(timeout=30) == "soft limit caught"
+    started = time.monotonic()
+    with pytest.raises(TaskError) as info:
+        app.send_task(f"{TASKS}.hard_limited", queue=feed_queue).get(timeout=30)
+    assert info.value.exc_type == "TimeLimitExceeded"
+    assert time.monotonic() - started < 4  # 0.5 s limit; the body would sleep 5 s
+    # The child that was ended is replaced and the worker keeps serving.
+    assert app.send_task(f"{TASKS}.sleeper", (0,), queue=feed_queue).get(timeout=60) > 0
+
+
+def test_a_task_longer_than_two_heartbeats_keeps_its_connection(
+    feed_queue: str, feed_worker: WorkerProcess, app: App
+):
+    pid = app.send_task(f"{TASKS}.sleeper", (3.5,), queue=feed_queue).get(timeout=30)
+    assert pid > 0
+    assert "broker_connection_lost" not in feed_worker.log_text().split("feed_child_consuming")[-1]
+
+
+def test_bad_input_is_dead_lettered_and_answered(
+    test_vhost_url: str, feed_queue: str, feed_worker: WorkerProcess, app: App
+):
+    unknown = app.send_task("nobody.registers.this", queue=feed_queue)
+    with pytest.raises(TaskError) as info:
+        unknown.get(timeout=30)
+    assert info.value.exc_type == "NotRegistered"
+    publish_raw(
+        test_vhost_url, feed_queue, b"\xff not json", headers={"id": "bad-1", "task": f"{TASKS}.sleeper"}
+    )
+    packed = msgpack.packb([[], {}, {}])
+    publish_raw(
+        test_vhost_url, feed_queue, packed, headers={"id": "pickled-1", "task": f"{TASKS}.sleeper"},
+        content_type="application/x-python-serialize",
+    )  # fmt: skip
+    reasons = {}
+
+    def kept() -> bool:
+        for message in drain(test_vhost_url, f"{feed_queue}.dead"):
+            reasons[message.headers.get("id")] = message.headers["x-clockwork-reason"]
+        return {"bad-1", "pickled-1", unknown.id} <= reasons.keys()
+
+    wait_for(kept, timeout_s=30, message="three dead letters")
+    assert reasons[unknown.id] == "NotRegistered"
+    assert reasons["pickled-1"] == "ContentDisallowed"
+    assert app.send_task(f"{TASKS}.sleeper", (0,), queue=feed_queue).get(timeout=30) > 0  # still serving
+
+
+def test_what_it_cannot_do_yet_is_refused_by_name(
+    test_vhost_url: str, feed_queue: str, feed_worker: WorkerProcess, app: App
+):
+    step = app.signature(f"{TASKS}.sleeper", (0,), immutable=True, queue=feed_queue)
+    result = chain(step, step.clone()).apply_async()
+    assert isinstance(result, AsyncResult)
+    first = result.parent
+    assert first is not None
+    with pytest.raises(TaskError) as info:
+        first.get(timeout=30)
+    assert info.value.exc_type == "NotImplementedError" and "--children-consume" in str(info.value)
+    kept = wait_for(
+        lambda: [m for m in drain(test_vhost_url, f"{feed_queue}.dead") if m.headers.get("id") == first.id],
+        timeout_s=20, message="the refused chain's dead letter",
+    )  # fmt: skip
+    assert kept[0].headers["x-clockwork-reason"] == "not_in_consuming_children"
+
+
+def test_a_revoked_task_is_answered_and_never_runs(
+    test_vhost_url: str, feed_queue: str, feed_worker: WorkerProcess, app: App, tmp_path: Path
+):
+    path = tmp_path / "attempts.jsonl"
+    task_id = f"revoked-{time.monotonic_ns()}"
+    replies = call(test_vhost_url, "revoke", arguments={"task_id": [task_id]}, expect=1)
+    assert replies[0][1][feed_worker.name]["ok"].endswith("flagged as revoked")
+    result = app.send_task(f"{TASKS}.succeeds_on_third", (str(path),), queue=feed_queue, task_id=task_id)
+    with pytest.raises(TaskRevokedError):
+        result.get(timeout=30)
+    assert result.state == State.REVOKED
+    assert not path.exists()
+
+
+def test_the_worker_refuses_options_the_children_do_not_honour_yet(test_vhost_url: str, feed_queue: str):
+    with WorkerProcess(
+        test_vhost_url, app=f"{TASKS}:app", queues=[feed_queue], extra_args=["--children-consume", "-E"]
+    ) as proc:
+        assert proc.proc.wait(timeout=60) != 0
+        assert "--children-consume does not send task events" in proc.log_text()
+
+
+def test_pika_is_not_loaded_by_a_job_taking_child():
+    # The consuming child loads pika through worker.feed; a child that takes jobs must not.
+    code = "import sys, worker.pool.child; print('pika' in sys.modules, 'aio_pika' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]

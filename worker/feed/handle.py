@@ -1,0 +1,286 @@
+"""One delivery in a consuming child: decode, the guards, the run, its outcome → the delivery's disposition.
+
+The child's counterpart of ``worker/consume/consumer.py`` and ``outcomes.py``, on the blocking side:
+every step decides a :class:`~worker.consume.disposition.Disposition` and the child's settle point
+(``worker/feed/settle.py``) carries it out. What the worker's consumer does and this path does not do
+yet (chains, callbacks, chords, rate limits, progress updates, task events, the classic-queue
+redelivery recount) is refused by name: the delivery is dead-lettered with reason
+``not_in_consuming_children`` and its caller gets a FAILURE saying why, never a silent drop.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from collections.abc import Callable, Set
+from typing import Any, Final
+
+import structlog
+from structlog.contextvars import bind_contextvars, clear_contextvars
+
+from broker_svc.app import App
+from broker_svc.clock import LamportClock
+from broker_svc.connection.task_feed import TaskDelivery
+from broker_svc.errors import MessageError
+from broker_svc.topology import DELAY_HOLD_WINDOW_S, delay_bucket_ms
+from broker_svc.wire import codec
+from broker_svc.wire.result_message import CELERY_EXCEPTIONS_MODULE, Outcome, wire_exception
+from broker_svc.wire.states import State
+from broker_svc.wire.task_message import TaskMessage, decode_task, safe_repr
+from worker.consume.admission import DELIVERY_LIMIT_REASON, delivery_count
+from worker.consume.disposition import ACK, HAND_BACK, Disposition
+from worker.consume.job_request import delivery_info, request_context, time_limits
+from worker.feed.replies import FeedReplies, reply_type
+from worker.feed.spec import FeedSpec
+from worker.pool.ipc import Job, JobStatus
+
+__all__ = ["NOT_HERE_REASON", "FeedHandler", "Handled"]
+
+log = structlog.get_logger(__name__)
+
+# The dead-letter reason of a task this path cannot run yet (see the module's docstring).
+NOT_HERE_REASON: Final = "not_in_consuming_children"
+
+# A delivery's disposition, and what it owes once its copy is confirmed (before the ack).
+Handled = tuple[Disposition, Callable[[], None] | None]
+
+
+class FeedHandler:
+    """Decides each delivery's fate in a consuming child, running its task when it may run.
+
+    Args:
+        app: the app whose tasks run here.
+        spec: the child's start-up order (settings, hostname, default time limits).
+        replies: publishes results, confirmed.
+        revoked: ids revoked so far (the child's socket adds to it).
+        clock: the child's Lamport clock.
+        run: runs one job in this process and returns the child's done frame.
+    """
+
+    def __init__(
+        self,
+        *,
+        app: App,
+        spec: FeedSpec,
+        replies: FeedReplies,
+        revoked: Set[str],
+        clock: LamportClock,
+        run: Callable[[Job], dict[str, Any]],
+    ) -> None:
+        self._app = app
+        self._spec = spec
+        self._settings = spec.settings
+        self._accept = codec.accept_set(spec.settings.accept_content)
+        self._replies = replies
+        self._revoked = revoked
+        self._clock = clock
+        self._run = run
+        self.processed = 0
+
+    def handle(self, delivery: TaskDelivery) -> Handled:
+        """The fate of one delivery (its task run here if it may run)."""
+        clear_contextvars()
+        raw_id = delivery.headers.get("id")
+        bind_contextvars(queue=delivery.queue, task_id=raw_id if isinstance(raw_id, str) else None)
+        try:
+            request = decode_task(
+                delivery.body,
+                delivery.headers,
+                content_type=delivery.content_type,
+                accept=self._accept,
+                max_bytes=self._settings.max_body_bytes,
+                correlation_id=delivery.correlation_id,
+                reply_to=delivery.reply_to,
+                priority=delivery.priority,
+            )
+        except MessageError as exc:
+            return self._refuse(delivery, reason=type(exc).__name__, error=str(exc)), None
+        self._clock.adjust(request.clock)
+        bind_contextvars(task_name=request.display_name, attempt=request.retries + 1)
+        return self._guarded(delivery, request)
+
+    def _guarded(self, delivery: TaskDelivery, request: TaskMessage) -> Handled:
+        # The guards, in the worker consumer's order; one that passes them all runs.
+        task = self._app.tasks.get(request.task)
+        if task is None:
+            log.error("task_unknown", task_name=request.task)
+            return self._fail(request, "NotRegistered", f"task {request.task!r} is not registered", exc=(
+                "NotRegistered", request.task, CELERY_EXCEPTIONS_MODULE,
+            ))  # fmt: skip
+        if (why := self._not_here(request)) is not None:
+            log.error("task_not_in_consuming_children", why=why)
+            return self._fail(request, NOT_HERE_REASON, why, exc=("NotImplementedError", why, "builtins"))
+        count = delivery_count(delivery.headers, redelivered=delivery.redelivered)
+        if count > self._settings.delivery_limit:
+            why = f"{count} deliveries did not finish (delivery_limit={self._settings.delivery_limit})"
+            log.error("task_delivery_limit", deliveries=count)
+            return self._fail(
+                request, DELIVERY_LIMIT_REASON, why, exc=("WorkerLostError", why, "billiard.exceptions")
+            )
+        if request.id in self._revoked:
+            return self._skip_revoked(request, expired=False), None
+        now = dt.datetime.now(dt.UTC)
+        if request.expires is not None and request.expires <= now:
+            return self._skip_revoked(request, expired=True), None
+        if request.eta is not None and request.eta > now:
+            left_s = (request.eta - now).total_seconds()
+            bucket_ms = delay_bucket_ms(left_s, hold_window_s=DELAY_HOLD_WINDOW_S)
+            if bucket_ms is not None:
+                return Disposition.republish({}, delay_ms=bucket_ms), None  # back when nearly due
+            time.sleep(left_s)  # due within the hold window: this child waits for it
+        return self._execute(delivery, request)
+
+    def _not_here(self, request: TaskMessage) -> str | None:
+        embed = request.embed
+        wants = [name for name in ("chain", "callbacks", "errbacks", "chord") if embed.get(name)]
+        task = self._app.tasks[request.task]
+        if wants:
+            missing = f"send {', '.join(wants)}"
+        elif task.rate_limit:
+            missing = "apply rate limits"
+        elif task.track_started:
+            missing = "send STARTED"
+        else:
+            return None
+        return f"a consuming pool child does not {missing} yet; run this worker without --children-consume"
+
+    def _execute(self, delivery: TaskDelivery, request: TaskMessage) -> Handled:
+        task = self._app.tasks[request.task]
+        hard, soft = time_limits(
+            request, task, override=(None, None), defaults=self._spec.default_time_limits
+        )
+        job = Job(
+            task_id=request.id,
+            task_name=request.task,
+            args=request.args,
+            kwargs=request.kwargs,
+            request=request_context(request, delivery_info(delivery), hostname=self._spec.hostname),
+            hard_time_limit_s=hard,
+            soft_time_limit_s=soft,
+        )
+        started = time.monotonic()
+        done = self._run(job)
+        runtime_ms = round((time.monotonic() - started) * 1000, 3)
+        self.processed += 1
+        status = JobStatus(done["status"])
+        if status is JobStatus.SUCCESS:
+            log.info("task_succeeded", runtime_ms=runtime_ms)
+            children = [[[child, None], None] for child in done.get("children") or ()]
+            self._reply(
+                request,
+                Outcome(task_id=request.id, status=State.SUCCESS, result=done["value"], children=children),
+            )
+            return _FINISHED, None
+        if status is JobStatus.IGNORED:
+            log.info("task_ignored", runtime_ms=runtime_ms)
+            return _FINISHED, None
+        error = done.get("error") or wire_exception("Exception", "unknown failure", module="builtins")
+        if status is JobStatus.RETRY:
+            return self._retry(request, done, error)
+        if status is JobStatus.REJECTED:
+            if isinstance(done.get("value"), dict) and done["value"].get("requeue"):
+                log.info("task_rejected_requeued")
+                return HAND_BACK, None
+            log.warning("task_rejected", error=_describe(error))
+            self._reply(request, Outcome(task_id=request.id, status=State.FAILURE, result=error), failed=True)
+            return Disposition.dead_letter("rejected", _describe(error), finished=True), None
+        log.warning("task_failed", runtime_ms=runtime_ms, error=error, traceback=done.get("traceback"))
+        self._reply(
+            request,
+            Outcome(task_id=request.id, status=State.FAILURE, result=error, traceback=done.get("traceback")),
+            failed=True,
+        )
+        if done.get("retries_exhausted"):
+            why = f"failed after {request.retries} retries: {_describe(error)}"
+            return Disposition.dead_letter("max_retries_exceeded", why, ran=True, finished=True), None
+        return _FINISHED, None
+
+    def _retry(self, request: TaskMessage, done: dict[str, Any], error: dict[str, Any]) -> Handled:
+        # The copy (same id, retries + 1, new eta) is confirmed before the original is acked; only
+        # then are the log line and the RETRY state true.
+        value = done["value"] if isinstance(done.get("value"), dict) else {}
+        eta = str(value.get("eta") or dt.datetime.now(dt.UTC).isoformat())
+        headers: dict[str, Any] = {"retries": request.retries + 1, "eta": eta}
+        body: bytes | None = None
+        drop: tuple[str, ...] = ()
+        if "args" in value or "kwargs" in value:
+            args = list(value.get("args", request.args))
+            kwargs = dict(value.get("kwargs", request.kwargs))
+            body, _, _ = codec.encode([args, kwargs, request.embed], reply_type(request.content_type))
+            headers |= {"argsrepr": safe_repr(args), "kwargsrepr": safe_repr(kwargs)}
+            drop = ("compression",)
+        left_s = (dt.datetime.fromisoformat(eta) - dt.datetime.now(dt.UTC)).total_seconds()
+        delay_ms = delay_bucket_ms(left_s, hold_window_s=DELAY_HOLD_WINDOW_S)
+
+        def announce() -> None:
+            log.info("task_retried", retries=request.retries + 1, eta=eta, error=_describe(error))
+            self._reply(
+                request,
+                Outcome(
+                    task_id=request.id, status=State.RETRY, result=error, traceback=done.get("traceback")
+                ),
+            )
+
+        copy = Disposition.republish(
+            headers, drop=drop, body=body, delay_ms=delay_ms, ran=True, finished=True
+        )
+        return copy, announce
+
+    def _skip_revoked(self, request: TaskMessage, *, expired: bool) -> Disposition:
+        reason = "expired" if expired else "revoked"
+        log.info("task_revoked_skipped", reason=reason)
+        error = wire_exception("TaskRevokedError", reason)
+        self._reply(request, Outcome(task_id=request.id, status=State.REVOKED, result=error))
+        return ACK
+
+    def _fail(self, request: TaskMessage, reason: str, why: str, *, exc: tuple[str, str, str]) -> Handled:
+        # A task that will never run here: its caller learns why, the message is kept.
+        exc_type, message, module = exc
+        error = wire_exception(exc_type, message, module=module)
+        self._reply(request, Outcome(task_id=request.id, status=State.FAILURE, result=error), failed=True)
+        return Disposition.dead_letter(reason, why), None
+
+    def _refuse(self, delivery: TaskDelivery, *, reason: str, error: str) -> Disposition:
+        # Poison input: dead-lettered; a caller we can name gets a FAILURE.
+        log.error(
+            "task_refused",
+            reason=reason,
+            error=error,
+            size=len(delivery.body),
+            content_type=delivery.content_type,
+        )
+        task_id = delivery.headers.get("id")
+        if isinstance(task_id, str) and delivery.reply_to:
+            exc_type = "ContentDisallowed" if reason == "ContentDisallowed" else "InvalidTaskError"
+            self._replies.result(
+                Outcome(task_id=task_id, status=State.FAILURE, result=wire_exception(exc_type, error)),
+                reply_to=delivery.reply_to,
+                correlation_id=delivery.correlation_id,
+                content_type=reply_type(delivery.content_type),
+            )
+        return Disposition.dead_letter(reason, error)
+
+    def _reply(self, request: TaskMessage, outcome: Outcome, *, failed: bool = False) -> None:
+        # To ``reply_to``, unless results are ignored (a final failure goes when errors are stored).
+        if request.reply_to is None:
+            return
+        task = self._app.tasks.get(request.task)
+        ignored = request.ignore_result or (task is not None and task.ignore_result)
+        if ignored and not (failed and task is not None and task.store_errors_even_if_ignored):
+            return
+        self._replies.result(
+            outcome,
+            reply_to=request.reply_to,
+            correlation_id=request.correlation_id,
+            content_type=reply_type(request.content_type),
+        )
+
+
+# A run that ended in a final outcome: its delivery is simply acked.
+_FINISHED: Final = Disposition(ACK.fate, ran=True, finished=True)
+
+
+def _describe(error: dict[str, Any]) -> str:
+    message = error.get("exc_message")
+    text = ", ".join(map(str, message)) if isinstance(message, list) else str(message)
+    return f"{error.get('exc_type')}: {text}"

@@ -1,0 +1,140 @@
+"""What a consuming child publishes, each confirmed before the call returns: results and copies.
+
+Publishing goes through the child's ``BrokerConnection`` (its outbox republishes what a lost
+connection left unconfirmed). A copy of a delivery (a dead letter, a retry) must be confirmed before
+that delivery is acked, so each call waits for its confirm.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import structlog
+
+from broker_svc.clock import LamportClock
+from broker_svc.connection.io_thread import BrokerConnection
+from broker_svc.connection.pending import PendingPublish
+from broker_svc.connection.task_feed import TaskDelivery
+from broker_svc.errors import Unroutable
+from broker_svc.topology import (
+    DEAD_LETTER_ERROR_HEADER,
+    DEAD_LETTER_QUEUE_HEADER,
+    DEAD_LETTER_REASON_HEADER,
+    QueueSpec,
+    dead_letter_queue,
+)
+from broker_svc.wire import codec
+from broker_svc.wire.result_message import Outcome, wire_exception
+from broker_svc.wire.states import State
+from broker_svc.wire.task_message import CLOCK_HEADER, WireMessage
+
+__all__ = ["FeedReplies", "reply_type"]
+
+log = structlog.get_logger(__name__)
+
+
+def reply_type(content_type: str | None) -> str:
+    """Results go out in the request's content type; a refused type gets json, which every client reads."""
+    return content_type if content_type in (codec.MSGPACK, codec.JSON) else codec.JSON
+
+
+class FeedReplies:
+    """Publishes for one consuming child and waits for each confirm.
+
+    Args:
+        connection: the child's connection.
+        clock: the child's Lamport clock, forwarded on each message.
+        persistent: results are persistent (``result_persistent``).
+    """
+
+    def __init__(self, connection: BrokerConnection, *, clock: LamportClock, persistent: bool) -> None:
+        self._connection = connection
+        self._clock = clock
+        self._delivery_mode = 2 if persistent else 1
+
+    def result(
+        self, outcome: Outcome, *, reply_to: str, correlation_id: str | None, content_type: str
+    ) -> None:
+        """Send a result (Celery's rpc format); a result whose caller is gone is logged and dropped.
+
+        Raises:
+            BrokerSvcError: the broker did not take it (the delivery must not be acked).
+        """
+        try:
+            body, ctype, encoding = codec.encode(outcome.to_wire(), content_type)
+        except (TypeError, ValueError, OverflowError) as exc:
+            error = wire_exception("EncodeError", f"result cannot be encoded as {content_type}: {exc}")
+            fallback = Outcome(task_id=outcome.task_id, status=State.FAILURE, result=error)
+            body, ctype, encoding = codec.encode(fallback.to_wire(), content_type)
+        message = WireMessage(
+            body=body,
+            content_type=ctype,
+            content_encoding=encoding,
+            headers={CLOCK_HEADER: self._clock.forward()},
+            correlation_id=correlation_id or outcome.task_id,
+            priority=0,
+            delivery_mode=self._delivery_mode,
+        )
+        try:
+            self._publish(message, reply_to)
+        except Unroutable:
+            log.info("result_unroutable", reply_to=reply_to, task_id=outcome.task_id)
+
+    def dead_letter(self, delivery: TaskDelivery, *, reason: str, error: str) -> None:
+        """Keep a delivery that must not run in ``<queue>.dead``, with why.
+
+        Raises:
+            BrokerSvcError: the broker did not take it (the delivery must not be acked).
+        """
+        headers = {
+            **delivery.headers,
+            DEAD_LETTER_REASON_HEADER: reason,
+            DEAD_LETTER_ERROR_HEADER: error[:1024],
+            DEAD_LETTER_QUEUE_HEADER: delivery.queue,
+            "x-clockwork-dead-at": dt.datetime.now(dt.UTC).isoformat(),
+        }
+        spec = dead_letter_queue(delivery.queue)
+        self._publish(copy_of(delivery, headers), spec.name, declare=(spec,))
+        log.warning("task_dead_lettered", reason=reason, error=error[:200], queue=delivery.queue)
+
+    def copy(
+        self,
+        delivery: TaskDelivery,
+        *,
+        to: str,
+        headers: Mapping[str, Any],
+        drop: Sequence[str] = (),
+        body: bytes | None = None,
+        declare: Sequence[QueueSpec] = (),
+    ) -> None:
+        """Publish a persistent copy of ``delivery`` with changed headers to queue ``to``.
+
+        Raises:
+            BrokerSvcError: the broker did not take it (the delivery must not be acked).
+        """
+        merged = {key: value for key, value in delivery.headers.items() if key not in drop}
+        merged.update(headers)
+        self._publish(copy_of(delivery, merged, body=body), to, declare=declare)
+
+    def _publish(self, message: WireMessage, routing_key: str, *, declare: Sequence[QueueSpec] = ()) -> None:
+        pending = PendingPublish(message, exchange="", routing_key=routing_key, declare=declare)
+        self._connection.publish(pending)
+        pending.wait(None)  # bounded by the connection: confirm timeout, reconnect window
+        if pending.error is not None:
+            raise pending.error
+
+
+def copy_of(delivery: TaskDelivery, headers: dict[str, Any], *, body: bytes | None = None) -> WireMessage:
+    """A persistent copy of a delivery with ``headers``; no TTL (the ``expires`` header ends a task)."""
+    return WireMessage(
+        body=delivery.body if body is None else body,
+        content_type=delivery.content_type or "",
+        content_encoding=delivery.content_encoding or "",
+        headers=headers,
+        correlation_id=delivery.correlation_id,
+        reply_to=delivery.reply_to,
+        priority=delivery.priority,
+        delivery_mode=2,
+    )

@@ -1,0 +1,61 @@
+"""A consuming child's settle point: the one place its task deliveries are acked or handed back.
+
+The same rule as the worker's ``worker/consume/settle.py``, on the blocking side: a copy a delivery
+owes (a dead letter, a retry) is confirmed before the delivery is acked; a failed copy raises here
+with the delivery still unacked, and the child hands it back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from broker_svc.connection.io_thread import BrokerConnection
+from broker_svc.connection.task_feed import TaskDelivery
+from broker_svc.topology import QueueSpec, delay_queue
+from worker.consume.disposition import Disposition, Fate
+from worker.feed.replies import FeedReplies
+
+__all__ = ["FeedSettler"]
+
+
+class FeedSettler:
+    """Carries out a delivery's disposition with the child's connection.
+
+    Args:
+        connection: the child's connection (acks and nacks go through it).
+        replies: publishes dead letters and copies, confirmed.
+    """
+
+    def __init__(self, connection: BrokerConnection, replies: FeedReplies) -> None:
+        self._connection = connection
+        self._replies = replies
+
+    def settle(
+        self, delivery: TaskDelivery, disposition: Disposition, *, then: Callable[[], None] | None = None
+    ) -> None:
+        """Carry out ``disposition``; ``then`` runs once its copy is confirmed, before the ack.
+
+        Raises:
+            BrokerSvcError: a copy was not confirmed (``delivery`` is not acked).
+        """
+        fate = disposition.fate
+        if fate is Fate.LEFT_TO_BROKER:
+            return
+        if fate is Fate.HAND_BACK:
+            self._connection.settle(delivery, ack=False, requeue=True)
+            return
+        if fate is Fate.DEAD_LETTER:
+            self._replies.dead_letter(delivery, reason=disposition.reason, error=disposition.error)
+        elif fate is Fate.REPUBLISH:
+            to, declare = delivery.queue, tuple[QueueSpec, ...]()
+            if disposition.delay_ms is not None:
+                # Waits there until its TTL ends, then dead-letters back to its queue.
+                wait = delay_queue(delivery.queue, disposition.delay_ms)
+                to, declare = wait.name, (wait,)
+            self._replies.copy(
+                delivery, to=to, headers=disposition.headers, drop=disposition.drop, body=disposition.body,
+                declare=declare,
+            )  # fmt: skip
+        if then is not None:
+            then()
+        self._connection.settle(delivery, ack=True)

@@ -1,0 +1,33 @@
+"""What a consuming pool child is told when it starts: where to connect and what to consume.
+
+Pure and picklable: the pool hands it to each child through the forkserver.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from broker_svc.settings import Settings
+
+__all__ = ["FeedSpec"]
+
+
+@dataclass(frozen=True, slots=True)
+class FeedSpec:
+    """A consuming child's start-up order.
+
+    Attributes:
+        settings: the worker's broker settings (URL, confirm timeout, size limit, accept list).
+        queues: the task queues each child consumes.
+        prefetch: unacked deliveries per child (1: a busy child holds nothing back).
+        hostname: the worker's node name, for ``task.request.hostname`` and the connection name.
+        default_time_limits: the worker's ``(hard, soft)`` time limits, None for none.
+        revoked: the ids revoked when the child starts; later ones come over its socket.
+    """
+
+    settings: Settings
+    queues: tuple[str, ...]
+    prefetch: int
+    hostname: str
+    default_time_limits: tuple[float | None, float | None] = (None, None)
+    revoked: tuple[str, ...] = ()
