@@ -26,7 +26,6 @@ from broker_svc.connection.outbox import Outbox
 from broker_svc.connection.parameters import connection_parameters
 from broker_svc.connection.pending import PendingPublish
 from broker_svc.connection.pika_internals import GatheringConnection, abort_connection
-from broker_svc.connection.task_feed import TaskDelivery, TaskFeed
 from broker_svc.errors import BrokerSvcError, BrokerUnavailable
 from broker_svc.library_log import get_logger
 from broker_svc.settings import Settings, redact_url
@@ -49,8 +48,6 @@ class BrokerConnection:
         settings: broker URL, timeouts and retry bounds.
         name: the connection name shown by ``rabbitmqctl list_connections``.
         consumers: queues to declare and consume (auto-ack) on every (re)connect.
-        feed: task queues consumed with manual acks (a consuming pool child), started on every
-            channel once the connection is ready; settle its deliveries with ``settle``.
     """
 
     def __init__(
@@ -59,10 +56,8 @@ class BrokerConnection:
         *,
         name: str,
         consumers: Sequence[tuple[QueueSpec, Consumer]] = (),
-        feed: TaskFeed | None = None,
     ) -> None:
         self._settings = settings
-        self._feed = feed
         self._name = name
         self._consumers = list(consumers)
         self._urls = settings.broker_urls
@@ -159,23 +154,6 @@ class BrokerConnection:
             channel.queue_delete(name, callback=lambda _frame: done())
 
         self.call(run, timeout)
-
-    def settle(self, delivery: TaskDelivery, *, ack: bool = True, requeue: bool = False) -> None:
-        """Ack (or nack) a delivery of the feed; dropped if its channel is gone (the broker requeued it)."""
-        feed = self._feed
-        assert feed is not None, "settle() needs a feed"
-
-        def run() -> None:
-            feed.settle(delivery, ack=ack, requeue=requeue)
-
-        self._call_soon(run)
-
-    def stop_consuming(self, timeout: float) -> bool:
-        """Cancel the feed's consumers and wait for the broker to confirm; whether it did in time."""
-        feed, stopped = self._feed, threading.Event()
-        assert feed is not None, "stop_consuming() needs a feed"
-        self._call_soon(lambda: feed.stop(stopped.set))
-        return stopped.wait(timeout)
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the I/O thread; what is still unsettled fails with ``BrokerUnavailable``."""
@@ -317,8 +295,6 @@ class BrokerConnection:
         self._down_since = None
         self._outbox.requeue_retries()  # what a lost connection left unconfirmed goes out first
         self._ready.set()
-        if self._feed is not None:
-            self._feed.start(channel)
         log.debug("broker_connected", connection=self._name)
         self._drain()
         self._schedule_tick()
@@ -393,8 +369,6 @@ class BrokerConnection:
         # A channel error (e.g. a 406 on a declare) ends the channel, not the process: start
         # over on a fresh connection so the confirm sequence begins at 1 again.
         self._channel = None
-        if self._feed is not None:
-            self._feed.lost()
         declaring, self._declaring = self._declaring, None
         self._confirms.channel_closed(reason, declaring=declaring)
         if not self._stopping.is_set():
@@ -406,8 +380,6 @@ class BrokerConnection:
     def _on_closed(self, conn: pika.SelectConnection, reason: BaseException) -> None:
         self._ready.clear()
         self._channel = None
-        if self._feed is not None:
-            self._feed.lost()
         self._blocked_since = None
         self._confirms.connection_lost(reason)
         if not self._stopping.is_set():

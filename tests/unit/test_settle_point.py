@@ -1,5 +1,5 @@
-"""One settle point: only worker/consume/settle.py (and, for a consuming child, task_feed.py behind
-worker/feed/settle.py) acks, nacks or rejects a task delivery (DESIGN §5)."""
+"""One settle point: only worker/consume/settle.py (and a consuming child's worker/feed/settle.py)
+acks, nacks or rejects a task delivery (DESIGN §5)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,8 @@ SETTLE_CALLS = frozenset({"ack", "nack", "reject", "basic_ack", "basic_nack", "b
 ALLOWED = {
     # The settle point itself: every task delivery's disposition is carried out here.
     "worker/consume/settle.py",
-    # A consuming pool child's deliveries: the AMQP calls behind its settle point
-    # (worker/feed/settle.py), dropped when the delivery's channel is gone.
-    "broker_svc/connection/task_feed.py",
+    # A consuming pool child's settle point: the same dispositions, on the child's own connection.
+    "worker/feed/settle.py",
     # Revocation-log stream entries, not task deliveries: a stream hands out more as these are acked.
     "worker/remote/revocation_log.py",
     # Members-stream events read by the control client (aio side), not task deliveries.

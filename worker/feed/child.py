@@ -1,23 +1,25 @@
 """A consuming pool child's loop: its own connection, its deliveries one at a time, its time limits.
 
-Three threads, so the broker connection lives while a task runs (heartbeats, acks):
+The main thread does the work: it reads a delivery from the child's ``FeedConnection``, takes it
+from decode to ack (``FeedHandler`` → ``FeedSettler``) and runs the task body on the way, so the
+soft time limit (SIGALRM) lands in the task. No thread hands a delivery to another.
 
-- the main thread runs each delivery from decode to ack (``FeedHandler`` → ``FeedSettler``), and
-  the task body with it, so the soft time limit (SIGALRM) lands in the task;
-- the connection's I/O thread (``BrokerConnection`` with a ``TaskFeed``) reads deliveries into the
-  inbox and sends acks, results and copies;
-- a control thread reads the worker's socket: revoked ids, and end of file, which means stop.
+Beside it:
 
-The hard time limit is kept by a watchdog thread, started on the first task that has one: past it,
-the task is answered FAILURE ``TimeLimitExceeded``, its delivery acked, and the child exits (the
-pool starts another).
+- the connection's heartbeat thread writes heartbeats while a task runs;
+- a control thread reads the worker's socket: "consume" once the worker knows every revoke,
+  revoked ids as it learns them, and end of file, which means stop;
+- the hard time limit's watchdog, started on the first task that has one: past the limit it takes
+  the socket over, answers FAILURE ``TimeLimitExceeded``, acks, and ends the child (the pool starts
+  another).
+
+A lost connection is connected again with a backoff; what it had delivered goes back to the queues.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import queue
 import signal
 import threading
 import time
@@ -28,8 +30,8 @@ import structlog
 
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
-from broker_svc.connection.io_thread import BrokerConnection
-from broker_svc.connection.task_feed import TaskDelivery, TaskFeed
+from broker_svc.connection.feed_connection import FeedConnection, TaskDelivery
+from broker_svc.errors import BrokerUnavailable
 from broker_svc.wire.result_message import Outcome, wire_exception
 from broker_svc.wire.states import State
 from worker.consume.disposition import ACK, HAND_BACK
@@ -46,63 +48,101 @@ log = structlog.get_logger(__name__)
 
 # How long a failed delivery waits before it is handed back: a backoff for a loop of failures.
 _FAILED_HAND_BACK_PAUSE_S: Final = 0.5
-# How long stopping waits for the broker to cancel the consumers, and the connection to close.
-_STOP_WAIT_S: Final = 5.0
+# How often the loop looks up from an idle connection to see whether it must stop.
+_STOP_CHECK_S: Final = 0.5
+_BACKOFF_S: Final = (0.2, 5.0)
 
 
 def serve(app: App, spec: FeedSpec, channel: ChildChannel, soft_limit: SoftLimit) -> None:
     """Consume ``spec.queues`` and run their tasks here until the worker closes the socket."""
-    inbox: queue.SimpleQueue[TaskDelivery | None] = queue.SimpleQueue()
     revoked: set[str] = set(spec.revoked)
-    stopping = threading.Event()
-    clock = LamportClock()
-    feed = TaskFeed(spec.queues, prefetch=spec.prefetch, on_delivery=inbox.put)
-    connection = BrokerConnection(spec.settings, name=f"{spec.hostname}.child-{os.getpid()}", feed=feed)
+    stopping, may_consume = threading.Event(), threading.Event()
+    name = f"{spec.hostname}.child-{os.getpid()}"
+    connection = FeedConnection(spec.settings, name=name, queues=spec.queues, prefetch=spec.prefetch)
     with _signals_blocked():  # the threads started here never take the main thread's signals
-        threading.Thread(
-            target=_follow_worker, args=(channel, connection, inbox, revoked, stopping),
-            name="clockwork-feed-control", daemon=True,
-        ).start()  # fmt: skip
+        control = threading.Thread(
+            target=_follow_worker,
+            args=(channel, revoked, stopping, may_consume),
+            name="clockwork-feed-control",
+        )
+        control.daemon = True
+        control.start()
     signal.signal(signal.SIGALRM, soft_limit.on_signal)
-    replies = FeedReplies(connection, clock=clock, persistent=spec.settings.result_persistent)
+    replies = FeedReplies(connection, clock=LamportClock(), persistent=spec.settings.result_persistent)
     settler = FeedSettler(connection, replies)
     watchdog = _HardLimit(replies, settler, connection)
     handler = FeedHandler(
-        app=app, spec=spec, replies=replies, revoked=revoked, clock=clock,
-        run=lambda job: _run_limited(app, job, channel, soft_limit, watchdog),
+        app=app, spec=spec, replies=replies, revoked=revoked, clock=replies.clock,
+        run=lambda job: _run_limited(app, job, channel, soft_limit, watchdog, connection),
     )  # fmt: skip
-    log.info("feed_child_consuming", queues=list(spec.queues), prefetch=spec.prefetch, pid=os.getpid())
+    may_consume.wait()
     try:
-        while (delivery := inbox.get()) is not None:
-            if stopping.is_set():
-                settler.settle(delivery, HAND_BACK)  # delivered, never started: another worker runs it
-                continue
-            watchdog.current = delivery
-            try:
-                disposition, then = handler.handle(delivery)
-                if watchdog.claim(delivery):
-                    settler.settle(delivery, disposition, then=then)
-            except Exception:
-                # Typically the connection went away mid-publish: hand it back (it runs again).
-                log.exception("delivery_failed", queue=delivery.queue)
-                time.sleep(_FAILED_HAND_BACK_PAUSE_S)
-                if watchdog.claim(delivery):
-                    settler.settle(delivery, HAND_BACK)
-        connection.stop_consuming(_STOP_WAIT_S)
-        while True:  # anything delivered since goes back
-            try:
-                late = inbox.get_nowait()
-            except queue.Empty:
-                break
-            if late is not None:
-                settler.settle(late, HAND_BACK)
+        _consume(connection, handler, settler, watchdog, stopping, spec)
     finally:
-        connection.close(_STOP_WAIT_S)
+        connection.close()
         log.info("feed_child_stopped", processed=handler.processed)
 
 
+def _consume(
+    connection: FeedConnection,
+    handler: FeedHandler,
+    settler: FeedSettler,
+    watchdog: _HardLimit,
+    stopping: threading.Event,
+    spec: FeedSpec,
+) -> None:
+    connected, backoff_s = False, _BACKOFF_S[0]
+    while not stopping.is_set():
+        try:
+            if not connected:
+                connection.connect()
+                connected, backoff_s = True, _BACKOFF_S[0]
+                log.info(
+                    "feed_child_consuming", queues=list(spec.queues), prefetch=spec.prefetch, pid=os.getpid()
+                )
+            delivery = connection.next_delivery(_STOP_CHECK_S)
+            if delivery is None:
+                continue
+            if stopping.is_set():
+                settler.settle(delivery, HAND_BACK)  # delivered, never started: another worker runs it
+                continue
+            _one(delivery, handler, settler, watchdog)
+        except BrokerUnavailable as exc:
+            # Lost (or never made): what it delivered is the broker's again; connect anew.
+            log.warning("feed_connection_lost", error=str(exc), retry_in_s=backoff_s)
+            connection.drop()
+            connected = False
+            stopping.wait(backoff_s)
+            backoff_s = min(backoff_s * 2, _BACKOFF_S[1])
+    if connected:
+        with contextlib.suppress(BrokerUnavailable):
+            for late in connection.cancel():
+                settler.settle(late, HAND_BACK)
+
+
+def _one(delivery: TaskDelivery, handler: FeedHandler, settler: FeedSettler, watchdog: _HardLimit) -> None:
+    watchdog.current = delivery
+    try:
+        disposition, then = handler.handle(delivery)
+    except BrokerUnavailable:
+        raise  # its channel is gone with the connection: the broker has it back
+    except Exception:
+        log.exception("delivery_failed", queue=delivery.queue)
+        time.sleep(_FAILED_HAND_BACK_PAUSE_S)  # a backoff for whatever failed; it may fail again
+        if watchdog.claim(delivery):
+            settler.settle(delivery, HAND_BACK)
+        return
+    if watchdog.claim(delivery):
+        settler.settle(delivery, disposition, then=then)
+
+
 def _run_limited(
-    app: App, job: Job, channel: ChildChannel, soft_limit: SoftLimit, watchdog: _HardLimit
+    app: App,
+    job: Job,
+    channel: ChildChannel,
+    soft_limit: SoftLimit,
+    watchdog: _HardLimit,
+    connection: FeedConnection,
 ) -> dict[str, Any]:
     # The soft limit is a SIGALRM to this thread; the hard one the watchdog's.
     if job.soft_time_limit_s:
@@ -110,7 +150,8 @@ def _run_limited(
     if job.hard_time_limit_s:
         watchdog.arm(job, job.hard_time_limit_s)
     try:
-        return run_job(app, job, channel, soft_limit)
+        with connection.running():
+            return run_job(app, job, channel, soft_limit)
     finally:
         if job.soft_time_limit_s:
             signal.setitimer(signal.ITIMER_REAL, 0)
@@ -124,7 +165,7 @@ class _HardLimit:
     Exactly one of the main thread and the watchdog settles a delivery: whoever claims it first.
     """
 
-    def __init__(self, replies: FeedReplies, settler: FeedSettler, connection: BrokerConnection) -> None:
+    def __init__(self, replies: FeedReplies, settler: FeedSettler, connection: FeedConnection) -> None:
         self._replies, self._settler, self._connection = replies, settler, connection
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -175,27 +216,24 @@ class _HardLimit:
                 break
         log.error("task_time_limit_exceeded", task_id=job.task_id, limit_s=job.hard_time_limit_s)
         try:
-            reply_to = job.request.get("reply_to")
-            if reply_to and not job.request.get("ignore_result"):
-                error = wire_exception("TimeLimitExceeded", job.hard_time_limit_s)
-                self._replies.result(
-                    Outcome(task_id=job.task_id, status=State.FAILURE, result=error),
-                    reply_to=reply_to,
-                    correlation_id=job.request.get("correlation_id"),
-                    content_type=reply_type(delivery.content_type),
-                )
-            self._settler.settle(delivery, ACK)
+            with self._connection.taken_over():  # the task still runs: the socket is ours now
+                reply_to = job.request.get("reply_to")
+                if reply_to and not job.request.get("ignore_result"):
+                    error = wire_exception("TimeLimitExceeded", job.hard_time_limit_s)
+                    self._replies.result(
+                        Outcome(task_id=job.task_id, status=State.FAILURE, result=error),
+                        reply_to=reply_to,
+                        correlation_id=job.request.get("correlation_id"),
+                        content_type=reply_type(delivery.content_type),
+                    )
+                self._settler.settle(delivery, ACK)
+                self._connection.close()
         finally:
-            self._connection.close(_STOP_WAIT_S)  # the ack goes out before the close
             os._exit(1)
 
 
 def _follow_worker(
-    channel: ChildChannel,
-    connection: BrokerConnection,
-    inbox: queue.SimpleQueue[TaskDelivery | None],
-    revoked: set[str],
-    stopping: threading.Event,
+    channel: ChildChannel, revoked: set[str], stopping: threading.Event, may_consume: threading.Event
 ) -> None:
     # "consume" once the worker knows every revoke (its state file, the log, Mingle); revoked ids
     # as it learns them; end of file (the worker closed our socket): stop.
@@ -203,16 +241,16 @@ def _follow_worker(
         while (frame := channel.receive()) is not None:
             op = frame.get("op")
             if op == "consume":
-                connection.start()  # its I/O thread inherits this thread's blocked signals
+                may_consume.set()
             elif op == "revoke":
                 revoked.update(str(task_id) for task_id in frame.get("ids") or ())
             else:
-                log.warning("feed_child_unknown_frame", op=frame.get("op"))
+                log.warning("feed_child_unknown_frame", op=op)
     except OSError:
         pass
     finally:
         stopping.set()
-        inbox.put(None)
+        may_consume.set()
 
 
 @contextlib.contextmanager

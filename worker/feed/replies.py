@@ -1,8 +1,8 @@
 """What a consuming child publishes, each confirmed before the call returns: results and copies.
 
-Publishing goes through the child's ``BrokerConnection`` (its outbox republishes what a lost
-connection left unconfirmed). A copy of a delivery (a dead letter, a retry) must be confirmed before
-that delivery is acked, so each call waits for its confirm.
+Publishing goes through the child's ``FeedConnection``, which waits for each confirm: a copy of a
+delivery (a dead letter, a retry) must be confirmed before that delivery is acked. If the
+connection fails first, the delivery is the broker's again and runs again (at-least-once).
 """
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ from typing import Any
 import structlog
 
 from broker_svc.clock import LamportClock
-from broker_svc.connection.io_thread import BrokerConnection
-from broker_svc.connection.pending import PendingPublish
-from broker_svc.connection.task_feed import TaskDelivery
+from broker_svc.connection.feed_connection import FeedConnection, TaskDelivery
 from broker_svc.errors import Unroutable
 from broker_svc.topology import (
     DEAD_LETTER_ERROR_HEADER,
@@ -49,9 +47,9 @@ class FeedReplies:
         persistent: results are persistent (``result_persistent``).
     """
 
-    def __init__(self, connection: BrokerConnection, *, clock: LamportClock, persistent: bool) -> None:
+    def __init__(self, connection: FeedConnection, *, clock: LamportClock, persistent: bool) -> None:
         self._connection = connection
-        self._clock = clock
+        self._clock = self.clock = clock
         self._delivery_mode = 2 if persistent else 1
 
     def result(
@@ -119,11 +117,7 @@ class FeedReplies:
         self._publish(copy_of(delivery, merged, body=body), to, declare=declare)
 
     def _publish(self, message: WireMessage, routing_key: str, *, declare: Sequence[QueueSpec] = ()) -> None:
-        pending = PendingPublish(message, exchange="", routing_key=routing_key, declare=declare)
-        self._connection.publish(pending)
-        pending.wait(None)  # bounded by the connection: confirm timeout, reconnect window
-        if pending.error is not None:
-            raise pending.error
+        self._connection.publish(message, routing_key, declare=declare)
 
 
 def copy_of(delivery: TaskDelivery, headers: dict[str, Any], *, body: bytes | None = None) -> WireMessage:

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from broker_svc.connection.io_thread import BrokerConnection
-from broker_svc.connection.task_feed import TaskDelivery
+from broker_svc.connection.feed_connection import FeedConnection, TaskDelivery
 from broker_svc.topology import QueueSpec, delay_queue
 from worker.consume.disposition import Disposition, Fate
 from worker.feed.replies import FeedReplies
@@ -26,7 +25,7 @@ class FeedSettler:
         replies: publishes dead letters and copies, confirmed.
     """
 
-    def __init__(self, connection: BrokerConnection, replies: FeedReplies) -> None:
+    def __init__(self, connection: FeedConnection, replies: FeedReplies) -> None:
         self._connection = connection
         self._replies = replies
 
@@ -42,7 +41,7 @@ class FeedSettler:
         if fate is Fate.LEFT_TO_BROKER:
             return
         if fate is Fate.HAND_BACK:
-            self._connection.settle(delivery, ack=False, requeue=True)
+            self._connection.nack(delivery, requeue=True)
             return
         if fate is Fate.DEAD_LETTER:
             self._replies.dead_letter(delivery, reason=disposition.reason, error=disposition.error)
@@ -58,4 +57,4 @@ class FeedSettler:
             )  # fmt: skip
         if then is not None:
             then()
-        self._connection.settle(delivery, ack=True)
+        self._connection.ack(delivery)

@@ -1,0 +1,187 @@
+"""A consuming child's own connection against the real broker: consume, settle, publish, heartbeats, loss."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+
+from broker_svc import Settings
+from broker_svc.connection.feed_connection import ConnectionLost, FeedConnection
+from broker_svc.errors import BrokerUnavailable, Unroutable
+from broker_svc.topology import QueueSpec
+from broker_svc.wire.task_message import WireMessage
+from tests.support.amqp import channel, delete_queues, drain, publish_raw, queue_depth
+from tests.support.workers import unique_queue
+
+
+@pytest.fixture
+def queue(test_vhost_url: str) -> Iterator[str]:
+    name = unique_queue("fc")
+    with channel(test_vhost_url) as ch:
+        ch.queue_declare(name, durable=True)
+    yield name
+    delete_queues(test_vhost_url, name, f"{name}.made")
+
+
+def _connection(url: str, queue: str, *, prefetch: int = 1, heartbeat_s: int = 30) -> FeedConnection:
+    settings = Settings(broker_url=url, heartbeat_s=heartbeat_s, confirm_timeout_s=5.0)
+    connection = FeedConnection(settings, name="test-feed", queues=[queue], prefetch=prefetch)
+    connection.connect()
+    return connection
+
+
+def _message(body: bytes = b"{}") -> WireMessage:
+    return WireMessage(body=body, content_type="application/json", content_encoding="utf-8", headers={"k": 1})
+
+
+def test_deliveries_carry_their_properties_and_acks_remove_them(test_vhost_url: str, queue: str):
+    for i in range(3):
+        publish_raw(
+            test_vhost_url,
+            queue,
+            b"x" * 70_000,
+            headers={"id": f"t{i}", "n": i},
+            reply_to="r",
+            correlation_id=f"c{i}",
+        )
+    connection = _connection(test_vhost_url, queue, prefetch=2)
+    try:
+        got = []
+        for _ in range(3):
+            delivery = connection.next_delivery(5.0)
+            assert delivery is not None
+            got.append(delivery)
+            connection.ack(delivery)  # with prefetch 2, the third comes only after an ack
+        assert [d.headers["id"] for d in got] == ["t0", "t1", "t2"]
+        first = got[0]
+        assert len(first.body) == 70_000 and first.reply_to == "r" and first.correlation_id == "c0"
+        assert first.queue == queue and first.routing_key == queue and not first.redelivered
+        assert first.headers["n"] == 0
+        assert connection.next_delivery(0.3) is None
+    finally:
+        connection.close()
+    assert queue_depth(test_vhost_url, queue) == 0
+
+
+def test_prefetch_bounds_what_is_delivered_unacked(test_vhost_url: str, queue: str):
+    for i in range(5):
+        publish_raw(test_vhost_url, queue, b"{}", headers={"id": f"t{i}"})
+    connection = _connection(test_vhost_url, queue, prefetch=2)
+    try:
+        held = [connection.next_delivery(5.0), connection.next_delivery(5.0)]
+        assert connection.next_delivery(0.5) is None  # two unacked: the broker sends no third
+        assert all(held)
+    finally:
+        connection.close()
+
+
+def test_a_nack_with_requeue_comes_back_redelivered(test_vhost_url: str, queue: str):
+    publish_raw(test_vhost_url, queue, b"{}", headers={"id": "again"})
+    connection = _connection(test_vhost_url, queue)
+    try:
+        first = connection.next_delivery(5.0)
+        assert first is not None
+        connection.nack(first, requeue=True)
+        second = connection.next_delivery(5.0)
+        assert second is not None and second.redelivered and second.headers["id"] == "again"
+        connection.ack(second)
+    finally:
+        connection.close()
+
+
+def test_a_settle_from_a_lost_connection_is_not_sent(test_vhost_url: str, queue: str):
+    publish_raw(test_vhost_url, queue, b"{}", headers={"id": "stale"})
+    connection = _connection(test_vhost_url, queue)
+    try:
+        old = connection.next_delivery(5.0)
+        assert old is not None
+        connection.drop()  # as a failed read would
+        connection.connect()
+        connection.ack(old)  # its tag belongs to the lost channel: not sent, no 406
+        again = connection.next_delivery(5.0)
+        assert again is not None and again.redelivered and again.generation == old.generation + 1
+        connection.ack(again)
+        assert connection.next_delivery(0.3) is None
+    finally:
+        connection.close()
+
+
+def test_publishes_are_confirmed_returned_when_unroutable_and_declare_first(test_vhost_url: str, queue: str):
+    connection = _connection(test_vhost_url, queue)
+    made = f"{queue}.made"
+    try:
+        connection.publish(_message(b'{"a": 1}'), queue)
+        with pytest.raises(Unroutable):
+            connection.publish(_message(), f"{queue}.nobody")
+        connection.publish(_message(), made, declare=[QueueSpec(made, durable=True)])
+        connection.publish(_message(), made, declare=[QueueSpec(made, durable=True)])  # declared once
+    finally:
+        connection.close()
+    assert [m.body for m in drain(test_vhost_url, queue)] == [b'{"a": 1}']
+    assert queue_depth(test_vhost_url, made) == 2
+
+
+def test_a_channel_error_is_a_lost_connection_that_connects_again(test_vhost_url: str, queue: str):
+    connection = _connection(test_vhost_url, queue)
+    try:
+        with pytest.raises(ConnectionLost, match="PRECONDITION_FAILED"):
+            # The queue exists as durable: declaring it otherwise makes the broker close the channel.
+            connection.publish(_message(), queue, declare=[QueueSpec(queue, durable=False)])
+        connection.connect()
+        connection.publish(_message(), queue)
+    finally:
+        connection.close()
+
+
+def test_heartbeats_go_out_while_a_task_runs(test_vhost_url: str, queue: str):
+    connection = _connection(test_vhost_url, queue, heartbeat_s=1)
+    try:
+        with connection.running():
+            time.sleep(3.5)  # past the broker's two missed heartbeats
+        connection.publish(_message(), queue)  # still connected
+    finally:
+        connection.close()
+
+
+def test_without_them_the_broker_drops_a_silent_connection(test_vhost_url: str, queue: str):
+    # The control for the test above: the same wait outside ``running()`` sends nothing.
+    connection = _connection(test_vhost_url, queue, heartbeat_s=1)
+    try:
+        time.sleep(3.5)
+        with pytest.raises(ConnectionLost):
+            connection.publish(_message(), queue)
+            connection.next_delivery(3.0)
+    finally:
+        connection.close()
+
+
+def test_cancel_hands_back_what_was_delivered_and_not_taken(test_vhost_url: str, queue: str):
+    for i in range(3):
+        publish_raw(test_vhost_url, queue, b"{}", headers={"id": f"t{i}"})
+    connection = _connection(test_vhost_url, queue, prefetch=3)
+    try:
+        taken = connection.next_delivery(5.0)
+        assert taken is not None
+        left = connection.cancel()  # what came before the broker's cancel-ok
+        assert connection.next_delivery(0.5) is None  # and nothing after it
+        for delivery in left:
+            connection.nack(delivery, requeue=True)
+        connection.ack(taken)
+    finally:
+        connection.close()
+    assert queue_depth(test_vhost_url, queue) == 2
+
+
+def test_failover_goes_to_the_next_url_and_a_refusal_says_why(test_vhost_url: str, queue: str):
+    parts = urlsplit(test_vhost_url)
+    dead = urlunsplit(parts._replace(netloc=f"{parts.username}:{parts.password}@127.0.0.1:1"))
+    settings = Settings(broker_url=f"{dead};{test_vhost_url}", connect_timeout_s=2.0)
+    connection = FeedConnection(settings, name="test-feed", queues=[queue], prefetch=1)
+    connection.connect()
+    connection.close()
+    wrong = Settings(broker_url=test_vhost_url.replace("guest:guest", "guest:wrong"), connect_timeout_s=2.0)
+    with pytest.raises(BrokerUnavailable, match="ACCESS_REFUSED|403|closed"):
+        FeedConnection(wrong, name="test-feed", queues=[queue], prefetch=1).connect()
