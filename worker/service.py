@@ -327,6 +327,7 @@ class WorkerService:
             prefetch=config.prefetch_multiplier,
             hostname=config.hostname,
             default_time_limits=(config.time_limit_s, config.soft_time_limit_s),
+            namespace=config.namespace,
         )
 
     def _warn_time_limits(self) -> None:

@@ -127,3 +127,8 @@ def no_result(path: str) -> str:
 @app.task(bind=True)
 def now(self: Task) -> dict[str, Any]:
     return {"at": time.time(), "retries": self.request.retries, "eta": self.request.eta}
+
+
+@app.task(rate_limit="100/s")
+def rate_limited() -> str:
+    return "ran"

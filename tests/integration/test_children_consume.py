@@ -151,19 +151,23 @@ def test_bad_input_is_dead_lettered_and_answered(
 def test_what_it_cannot_do_yet_is_refused_by_name(
     test_vhost_url: str, feed_queue: str, feed_worker: WorkerProcess, app: App
 ):
-    step = app.signature(f"{TASKS}.sleeper", (0,), immutable=True, queue=feed_queue)
-    result = chain(step, step.clone()).apply_async()
-    assert isinstance(result, AsyncResult)
-    first = result.parent
-    assert first is not None
+    result = app.send_task(f"{TASKS}.rate_limited", queue=feed_queue)
     with pytest.raises(TaskError) as info:
-        first.get(timeout=30)
+        result.get(timeout=30)
     assert info.value.exc_type == "NotImplementedError" and "--children-consume" in str(info.value)
     kept = wait_for(
-        lambda: [m for m in drain(test_vhost_url, f"{feed_queue}.dead") if m.headers.get("id") == first.id],
-        timeout_s=20, message="the refused chain's dead letter",
+        lambda: [m for m in drain(test_vhost_url, f"{feed_queue}.dead") if m.headers.get("id") == result.id],
+        timeout_s=20, message="the refused task's dead letter",
     )  # fmt: skip
     assert kept[0].headers["x-clockwork-reason"] == "not_in_consuming_children"
+
+
+def test_a_chain_runs_step_by_step(feed_queue: str, feed_worker: WorkerProcess, app: App):
+    step = app.signature(f"{TASKS}.sleeper", (0,), immutable=True, queue=feed_queue)
+    result = chain(step, step.clone(), step.clone()).apply_async()
+    assert isinstance(result, AsyncResult)
+    assert isinstance(result.get(timeout=30), int)
+    assert result.parent is not None and isinstance(result.parent.get(timeout=5), int)
 
 
 def test_a_revoked_task_is_answered_and_never_runs(

@@ -48,7 +48,7 @@ from broker_svc.wire.result_message import Outcome, wire_exception
 from broker_svc.wire.states import State
 from broker_svc.wire.task_message import CLOCK_HEADER, TaskMessage, encode_task
 from control.aio.declare import declare_queue
-from worker.consume.canvas import follow_up_queue
+from worker.consume.canvas_plan import follow_up_queue
 from worker.consume.publish import task_properties
 
 __all__ = ["STALE_AFTER_S", "ChordJoiner"]

@@ -23,7 +23,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Final
 
 import structlog
@@ -32,11 +32,9 @@ from broker_svc.app import App
 from broker_svc.clock import LamportClock
 from broker_svc.connection.feed_connection import FeedConnection, TaskDelivery
 from broker_svc.errors import BrokerUnavailable
-from broker_svc.wire.result_message import Outcome, wire_exception
-from broker_svc.wire.states import State
 from worker.consume.disposition import ACK, HAND_BACK
 from worker.feed.handle import FeedHandler
-from worker.feed.replies import FeedReplies, reply_type
+from worker.feed.replies import FeedReplies
 from worker.feed.settle import FeedSettler
 from worker.feed.spec import FeedSpec
 from worker.pool.child import ChildChannel, SoftLimit, run_job
@@ -70,11 +68,17 @@ def serve(app: App, spec: FeedSpec, channel: ChildChannel, soft_limit: SoftLimit
     signal.signal(signal.SIGALRM, soft_limit.on_signal)
     replies = FeedReplies(connection, clock=LamportClock(), persistent=spec.settings.result_persistent)
     settler = FeedSettler(connection, replies)
-    watchdog = _HardLimit(replies, settler, connection)
+    watchdog = _HardLimit(settler, connection)
     handler = FeedHandler(
         app=app, spec=spec, replies=replies, revoked=revoked, clock=replies.clock,
         run=lambda job: _run_limited(app, job, channel, soft_limit, watchdog, connection),
     )  # fmt: skip
+
+    def answer(job: Job) -> None:
+        if handler.current is not None:
+            handler.time_limit_exceeded(handler.current, job.hard_time_limit_s)
+
+    watchdog.answer = answer
     may_consume.wait()
     try:
         _consume(connection, handler, settler, watchdog, stopping, spec)
@@ -165,8 +169,9 @@ class _HardLimit:
     Exactly one of the main thread and the watchdog settles a delivery: whoever claims it first.
     """
 
-    def __init__(self, replies: FeedReplies, settler: FeedSettler, connection: FeedConnection) -> None:
-        self._replies, self._settler, self._connection = replies, settler, connection
+    def __init__(self, settler: FeedSettler, connection: FeedConnection) -> None:
+        self._settler, self._connection = settler, connection
+        self.answer: Callable[[Job], None] = lambda job: None  # the caller, the chord, the errbacks
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self.current: TaskDelivery | None = None
@@ -217,15 +222,7 @@ class _HardLimit:
         log.error("task_time_limit_exceeded", task_id=job.task_id, limit_s=job.hard_time_limit_s)
         try:
             with self._connection.taken_over():  # the task still runs: the socket is ours now
-                reply_to = job.request.get("reply_to")
-                if reply_to and not job.request.get("ignore_result"):
-                    error = wire_exception("TimeLimitExceeded", job.hard_time_limit_s)
-                    self._replies.result(
-                        Outcome(task_id=job.task_id, status=State.FAILURE, result=error),
-                        reply_to=reply_to,
-                        correlation_id=job.request.get("correlation_id"),
-                        content_type=reply_type(delivery.content_type),
-                    )
+                self.answer(job)
                 self._settler.settle(delivery, ACK)
                 self._connection.close()
         finally:

@@ -3,8 +3,7 @@
 The child's counterpart of ``worker/consume/consumer.py`` and ``outcomes.py``, on the blocking side:
 every step decides a :class:`~worker.consume.disposition.Disposition` and the child's settle point
 (``worker/feed/settle.py``) carries it out. What the worker's consumer does and this path does not do
-yet (chains, callbacks, chords, rate limits, progress updates, task events, the classic-queue
-redelivery recount) is refused by name: the delivery is dead-lettered with reason
+yet (rate limits, progress updates, task events) is refused by name: the delivery is dead-lettered with reason
 ``not_in_consuming_children`` and its caller gets a FAILURE saying why, never a silent drop.
 """
 
@@ -12,7 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import time
-from collections.abc import Callable, Set
+from collections.abc import Callable, Mapping, Set
 from typing import Any, Final
 
 import structlog
@@ -27,9 +26,11 @@ from broker_svc.wire import codec
 from broker_svc.wire.result_message import CELERY_EXCEPTIONS_MODULE, Outcome, wire_exception
 from broker_svc.wire.states import State
 from broker_svc.wire.task_message import TaskMessage, decode_task, safe_repr
+from worker.consume import canvas_plan
 from worker.consume.admission import DELIVERY_LIMIT_REASON, delivery_count
 from worker.consume.disposition import ACK, HAND_BACK, Disposition
 from worker.consume.job_request import delivery_info, request_context, time_limits
+from worker.feed.canvas import FeedCanvas
 from worker.feed.replies import FeedReplies, reply_type
 from worker.feed.spec import FeedSpec
 from worker.pool.ipc import Job, JobStatus
@@ -75,7 +76,9 @@ class FeedHandler:
         self._revoked = revoked
         self._clock = clock
         self._run = run
+        self._canvas = FeedCanvas(app=app, replies=replies, namespace=spec.namespace)
         self.processed = 0
+        self.current: TaskMessage | None = None  # the request running now (the hard time limit's)
 
     def handle(self, delivery: TaskDelivery) -> Handled:
         """The fate of one delivery (its task run here if it may run)."""
@@ -107,6 +110,8 @@ class FeedHandler:
             return self._fail(request, "NotRegistered", f"task {request.task!r} is not registered", exc=(
                 "NotRegistered", request.task, CELERY_EXCEPTIONS_MODULE,
             ))  # fmt: skip
+        if (why := canvas_plan.refusal(request)) is not None:
+            return self._cannot_honour(request, why), None
         if (why := self._not_here(request)) is not None:
             log.error("task_not_in_consuming_children", why=why)
             return self._fail(request, NOT_HERE_REASON, why, exc=("NotImplementedError", why, "builtins"))
@@ -131,12 +136,8 @@ class FeedHandler:
         return self._execute(delivery, request)
 
     def _not_here(self, request: TaskMessage) -> str | None:
-        embed = request.embed
-        wants = [name for name in ("chain", "callbacks", "errbacks", "chord") if embed.get(name)]
         task = self._app.tasks[request.task]
-        if wants:
-            missing = f"send {', '.join(wants)}"
-        elif task.rate_limit:
+        if task.rate_limit:
             missing = "apply rate limits"
         elif task.track_started:
             missing = "send STARTED"
@@ -159,17 +160,28 @@ class FeedHandler:
             soft_time_limit_s=soft,
         )
         started = time.monotonic()
-        done = self._run(job)
+        self.current = request
+        try:
+            done = self._run(job)
+        finally:
+            self.current = None
         runtime_ms = round((time.monotonic() - started) * 1000, 3)
         self.processed += 1
         status = JobStatus(done["status"])
         if status is JobStatus.SUCCESS:
             log.info("task_succeeded", runtime_ms=runtime_ms)
-            children = [[[child, None], None] for child in done.get("children") or ()]
+            canvas = canvas_plan.wants_anything(request)
+            planned = canvas_plan.after_success(request, done["value"]) if canvas else []
+            # Celery's result.children: what the body sent, then the callbacks and the next step.
+            sent = [*(done.get("children") or ()), *(item.message.id for item in planned)]
+            children = [[[child, None], None] for child in sent]
+            value = done["value"]
             self._reply(
-                request,
-                Outcome(task_id=request.id, status=State.SUCCESS, result=done["value"], children=children),
+                request, Outcome(task_id=request.id, status=State.SUCCESS, result=value, children=children)
             )
+            self._canvas.chord_part(request, State.SUCCESS, value)
+            if planned:
+                self._canvas.send(planned, why="after_success")
             return _FINISHED, None
         if status is JobStatus.IGNORED:
             log.info("task_ignored", runtime_ms=runtime_ms)
@@ -183,13 +195,10 @@ class FeedHandler:
                 return HAND_BACK, None
             log.warning("task_rejected", error=_describe(error))
             self._reply(request, Outcome(task_id=request.id, status=State.FAILURE, result=error), failed=True)
+            self._canvas.chord_part(request, State.FAILURE, error)
             return Disposition.dead_letter("rejected", _describe(error), finished=True), None
         log.warning("task_failed", runtime_ms=runtime_ms, error=error, traceback=done.get("traceback"))
-        self._reply(
-            request,
-            Outcome(task_id=request.id, status=State.FAILURE, result=error, traceback=done.get("traceback")),
-            failed=True,
-        )
+        self._failed(request, error, done.get("traceback"))
         if done.get("retries_exhausted"):
             why = f"failed after {request.retries} retries: {_describe(error)}"
             return Disposition.dead_letter("max_retries_exceeded", why, ran=True, finished=True), None
@@ -226,18 +235,54 @@ class FeedHandler:
         )
         return copy, announce
 
+    def time_limit_exceeded(self, request: TaskMessage, limit_s: float | None) -> None:
+        """Answer a task past its hard time limit as failed (its child is about to end)."""
+        self._failed(request, wire_exception("TimeLimitExceeded", limit_s), None)
+
+    def _failed(self, request: TaskMessage, error: dict[str, Any], traceback: str | None) -> None:
+        # A failure for good: the caller, the chord and the errbacks learn of it.
+        self._reply(
+            request,
+            Outcome(task_id=request.id, status=State.FAILURE, result=error, traceback=traceback),
+            failed=True,
+        )
+        self._canvas.chord_part(request, State.FAILURE, error)
+        if canvas_plan.wants_anything(request):
+            self._canvas.after_failure(request)
+
     def _skip_revoked(self, request: TaskMessage, *, expired: bool) -> Disposition:
         reason = "expired" if expired else "revoked"
         log.info("task_revoked_skipped", reason=reason)
         error = wire_exception("TaskRevokedError", reason)
         self._reply(request, Outcome(task_id=request.id, status=State.REVOKED, result=error))
+        self._canvas.chord_part(request, State.REVOKED, error)
         return ACK
+
+    def _cannot_honour(self, request: TaskMessage, why: str) -> Disposition:
+        # Refused before it runs, as a whole: running part of a canvas and dropping the rest
+        # would lose work silently. Its caller (and a chord body's) learns why.
+        log.error("task_canvas_refused", why=why)
+        error = wire_exception("NotImplementedError", why, module="builtins")
+        self._reply(request, Outcome(task_id=request.id, status=State.FAILURE, result=error), failed=True)
+        body = request.embed.get("chord")
+        options = body.get("options") if isinstance(body, Mapping) else None
+        reply_to = (options or {}).get("reply_to") or request.reply_to
+        if isinstance(options, Mapping) and isinstance(options.get("task_id"), str) and reply_to:
+            refused = wire_exception("ChordError", f"chord refused: {why}")
+            self._replies.result(
+                Outcome(task_id=options["task_id"], status=State.FAILURE, result=refused),
+                reply_to=reply_to,
+                correlation_id=options["task_id"],
+                content_type=reply_type(request.content_type),
+            )
+        return Disposition.dead_letter("unsupported_canvas", why)
 
     def _fail(self, request: TaskMessage, reason: str, why: str, *, exc: tuple[str, str, str]) -> Handled:
         # A task that will never run here: its caller learns why, the message is kept.
         exc_type, message, module = exc
         error = wire_exception(exc_type, message, module=module)
         self._reply(request, Outcome(task_id=request.id, status=State.FAILURE, result=error), failed=True)
+        self._canvas.chord_part(request, State.FAILURE, error)
         return Disposition.dead_letter(reason, why), None
 
     def _refuse(self, delivery: TaskDelivery, *, reason: str, error: str) -> Disposition:

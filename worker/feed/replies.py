@@ -21,7 +21,9 @@ from broker_svc.topology import (
     DEAD_LETTER_QUEUE_HEADER,
     DEAD_LETTER_REASON_HEADER,
     QueueSpec,
+    QueueType,
     dead_letter_queue,
+    task_queue,
 )
 from broker_svc.wire import codec
 from broker_svc.wire.result_message import Outcome, wire_exception
@@ -115,6 +117,37 @@ class FeedReplies:
         merged = {key: value for key, value in delivery.headers.items() if key not in drop}
         merged.update(headers)
         self._publish(copy_of(delivery, merged, body=body), to, declare=declare)
+
+    def task(self, wire: WireMessage, *, queue: str, queue_type: QueueType) -> None:
+        """Send a task a finished task asked for (a chain's next step, a callback); confirmed.
+
+        A queue nobody declared yet is declared as Celery's client would, and the task sent again.
+
+        Raises:
+            BrokerSvcError: the broker did not take it (the delivery must not be acked).
+        """
+        message = WireMessage(
+            body=wire.body, content_type=wire.content_type, content_encoding=wire.content_encoding,
+            headers={**wire.headers, CLOCK_HEADER: self._clock.forward()}, correlation_id=wire.correlation_id,
+            reply_to=wire.reply_to, priority=wire.priority, delivery_mode=wire.delivery_mode,
+            expiration=wire.expiration,
+        )  # fmt: skip
+        try:
+            self._publish(message, queue)
+        except Unroutable:
+            self._publish(message, queue, declare=(task_queue(queue, queue_type=queue_type),))
+
+    def internal(self, body: bytes, *, content_type: str, encoding: str, queue: QueueSpec) -> None:
+        """Send a persistent message to one of Clockwork's own queues (declared first); confirmed.
+
+        Raises:
+            BrokerSvcError: the broker did not take it (the delivery must not be acked).
+        """
+        message = WireMessage(
+            body=body, content_type=content_type, content_encoding=encoding,
+            headers={CLOCK_HEADER: self._clock.forward()}, delivery_mode=2,
+        )  # fmt: skip
+        self._publish(message, queue.name, declare=(queue,))
 
     def _publish(self, message: WireMessage, routing_key: str, *, declare: Sequence[QueueSpec] = ()) -> None:
         self._connection.publish(message, routing_key, declare=declare)

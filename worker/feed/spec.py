@@ -23,6 +23,7 @@ class FeedSpec:
         hostname: the worker's node name, for ``task.request.hostname`` and the connection name.
         default_time_limits: the worker's ``(hard, soft)`` time limits, None for none.
         revoked: the ids revoked when the child starts; later ones come over its socket.
+        namespace: the control namespace (it names the chord joiner's queue).
     """
 
     settings: Settings
@@ -31,3 +32,4 @@ class FeedSpec:
     hostname: str
     default_time_limits: tuple[float | None, float | None] = (None, None)
     revoked: tuple[str, ...] = ()
+    namespace: str = "celery"
