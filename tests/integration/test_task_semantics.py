@@ -19,9 +19,13 @@ from tests.support.workers import WorkerProcess
 T = "tests.integration.semantics_tasks."
 
 
-@pytest.fixture
-def sem_worker(test_vhost_url: str, queue: str) -> Iterator[WorkerProcess]:
-    with WorkerProcess(test_vhost_url, app=T.rstrip(".") + ":app", queues=[queue], concurrency=2) as proc:
+@pytest.fixture(params=["worker-consumes", "children-consume"])
+def sem_worker(request: pytest.FixtureRequest, test_vhost_url: str, queue: str) -> Iterator[WorkerProcess]:
+    # Both consuming designs (issue 16): the worker's main process, or each pool child.
+    extra = ["--children-consume"] if request.param == "children-consume" else []
+    with WorkerProcess(
+        test_vhost_url, app=T.rstrip(".") + ":app", queues=[queue], concurrency=2, extra_args=extra
+    ) as proc:
         yield proc.wait_ready()
 
 

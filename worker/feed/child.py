@@ -33,11 +33,11 @@ from broker_svc.clock import LamportClock
 from broker_svc.connection.feed_connection import FeedConnection, TaskDelivery
 from broker_svc.errors import BrokerUnavailable
 from worker.consume.disposition import ACK, HAND_BACK
-from worker.feed.handle import FeedHandler
+from worker.feed.handle import FeedHandler, FeedUpdates
 from worker.feed.replies import FeedReplies
 from worker.feed.settle import FeedSettler
 from worker.feed.spec import FeedSpec
-from worker.pool.child import ChildChannel, SoftLimit, run_job
+from worker.pool.child import ChildChannel, SoftLimit, UpdateSink, run_job
 from worker.pool.ipc import Job
 
 __all__ = ["serve"]
@@ -71,8 +71,9 @@ def serve(app: App, spec: FeedSpec, channel: ChildChannel, soft_limit: SoftLimit
     watchdog = _HardLimit(settler, connection)
     handler = FeedHandler(
         app=app, spec=spec, replies=replies, revoked=revoked, clock=replies.clock,
-        run=lambda job: _run_limited(app, job, channel, soft_limit, watchdog, connection),
+        run=lambda job: _run_limited(app, job, updates, soft_limit, watchdog, connection),
     )  # fmt: skip
+    updates = FeedUpdates(handler)  # update_state and STARTED: published here, not via the worker
 
     def answer(job: Job) -> None:
         if handler.current is not None:
@@ -143,7 +144,7 @@ def _one(delivery: TaskDelivery, handler: FeedHandler, settler: FeedSettler, wat
 def _run_limited(
     app: App,
     job: Job,
-    channel: ChildChannel,
+    updates: UpdateSink,
     soft_limit: SoftLimit,
     watchdog: _HardLimit,
     connection: FeedConnection,
@@ -155,7 +156,7 @@ def _run_limited(
         watchdog.arm(job, job.hard_time_limit_s)
     try:
         with connection.running():
-            return run_job(app, job, channel, soft_limit)
+            return run_job(app, job, updates, soft_limit)
     finally:
         if job.soft_time_limit_s:
             signal.setitimer(signal.ITIMER_REAL, 0)

@@ -3,13 +3,14 @@
 The child's counterpart of ``worker/consume/consumer.py`` and ``outcomes.py``, on the blocking side:
 every step decides a :class:`~worker.consume.disposition.Disposition` and the child's settle point
 (``worker/feed/settle.py``) carries it out. What the worker's consumer does and this path does not do
-yet (rate limits, progress updates, task events) is refused by name: the delivery is dead-lettered with reason
+yet (rate limits) is refused by name: the delivery is dead-lettered with reason
 ``not_in_consuming_children`` and its caller gets a FAILURE saying why, never a silent drop.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import threading
 import time
 from collections.abc import Callable, Mapping, Set
 from typing import Any, Final
@@ -33,9 +34,10 @@ from worker.consume.job_request import delivery_info, request_context, time_limi
 from worker.feed.canvas import FeedCanvas
 from worker.feed.replies import FeedReplies, reply_type
 from worker.feed.spec import FeedSpec
+from worker.pool import ipc
 from worker.pool.ipc import Job, JobStatus
 
-__all__ = ["NOT_HERE_REASON", "FeedHandler", "Handled"]
+__all__ = ["NOT_HERE_REASON", "FeedHandler", "FeedUpdates", "Handled"]
 
 log = structlog.get_logger(__name__)
 
@@ -139,8 +141,6 @@ class FeedHandler:
         task = self._app.tasks[request.task]
         if task.rate_limit:
             missing = "apply rate limits"
-        elif task.track_started:
-            missing = "send STARTED"
         else:
             return None
         return f"a consuming pool child does not {missing} yet; run this worker without --children-consume"
@@ -235,6 +235,17 @@ class FeedHandler:
         )
         return copy, announce
 
+    def update(self, payload: dict[str, Any]) -> None:
+        """The running task reported a state (``update_state``, STARTED): to its caller, confirmed."""
+        request, state = self.current, payload.get("state")
+        if request is None or not isinstance(state, str) or not state:
+            log.warning("task_update_ignored", state=state)
+            return
+        try:
+            self._reply(request, Outcome(task_id=request.id, status=state, result=payload.get("meta")))
+        except Exception as exc:  # a lost progress update must not fail the task
+            log.warning("task_update_not_sent", state=state, error=str(exc))
+
     def time_limit_exceeded(self, request: TaskMessage, limit_s: float | None) -> None:
         """Answer a task past its hard time limit as failed (its child is about to end)."""
         self._failed(request, wire_exception("TimeLimitExceeded", limit_s), None)
@@ -319,6 +330,25 @@ class FeedHandler:
             correlation_id=request.correlation_id,
             content_type=reply_type(request.content_type),
         )
+
+
+class FeedUpdates:
+    """Where a running task's updates go in a consuming child: published by the child itself.
+
+    Stands where a job-taking child has the worker's socket (``worker.pool.child.UpdateSink``).
+    """
+
+    def __init__(self, handler: FeedHandler) -> None:
+        self.lock = threading.Lock()
+        self._handler = handler
+
+    def send(self, data: bytes, *, context: Any = None) -> None:
+        with self.lock:
+            if context is not None and not context.open:
+                raise RuntimeError("the task has already finished; its updates are closed")
+            frame = ipc.decode_frame(data[ipc.HEADER.size :])
+            payload = frame.get("payload")
+            self._handler.update(payload if isinstance(payload, dict) else {})
 
 
 # A run that ended in a final outcome: its delivery is simply acked.

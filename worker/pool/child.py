@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from multiprocessing.context import ForkServerContext
 from multiprocessing.process import BaseProcess
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import structlog
 
@@ -53,6 +53,7 @@ __all__ = [
     "ChildChannel",
     "PoolStartError",
     "SoftLimit",
+    "UpdateSink",
     "current_request",
     "main",
     "reap",
@@ -107,10 +108,18 @@ class ChildChannel:
         return bytes(buffer)
 
 
+class UpdateSink(Protocol):
+    """Where a running task's updates go: the worker's socket, or a consuming child's publisher."""
+
+    lock: threading.Lock
+
+    def send(self, data: bytes, *, context: _JobContext | None = None) -> None: ...
+
+
 @dataclass(slots=True)
 class _JobContext:
     job: Job
-    channel: ChildChannel
+    channel: UpdateSink
     open: bool = True
 
 
@@ -284,7 +293,7 @@ def reap(process: BaseProcess, *, grace_s: float) -> int | None:
     return exitcode
 
 
-def run_job(app: App, job: Job, channel: ChildChannel, soft_limit: SoftLimit) -> dict[str, Any]:
+def run_job(app: App, job: Job, channel: UpdateSink, soft_limit: SoftLimit) -> dict[str, Any]:
     task = app.tasks.get(job.task_name)
     if task is None:
         return _frame(JobStatus.FAILURE, error=wire_exception("NotRegistered", job.task_name))
