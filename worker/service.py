@@ -183,7 +183,7 @@ class WorkerService:
             self._revoked,
             terminate=consumer.terminate,
             state_path=config.state_path,
-            on_new=pool.send_revoked,
+            on_new=pool.feeding.send_revoked if pool.feeding is not None else None,
         )
         revocation_log = RevocationLog(
             revoker, clock=self._clock, hostname=config.hostname, namespace=config.namespace
@@ -218,7 +218,8 @@ class WorkerService:
         if config.children_consume:
             for name in config.queues:
                 await queues.declare(name)
-            pool.start_feeding(lambda: list(self._revoked))  # each child consumes for itself
+            assert pool.feeding is not None
+            pool.feeding.start(lambda: list(self._revoked))  # each child consumes for itself
         else:
             for name in config.queues:
                 await queues.add(name)

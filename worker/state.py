@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker_svc.wire.task_message import TaskMessage, safe_repr
+from worker.pool.board import Running
 
 __all__ = ["Tracked", "WorkerState"]
 
@@ -34,9 +35,15 @@ class WorkerState:
         pids: returns ``{task_id: child pid}`` of running tasks.
     """
 
-    def __init__(self, hostname: str, pids: Callable[[], dict[str, int]]) -> None:
+    def __init__(
+        self,
+        hostname: str,
+        pids: Callable[[], dict[str, int]],
+        board: Callable[[], list[Running]] | None = None,
+    ) -> None:
         self._hostname = hostname
         self._pids = pids
+        self._board = board  # what consuming children run (--children-consume)
         self.scheduled_tasks: dict[str, Tracked] = {}
         self.reserved_tasks: dict[str, Tracked] = {}
         self.active_tasks: dict[str, Tracked] = {}
@@ -54,7 +61,28 @@ class WorkerState:
     def active(self, *, safe: bool = False) -> list[dict[str, Any]]:
         """TASK_INFO of every running task (inspect ``active``)."""
         pids = self._pids()
-        return [self.info(t, safe=safe, pid=pids.get(t.request.id)) for t in list(self.active_tasks.values())]
+        here = [self.info(t, safe=safe, pid=pids.get(t.request.id)) for t in list(self.active_tasks.values())]
+        return here + [self._board_info(entry, safe=safe) for entry in self._board()] if self._board else here
+
+    @property
+    def running_count(self) -> int:
+        """How many tasks run now."""
+        return len(self.active_tasks) + (len(self._board()) if self._board else 0)
+
+    def _board_info(self, entry: Running, *, safe: bool) -> dict[str, Any]:
+        info = entry.info
+        return {
+            "id": info.get("id"),
+            "name": info.get("name"),
+            "args": safe_repr(info.get("args")) if safe else info.get("args"),
+            "kwargs": safe_repr(info.get("kwargs")) if safe else info.get("kwargs"),
+            "type": info.get("type"),
+            "hostname": self._hostname,
+            "time_start": entry.started,
+            "acknowledged": False,
+            "delivery_info": info.get("delivery_info"),
+            "worker_pid": entry.pid,
+        }
 
     def reserved(self, *, safe: bool = False) -> list[dict[str, Any]]:
         """TASK_INFO of deliveries waiting for a free child (inspect ``reserved``)."""

@@ -197,3 +197,29 @@ def test_pika_is_not_loaded_by_a_job_taking_child():
     code = "import sys, worker.pool.child; print('pika' in sys.modules, 'aio_pika' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_inspect_active_shows_what_each_child_runs_and_terminate_ends_it(
+    test_vhost_url: str, feed_queue: str, feed_worker: WorkerProcess, app: App
+):
+    result = app.send_task(f"{TASKS}.sleeper", (30,), queue=feed_queue)
+
+    def active() -> list[dict]:
+        replies = call(test_vhost_url, "active", destination=[feed_worker.name], expect=1)
+        return [t for t in replies[0][1][feed_worker.name] if t["id"] == result.id] if replies else []
+
+    running = wait_for(active, timeout_s=20, message="the task in inspect active")
+    assert running[0]["type"] == f"{TASKS}.sleeper" and running[0]["args"] == [30]
+    assert running[0]["worker_pid"] not in (None, feed_worker.pid) and running[0]["time_start"] > 0
+    assert running[0]["delivery_info"]["routing_key"] == feed_queue
+    started = time.monotonic()
+    replies = call(
+        test_vhost_url, "revoke", arguments={"task_id": [result.id], "terminate": True},
+        destination=[feed_worker.name], expect=1,
+    )  # fmt: skip
+    assert result.id in replies[0][1][feed_worker.name]["ok"]
+    with pytest.raises(TaskRevokedError):
+        result.get(timeout=30)
+    assert time.monotonic() - started < 20  # not the 30 s the body would sleep
+    wait_for(lambda: not active(), timeout_s=20, message="the terminated task gone from inspect active")
+    assert app.send_task(f"{TASKS}.sleeper", (0,), queue=feed_queue).get(timeout=60) > 0  # a new child serves

@@ -93,7 +93,8 @@ class TaskConsumer:
         self._limits = limits
         # Per-task limits set by the ``time_limit`` command: (hard, soft).
         self.time_limits: dict[str, tuple[float | None, float | None]] = {}
-        self._state = WorkerState(hostname, pool.running)
+        board = pool.feeding.running if pool.feeding is not None else None
+        self._state = WorkerState(hostname, pool.running, board)
         # Signals sent by ``revoke(terminate=True)``, for the task-revoked event.
         self._signums: dict[str, int] = {}
         self.received = 0
@@ -137,7 +138,7 @@ class TaskConsumer:
     @property
     def running_count(self) -> int:
         """Tasks running in children now."""
-        return len(self._state.active_tasks)
+        return self._state.running_count
 
     @property
     def slots(self) -> FairSlots:
@@ -152,7 +153,7 @@ class TaskConsumer:
     async def terminate(self, task_id: str, sig: int) -> bool:
         """Signal the child running ``task_id`` (revoke with terminate)."""
         if self._state.running(task_id) is None:
-            return False
+            return await self._pool.terminate(task_id, sig)  # a consuming child's, if any
         self._signums[task_id] = int(sig)
         return await self._pool.terminate(task_id, sig)
 

@@ -37,6 +37,7 @@ from worker.feed.handle import FeedHandler, FeedUpdates
 from worker.feed.replies import FeedReplies
 from worker.feed.settle import FeedSettler
 from worker.feed.spec import FeedSpec
+from worker.pool.board import Board
 from worker.pool.child import ChildChannel, SoftLimit, UpdateSink, run_job
 from worker.pool.ipc import Job
 
@@ -69,9 +70,10 @@ def serve(app: App, spec: FeedSpec, channel: ChildChannel, soft_limit: SoftLimit
     replies = FeedReplies(connection, clock=LamportClock(), persistent=spec.settings.result_persistent)
     settler = FeedSettler(connection, replies)
     watchdog = _HardLimit(settler, connection)
+    board = Board.attach(spec.board_path, spec.board_slots) if spec.board_path else None
     handler = FeedHandler(
         app=app, spec=spec, replies=replies, revoked=revoked, clock=replies.clock,
-        run=lambda job: _run_limited(app, job, updates, soft_limit, watchdog, connection),
+        run=lambda job: _run_limited(app, job, updates, soft_limit, watchdog, connection, (board, spec.slot)),
     )  # fmt: skip
     updates = FeedUpdates(handler)  # update_state and STARTED: published here, not via the worker
 
@@ -148,16 +150,24 @@ def _run_limited(
     soft_limit: SoftLimit,
     watchdog: _HardLimit,
     connection: FeedConnection,
+    shown: tuple[Board | None, int],
 ) -> dict[str, Any]:
     # The soft limit is a SIGALRM to this thread; the hard one the watchdog's.
     if job.soft_time_limit_s:
         signal.setitimer(signal.ITIMER_REAL, job.soft_time_limit_s)
     if job.hard_time_limit_s:
         watchdog.arm(job, job.hard_time_limit_s)
+    board, slot = shown
+    if board is not None:  # what runs here, for the worker's inspect and terminate
+        info = {"id": job.task_id, "name": job.task_name, "type": job.task_name, "args": job.args,
+                "kwargs": job.kwargs, "delivery_info": job.request.get("delivery_info")}  # fmt: skip
+        board.start(slot, info)
     try:
         with connection.running():
             return run_job(app, job, updates, soft_limit)
     finally:
+        if board is not None:
+            board.end(slot)
         if job.soft_time_limit_s:
             signal.setitimer(signal.ITIMER_REAL, 0)
         if job.hard_time_limit_s:

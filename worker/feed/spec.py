@@ -24,6 +24,9 @@ class FeedSpec:
         default_time_limits: the worker's ``(hard, soft)`` time limits, None for none.
         revoked: the ids revoked when the child starts; later ones come over its socket.
         namespace: the control namespace (it names the chord joiner's queue).
+        board_path: the worker's shared board of running tasks (``worker/pool/board.py``).
+        board_slots: how many slots the board has.
+        slot: this child's slot on it.
     """
 
     settings: Settings
@@ -33,3 +36,6 @@ class FeedSpec:
     default_time_limits: tuple[float | None, float | None] = (None, None)
     revoked: tuple[str, ...] = ()
     namespace: str = "celery"
+    board_path: str | None = None
+    board_slots: int = 0
+    slot: int = 0

@@ -8,7 +8,7 @@ import contextlib
 import multiprocessing
 import os
 import signal
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 import structlog
@@ -18,6 +18,7 @@ from worker.loader import SAFE_PATH_ADDED_ENV, load_app, split_spec
 from worker.pool import child as child_module
 from worker.pool import ipc
 from worker.pool.child import PoolStartError
+from worker.pool.feeding import Feeding
 from worker.pool.handle import EXIT_GRACE_S, ChildHandle
 from worker.pool.ipc import Job, JobOutcome, JobStatus
 
@@ -68,8 +69,8 @@ class ProcessPool:
         feed: FeedSpec | None = None,
     ) -> None:
         split_spec(app_spec)
-        self._feed = feed  # children consume for themselves (worker/feed): no jobs from here
-        self._revoked: Callable[[], Iterable[str]] | None = None  # set by start_feeding()
+        # Children consume for themselves (worker/feed): no jobs from here.
+        self.feeding = Feeding(feed, slots=concurrency) if feed is not None else None
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
         for label, limit in (("max_tasks_per_child", max_tasks_per_child),
@@ -115,7 +116,10 @@ class ProcessPool:
 
     def running(self) -> dict[str, int]:
         """``task_id -> child pid`` of every running job (for inspect ``active``)."""
-        return {c.job.task_id: c.pid for c in self._children.values() if c.job is not None}
+        running = {c.job.task_id: c.pid for c in self._children.values() if c.job is not None}
+        if self.feeding is not None:
+            running.update((str(e.info.get("id")), e.pid) for e in self.feeding.running())
+        return running
 
     async def start(self) -> None:
         """Start every child and wait until each has loaded the app.
@@ -249,28 +253,7 @@ class ProcessPool:
             if child.job is not None and child.job.task_id == task_id:
                 self._signal(child, signal.Signals(sig), JobStatus.TERMINATED)
                 return True
-        return False
-
-    def start_feeding(self, revoked: Callable[[], Iterable[str]]) -> None:
-        """Let consuming children (``feed``) consume, now and each new one, knowing ``revoked()`` first."""
-        self._revoked = revoked
-        for child in self._children.values():
-            self._let_consume(child)
-
-    def send_revoked(self, task_ids: Sequence[str]) -> None:
-        """Tell consuming children of newly revoked ids; they skip those tasks."""
-        if self._feed is None or not task_ids:
-            return
-        frame = ipc.encode_frame({"op": "revoke", "ids": list(task_ids)})
-        for child in self._children.values():
-            if not child.writer.is_closing():
-                child.writer.write(frame)
-
-    def _let_consume(self, child: ChildHandle) -> None:
-        if self._revoked is None or child.writer.is_closing():
-            return
-        child.writer.write(ipc.encode_frame({"op": "revoke", "ids": list(self._revoked())}))
-        child.writer.write(ipc.encode_frame({"op": "consume"}))
+        return self.feeding is not None and self.feeding.terminate(task_id, sig)
 
     async def close(self, *, timeout_s: float) -> None:
         """Take no more jobs; give running ones ``timeout_s``, kill the rest (LOST); stop all children.
@@ -295,6 +278,8 @@ class ProcessPool:
             for slot in stuck:
                 slot.cancel()
             await asyncio.gather(*self._slots, return_exceptions=True)
+        if self.feeding is not None:
+            self.feeding.close()
 
     # -- dispatch ---------------------------------------------------------------------------------
 
@@ -361,11 +346,11 @@ class ProcessPool:
     # -- children ---------------------------------------------------------------------------------
 
     def _add_slot(self, first_start: asyncio.Future[None] | None) -> None:
-        slot = asyncio.create_task(self._keep_slot(first_start))
+        slot = asyncio.create_task(self._keep_slot(first_start, index=len(self._slots)))
         slot.add_done_callback(_report_crash)
         self._slots.append(slot)
 
-    async def _keep_slot(self, first_start: asyncio.Future[None] | None) -> None:
+    async def _keep_slot(self, first_start: asyncio.Future[None] | None, *, index: int) -> None:
         """Keep one child alive: start it, serve it until it exits, replace it; until close() or shrink().
 
         Args:
@@ -384,7 +369,7 @@ class ProcessPool:
                     self._context,
                     self._app_spec,
                     timeout_s=self._start_timeout_s,
-                    feed=self._feed,
+                    feed=self.feeding.spec_for(index) if self.feeding is not None else None,
                 )
             except PoolStartError as exc:
                 if first_start is not None and not first_start.done():
@@ -402,19 +387,19 @@ class ProcessPool:
                 first_start.set_result(None)
             delay_s = _RESPAWN_DELAY_S[0]
             child = ChildHandle(process=process, pid=process.pid or 0, reader=reader, writer=writer)
-            await self._serve(child)
+            await self._serve(child, index)
             if child.retired:
                 return
 
-    async def _serve(self, child: ChildHandle) -> None:
+    async def _serve(self, child: ChildHandle, index: int) -> None:
         """Hand the child out for jobs and relay its frames until it exits; then settle its job."""
         self._children[child.pid] = child
         if self._closing.is_set():
             child.writer.close()
-        elif self._feed is None:
+        elif self.feeding is None:
             self._release(child)
         else:
-            self._let_consume(child)
+            self.feeding.joined(index, child.writer)
         try:
             while (frame := await child.next_frame()) is not None:
                 self._on_frame(child, frame)
@@ -424,6 +409,8 @@ class ProcessPool:
             with contextlib.suppress(ValueError):
                 self._idle.remove(child)
             exitcode = await child.reap()
+            if self.feeding is not None:
+                self.feeding.left(index)
             if self._children.get(child.pid) is child:
                 del self._children[child.pid]
             if child.job is not None:

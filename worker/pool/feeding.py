@@ -1,0 +1,98 @@
+"""The pool's side of consuming children (``--children-consume``): their start-up order, what they run.
+
+Each child consumes for itself (``worker/feed``); the pool tells it the revoked ids and when to
+start, and reads what it runs from the shared board (``worker/pool/board.py``) for ``inspect``,
+the heartbeat's counts and ``revoke --terminate``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import signal
+from collections.abc import Callable, Iterable, Sequence
+
+import structlog
+
+from worker.feed.spec import FeedSpec
+from worker.pool import ipc
+from worker.pool.board import Board, Running
+
+__all__ = ["Feeding"]
+
+log = structlog.get_logger(__name__)
+
+
+class Feeding:
+    """Consuming children's start-up orders, revokes and running tasks.
+
+    Args:
+        spec: what every child is told; each gets its own board slot.
+        slots: how many children there can be at once (the board's size).
+    """
+
+    def __init__(self, spec: FeedSpec, *, slots: int) -> None:
+        self.board = Board.create(slots)
+        self._spec = dataclasses.replace(spec, board_path=str(self.board.path), board_slots=slots)
+        self._revoked: Callable[[], Iterable[str]] | None = None  # set by start()
+        self._writers: dict[int, asyncio.StreamWriter] = {}  # slot -> its child's socket
+
+    def spec_for(self, slot: int) -> FeedSpec:
+        """The start-up order of the child in ``slot``."""
+        return dataclasses.replace(self._spec, slot=slot)
+
+    def joined(self, slot: int, writer: asyncio.StreamWriter) -> None:
+        """A child is up in ``slot``: it consumes at once if the worker said so already."""
+        self._writers[slot] = writer
+        self._let_consume(writer)
+
+    def left(self, slot: int) -> None:
+        """The child of ``slot`` exited: what it showed as running is not any more."""
+        self._writers.pop(slot, None)
+        self.board.clear(slot)
+
+    def start(self, revoked: Callable[[], Iterable[str]]) -> None:
+        """Let every child consume, now and each new one, knowing ``revoked()`` first."""
+        self._revoked = revoked
+        for writer in self._writers.values():
+            self._let_consume(writer)
+
+    def send_revoked(self, task_ids: Sequence[str]) -> None:
+        """Tell every child of newly revoked ids; they skip those tasks."""
+        if not task_ids:
+            return
+        frame = ipc.encode_frame({"op": "revoke", "ids": list(task_ids)})
+        for writer in self._writers.values():
+            if not writer.is_closing():
+                writer.write(frame)
+
+    def running(self) -> list[Running]:
+        """What every child runs now."""
+        return self.board.running()
+
+    def terminate(self, task_id: str, sig: int) -> bool:
+        """Signal the child running ``task_id``; whether one was."""
+        for entry in self.board.running():
+            if entry.info.get("id") == task_id and entry.pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(entry.pid, signal.Signals(sig))
+                    log.info(
+                        "feed_child_signalled",
+                        pid=entry.pid,
+                        task_id=task_id,
+                        signal=signal.Signals(sig).name,
+                    )
+                    return True
+        return False
+
+    def close(self) -> None:
+        """Remove the board."""
+        self.board.close()
+
+    def _let_consume(self, writer: asyncio.StreamWriter) -> None:
+        if self._revoked is None or writer.is_closing():
+            return
+        writer.write(ipc.encode_frame({"op": "revoke", "ids": list(self._revoked())}))
+        writer.write(ipc.encode_frame({"op": "consume"}))
