@@ -124,7 +124,8 @@ class WorkerConfig:
         children_consume: experimental (issue 16): each pool child consumes the task queues on a
             connection of its own and runs, answers and acks its tasks itself; the main process
             supervises and keeps the control plane. What it does not do yet is in
-            ``worker/feed/handle.py``; it excludes ``task_events`` and ``autoscale``.
+            ``worker/feed/handle.py``; it excludes ``task_events``, ``autoscale`` and the
+            ``max_*_per_child`` limits.
 
     Raises:
         ConfigurationError: an option out of range (a ``ValueError``, with the fix in its text).
@@ -174,10 +175,11 @@ class WorkerConfig:
             )
         if self.consumer_timeout_s is not None and not self.consumer_timeout_s > 0:
             raise ConfigurationError(f"consumer_timeout_s must be positive, got {self.consumer_timeout_s}")
-        if self.children_consume and (self.task_events or self.autoscale is not None):
+        recycling = self.max_tasks_per_child is not None or self.max_memory_per_child_kib is not None
+        if self.children_consume and (self.task_events or self.autoscale is not None or recycling):
             raise ConfigurationError(
-                "--children-consume does not send task events or autoscale yet: drop -E/--autoscale, "
-                "or run without --children-consume"
+                "--children-consume does not send task events, autoscale or recycle children yet: drop -E, "
+                "--autoscale and --max-*-per-child, or run without --children-consume"
             )
         if "@" not in self.hostname:
             raise ConfigurationError(f"hostname must look like name@host, got {self.hostname!r}")

@@ -39,6 +39,7 @@ from worker.events import EventDispatcher, Heart, software_version
 from worker.feed.spec import FeedSpec
 from worker.metrics import WorkerMetrics
 from worker.pool.autoscale import Autoscaler, PoolSizer
+from worker.pool.handle import EXIT_GRACE_S
 from worker.pool.pool import ProcessPool
 from worker.remote.commands import WorkerCommands
 from worker.remote.mingle import mingle
@@ -111,6 +112,8 @@ class WorkerService:
             max_tasks_per_child=config.max_tasks_per_child,
             max_memory_per_child_kib=config.max_memory_per_child_kib,
             feed=self._feed_spec() if config.children_consume else None,
+            # A consuming child stops on its own once told: it finishes the task it runs first.
+            exit_grace_s=config.shutdown_timeout_s if config.children_consume else EXIT_GRACE_S,
         )
         self._warn_time_limits()
         await pool.start()

@@ -132,3 +132,8 @@ def now(self: Task) -> dict[str, Any]:
 @app.task(rate_limit="100/s")
 def rate_limited() -> str:
     return "ran"
+
+
+@app.task
+def die() -> None:
+    os._exit(9)  # the child dies mid-task, as a segfault or the OOM killer would end it

@@ -20,7 +20,7 @@ from broker_svc import App, AsyncResult, Settings, TaskError
 from broker_svc.canvas import chain
 from broker_svc.errors import TaskRevokedError
 from broker_svc.wire.states import State
-from tests.support.amqp import channel, delete_queues, drain, publish_raw
+from tests.support.amqp import channel, delete_queues, drain, publish_raw, queue_depth
 from tests.support.pidbox import call
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerProcess, unique_queue
@@ -223,3 +223,45 @@ def test_inspect_active_shows_what_each_child_runs_and_terminate_ends_it(
     assert time.monotonic() - started < 20  # not the 30 s the body would sleep
     wait_for(lambda: not active(), timeout_s=20, message="the terminated task gone from inspect active")
     assert app.send_task(f"{TASKS}.sleeper", (0,), queue=feed_queue).get(timeout=60) > 0  # a new child serves
+
+
+def test_a_task_that_kills_its_child_stops_at_the_delivery_limit(
+    test_vhost_url: str, feed_queue: str, feed_worker: WorkerProcess, app: App
+):
+    # A classic queue keeps no delivery count: each redelivery is copied with its count first.
+    result = app.send_task(f"{TASKS}.die", queue=feed_queue)
+    with pytest.raises(TaskError) as info:
+        result.get(timeout=90)
+    assert info.value.exc_type == "WorkerLostError"
+    kept = wait_for(
+        lambda: [m for m in drain(test_vhost_url, f"{feed_queue}.dead") if m.headers.get("id") == result.id],
+        timeout_s=20, message="the poison task's dead letter",
+    )  # fmt: skip
+    assert kept[0].headers["x-clockwork-reason"] == "delivery_limit"
+    assert feed_worker.count("task_redelivery_counted") >= 3  # settings' delivery_limit is 3
+    assert app.send_task(f"{TASKS}.sleeper", (0,), queue=feed_queue).get(timeout=60) > 0
+
+
+def test_a_warm_shutdown_finishes_the_running_task_and_hands_back_the_rest(test_vhost_url: str, app: App):
+    queue = unique_queue("feed-stop")
+    try:
+        with WorkerProcess(
+            test_vhost_url, app=f"{TASKS}:app", queues=[queue], concurrency=1,
+            extra_args=["--children-consume", "--without-mingle"],
+        ) as proc:  # fmt: skip
+            proc.wait_ready()
+            running = app.send_task(f"{TASKS}.sleeper", (2,), queue=queue)
+            waiting = app.send_task(f"{TASKS}.sleeper", (0,), queue=queue)
+            app.flush(timeout=10)
+
+            def runs() -> bool:
+                replies = call(test_vhost_url, "active", destination=[proc.name], expect=1)
+                return bool(replies) and [t["id"] for t in replies[0][1][proc.name]] == [running.id]
+
+            wait_for(runs, timeout_s=20, message="the first task running")
+            assert proc.terminate(timeout_s=60) == 0
+        assert running.get(timeout=10) > 0  # it finished, and its result went out before the exit
+        assert queue_depth(test_vhost_url, queue) == 1  # the waiting one is back in its queue, unrun
+        del waiting
+    finally:
+        delete_queues(test_vhost_url, queue, f"{queue}.dead")

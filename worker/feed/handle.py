@@ -28,7 +28,7 @@ from broker_svc.wire.result_message import CELERY_EXCEPTIONS_MODULE, Outcome, wi
 from broker_svc.wire.states import State
 from broker_svc.wire.task_message import TaskMessage, decode_task, safe_repr
 from worker.consume import canvas_plan
-from worker.consume.admission import DELIVERY_LIMIT_REASON, delivery_count
+from worker.consume.admission import DELIVERY_LIMIT_REASON, carries_count, delivery_count, recount
 from worker.consume.disposition import ACK, HAND_BACK, Disposition
 from worker.consume.job_request import delivery_info, request_context, time_limits
 from worker.feed.canvas import FeedCanvas
@@ -124,6 +124,11 @@ class FeedHandler:
             return self._fail(
                 request, DELIVERY_LIMIT_REASON, why, exc=("WorkerLostError", why, "billiard.exceptions")
             )
+        if not carries_count(delivery.headers, redelivered=delivery.redelivered):
+            # A classic queue keeps no count: a copy carries it, so a child that dies running
+            # this task still brings it nearer the limit (the copy runs; this delivery is acked).
+            log.info("task_redelivery_counted", deliveries=count)
+            return recount(count), None
         if request.id in self._revoked:
             return self._skip_revoked(request, expired=False), None
         now = dt.datetime.now(dt.UTC)

@@ -104,7 +104,9 @@ class Board:
     # -- the worker's view -----------------------------------------------------------------------
 
     def running(self) -> list[Running]:
-        """Every task running now, slot by slot."""
+        """Every task running now, slot by slot (none once closed)."""
+        if self._map.closed:
+            return []
         found = []
         for slot in range(self.slots):
             entry = self._read(slot)

@@ -69,10 +69,10 @@ class ChildHandle:
             return None
         return ipc.decode_frame(body)
 
-    async def reap(self) -> int | None:
-        """Close our end, wait for the child to exit (SIGKILL after a grace period); its exit code."""
+    async def reap(self, *, grace_s: float = EXIT_GRACE_S) -> int | None:
+        """Close our end, wait for the child to exit (SIGKILL after ``grace_s``); its exit code."""
         self.writer.close()
-        exitcode = await asyncio.to_thread(child_module.reap, self.process, grace_s=EXIT_GRACE_S)
+        exitcode = await asyncio.to_thread(child_module.reap, self.process, grace_s=grace_s)
         with contextlib.suppress(ConnectionError):
             await self.writer.wait_closed()
         return exitcode

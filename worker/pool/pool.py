@@ -52,6 +52,8 @@ class ProcessPool:
         start_timeout_s: how long a child may take to import the app and report ready.
         max_tasks_per_child: replace a child after this many jobs (Celery's option of that name).
         max_memory_per_child_kib: replace a child whose resident memory passed this after a job.
+        feed: each child consumes for itself with these orders (``worker/feed``); no jobs go out.
+        exit_grace_s: how long a child told to stop may take to exit before it is killed.
 
     Raises:
         ValueError: a malformed ``app_spec``, or ``concurrency < 1``.
@@ -67,10 +69,13 @@ class ProcessPool:
         max_tasks_per_child: int | None = None,
         max_memory_per_child_kib: int | None = None,
         feed: FeedSpec | None = None,
+        exit_grace_s: float = EXIT_GRACE_S,
     ) -> None:
         split_spec(app_spec)
         # Children consume for themselves (worker/feed): no jobs from here.
         self.feeding = Feeding(feed, slots=concurrency) if feed is not None else None
+        # How long a closed child may take to exit: a consuming child finishes its task first.
+        self._exit_grace_s = exit_grace_s
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
         for label, limit in (("max_tasks_per_child", max_tasks_per_child),
@@ -274,7 +279,7 @@ class ProcessPool:
             child.writer.close()  # EOF: an idle child exits, and its slot reaps it
         if self._slots:
             # A slot starting a child waits for it in a thread, which cancelling would not stop.
-            _, stuck = await asyncio.wait(self._slots, timeout=self._start_timeout_s + 2 * EXIT_GRACE_S)
+            _, stuck = await asyncio.wait(self._slots, timeout=self._start_timeout_s + 2 * self._exit_grace_s)
             for slot in stuck:
                 slot.cancel()
             await asyncio.gather(*self._slots, return_exceptions=True)
@@ -408,7 +413,7 @@ class ProcessPool:
         finally:
             with contextlib.suppress(ValueError):
                 self._idle.remove(child)
-            exitcode = await child.reap()
+            exitcode = await child.reap(grace_s=self._exit_grace_s)
             if self.feeding is not None:
                 self.feeding.left(index)
             if self._children.get(child.pid) is child:

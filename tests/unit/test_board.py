@@ -1,0 +1,49 @@
+"""The shared board of what consuming children run: written by a child, read by the worker."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+from worker.pool.board import Board
+
+
+def _run_in_child(path: str, slots: int, slot: int, task_id: str) -> None:
+    board = Board.attach(path, slots)
+    board.start(slot, {"id": task_id, "name": "t", "args": [1, "x"], "kwargs": {"k": None}})
+    board.close()
+
+
+def test_a_slot_written_in_another_process_is_read_whole_and_cleared():
+    board = Board.create(3)
+    try:
+        child = multiprocessing.get_context("spawn").Process(
+            target=_run_in_child, args=(str(board.path), 3, 1, "abc")
+        )
+        child.start()
+        child.join(30)
+        assert child.exitcode == 0
+        running = board.running()
+        assert [(r.slot, r.info["id"], r.info["args"], r.pid) for r in running] == [
+            (1, "abc", [1, "x"], child.pid)
+        ]
+        assert running[0].started > 0
+        board.clear(1)
+        assert board.running() == []
+    finally:
+        board.close()
+    assert not board.path.exists()  # the worker's board removes its file
+    assert board.running() == []  # and reads as empty once closed
+
+
+def test_big_arguments_are_shown_as_their_reprs_cut_short():
+    board = Board.create(1)
+    try:
+        board.start(0, {"id": "big", "args": ["x" * 50_000], "kwargs": {}})
+        (entry,) = board.running()
+        assert entry.info["id"] == "big" and isinstance(entry.info["args"], str)
+        assert len(entry.info["args"]) <= 1000 and entry.pid == os.getpid()
+        board.end(0)
+        assert board.running() == []
+    finally:
+        board.close()
