@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.stats import Spread, ratio
-from bench.systems import LABELS, OURS
+from bench.systems import CHILDREN, LABELS, OUR_SYSTEMS, OURS
 
 START_MARKER = "<!-- bench:compare:start -->"
 END_MARKER = "<!-- bench:compare:end -->"
@@ -92,8 +92,8 @@ def _cell(row: Row, system: str) -> str:
     return f"{_number(spread.median)} ({_number(spread.low)}–{_number(spread.high)})"
 
 
-def _ratio(row: Row, peer: str) -> str:
-    ours, theirs = row.spreads.get(OURS), row.spreads.get(peer)
+def _ratio(row: Row, peer: str, ours_name: str = OURS) -> str:
+    ours, theirs = row.spreads.get(ours_name), row.spreads.get(peer)
     if ours is None or theirs is None:
         return "—"
     value = ratio(ours.median, theirs.median)
@@ -103,9 +103,17 @@ def _ratio(row: Row, peer: str) -> str:
 
 
 def table(rows: Sequence[Row], systems: Sequence[str]) -> str:
-    """A Markdown table: median (min–max) per system, then ours / peer of the medians."""
+    """A Markdown table: median (min–max) per system, then ours / peer of the medians.
+
+    With both of our designs in the run, each gets its ratios (``children / peer`` for the consuming
+    children), and the default design's include ``ours / children``.
+    """
     peers = [s for s in systems if s != OURS]
-    header = ["figure", "better", *(LABELS[s] for s in systems), *(f"ours / {LABELS[p]}" for p in peers)]
+    extra = [p for p in peers if p not in OUR_SYSTEMS] if CHILDREN in systems else []
+    header = [
+        "figure", "better", *(LABELS[s] for s in systems), *(f"ours / {LABELS[p]}" for p in peers),
+        *(f"children / {LABELS[p]}" for p in extra),
+    ]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         better = "higher" if row.figure.higher_is_better else "lower"
@@ -114,6 +122,7 @@ def table(rows: Sequence[Row], systems: Sequence[str]) -> str:
             better,
             *(_cell(row, s) for s in systems),
             *(_ratio(row, p) for p in peers),
+            *(_ratio(row, p, CHILDREN) for p in extra),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -48,9 +48,12 @@ _TASKS = frozenset({"enqueue", "drain", "e2e", "round_trip", "sleep", "memory"})
 _CEILING = frozenset({"enqueue", "drain", "e2e", "round_trip"})
 
 OURS = "clockwork"
+CHILDREN = "clockwork-children"  # the same worker with --children-consume (issue 16)
+OUR_SYSTEMS = (OURS, CHILDREN)
 SYSTEMS = (
     # Our control scenario also measures Celery's control plane (bench.control runs both).
     System(OURS, "Clockwork", "bench.ours", Venv.PROJECT, _TASKS | {"control"}, 16),
+    System(CHILDREN, "Clockwork, children consume", "bench.ours_children", Venv.PROJECT, _TASKS, 16),
     System("celery", "Celery", "bench.peers.celery_subject", Venv.PEERS, _TASKS, 50),
     System("dramatiq", "Dramatiq", "bench.peers.dramatiq_subject", Venv.PEERS, _TASKS, 50),
     System("pika", "pika (raw)", "bench.ceiling_pika", Venv.PROJECT, _CEILING, 0),
