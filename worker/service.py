@@ -34,7 +34,7 @@ from worker.consume.chord_join import ChordJoiner
 from worker.consume.consumer import TaskConsumer
 from worker.consume.eta import EtaScheduler
 from worker.consume.publish import ReplyPublisher
-from worker.consume.rate_limits import RateLimits
+from worker.consume.rate_limits import RateLimits, parse_rate
 from worker.events import EventDispatcher, Heart, software_version
 from worker.feed.spec import FeedSpec
 from worker.metrics import WorkerMetrics
@@ -332,6 +332,11 @@ class WorkerService:
             hostname=config.hostname,
             default_time_limits=(config.time_limit_s, config.soft_time_limit_s),
             namespace=config.namespace,
+            rate_limits={
+                name: per_second
+                for name, task in self._app.tasks.items()
+                if (per_second := parse_rate(task.rate_limit)) is not None
+            },
         )
 
     def _warn_time_limits(self) -> None:

@@ -22,6 +22,7 @@ import msgpack
 from broker_svc.errors import ContentDisallowed, DecodeError, MessageTooLarge
 
 __all__ = [
+    "reply_type",
     "JSON",
     "MSGPACK",
     "accept_set",
@@ -179,3 +180,11 @@ def _json_object_hook(obj: dict[str, Any]) -> Any:
         if converter is not None:
             return converter(obj["__value__"])
     return obj
+
+
+def reply_type(content_type: str | None) -> str:
+    """The content type a task's results go out in: the request's own; json for a refused one.
+
+    Every Celery client reads json, so a request in a type we refused still gets its answer.
+    """
+    return content_type if content_type in (MSGPACK, JSON) else JSON

@@ -129,7 +129,7 @@ def now(self: Task) -> dict[str, Any]:
     return {"at": time.time(), "retries": self.request.retries, "eta": self.request.eta}
 
 
-@app.task(rate_limit="100/s")
+@app.task(rate_limit="4/s")
 def rate_limited() -> str:
     return "ran"
 

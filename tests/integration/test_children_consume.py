@@ -148,18 +148,14 @@ def test_bad_input_is_dead_lettered_and_answered(
     assert app.send_task(f"{TASKS}.sleeper", (0,), queue=feed_queue).get(timeout=30) > 0  # still serving
 
 
-def test_what_it_cannot_do_yet_is_refused_by_name(
-    test_vhost_url: str, feed_queue: str, feed_worker: WorkerProcess, app: App
+def test_a_rate_limit_holds_for_the_worker_not_per_child(
+    feed_queue: str, feed_worker: WorkerProcess, app: App
 ):
-    result = app.send_task(f"{TASKS}.rate_limited", queue=feed_queue)
-    with pytest.raises(TaskError) as info:
-        result.get(timeout=30)
-    assert info.value.exc_type == "NotImplementedError" and "--children-consume" in str(info.value)
-    kept = wait_for(
-        lambda: [m for m in drain(test_vhost_url, f"{feed_queue}.dead") if m.headers.get("id") == result.id],
-        timeout_s=20, message="the refused task's dead letter",
-    )  # fmt: skip
-    assert kept[0].headers["x-clockwork-reason"] == "not_in_consuming_children"
+    # rate_limited is "4/s": five calls take at least a second however many children run them.
+    started = time.monotonic()
+    results = [app.send_task(f"{TASKS}.rate_limited", queue=feed_queue) for _ in range(5)]
+    assert [r.get(timeout=30) for r in results] == ["ran"] * 5
+    assert time.monotonic() - started >= 0.95
 
 
 def test_a_chain_runs_step_by_step(feed_queue: str, feed_worker: WorkerProcess, app: App):
@@ -265,3 +261,18 @@ def test_a_warm_shutdown_finishes_the_running_task_and_hands_back_the_rest(test_
         del waiting
     finally:
         delete_queues(test_vhost_url, queue, f"{queue}.dead")
+
+
+def test_runtime_changes_that_do_not_reach_the_children_yet_are_refused(
+    test_vhost_url: str, feed_queue: str, feed_worker: WorkerProcess
+):
+    queues = call(test_vhost_url, "active_queues", destination=[feed_worker.name], expect=1)
+    assert [q["name"] for q in queues[0][1][feed_worker.name]] == [feed_queue]  # what the children consume
+    for method, arguments in (
+        ("add_consumer", {"queue": "elsewhere"}),
+        ("rate_limit", {"task_name": f"{TASKS}.sleeper", "rate_limit": "1/s"}),
+        ("time_limit", {"task_name": f"{TASKS}.sleeper", "soft": 1, "hard": 2}),
+        ("pool_grow", {"n": 1}),
+    ):
+        replies = call(test_vhost_url, method, arguments=arguments, destination=[feed_worker.name], expect=1)
+        assert "--children-consume" in replies[0][1][feed_worker.name]["error"], method

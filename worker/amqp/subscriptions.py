@@ -49,6 +49,7 @@ class QueueConsumers:
         self._consuming: dict[str, tuple[aio_pika.abc.AbstractQueue, str]] = {}
         # Consumed but not shown in active_queues (Clockwork's own queues).
         self._unlisted: set[str] = set()
+        self._fed: list[str] = []  # declared here, consumed by the pool's children (--children-consume)
         # Held while consumers are added, cancelled or re-subscribed (a new prefetch).
         self._consumers_lock = asyncio.Lock()
 
@@ -68,6 +69,8 @@ class QueueConsumers:
         await declare_queue(self._channel, dead_letter_queue(queue))
         queue_type = self._settings.queue_type(queue)
         await declare_queue(self._channel, task_queue(queue, queue_type=queue_type))
+        if queue not in self._fed:
+            self._fed.append(queue)
 
     async def add(self, queue: str, *, listed: bool = True) -> str:
         """Declare ``queue`` (as Celery does) and consume it.
@@ -130,5 +133,5 @@ class QueueConsumers:
         return list(self._consuming)
 
     def listed(self) -> list[str]:
-        """The task queues consumed now that a user asked for (``active_queues``)."""
-        return [queue for queue in self._consuming if queue not in self._unlisted]
+        """The task queues consumed now that a user asked for (``active_queues``), by us or our children."""
+        return [*self._fed, *(queue for queue in self._consuming if queue not in self._unlisted)]

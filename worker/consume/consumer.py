@@ -6,7 +6,7 @@ import asyncio
 import datetime as dt
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any
 
 import aio_pika
 import aio_pika.abc
@@ -27,7 +27,7 @@ from worker.consume.eta import EtaScheduler
 from worker.consume.job_request import delivery_info, request_context, time_limits
 from worker.consume.outcomes import OutcomeHandler
 from worker.consume.publish import ReplyPublisher
-from worker.consume.rate_limits import RateLimits
+from worker.consume.rate_limits import RATE_RESERVED_HEADER, RateLimits
 from worker.consume.redelivery import Redeliveries, channel_gone
 from worker.consume.rejections import Rejections, broker_dead_letter
 from worker.consume.settle import ACK, HAND_BACK, LEFT_TO_BROKER, Disposition, Fate, Settler
@@ -42,8 +42,6 @@ if TYPE_CHECKING:
 
 __all__ = ["RATE_RESERVED_HEADER", "TaskConsumer"]
 
-# On a copy parked for its turn under a rate limit: it holds its token already.
-RATE_RESERVED_HEADER: Final = "x-clockwork-rate-reserved"
 
 log = structlog.get_logger(__name__)
 

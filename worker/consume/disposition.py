@@ -6,12 +6,16 @@ Pure: no I/O, no AMQP client. The worker's consumer carries a disposition out in
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-__all__ = ["ACK", "HAND_BACK", "LEFT_TO_BROKER", "Disposition", "Fate", "Owed"]
+from broker_svc.wire import codec
+from broker_svc.wire.task_message import TaskMessage, parse_iso_datetime, safe_repr
+
+__all__ = ["ACK", "HAND_BACK", "LEFT_TO_BROKER", "Disposition", "Fate", "Owed", "retry_copy", "retry_eta"]
 
 # What a delivery still owes once its copy is confirmed: an announcement, sent before the ack.
 Owed = Callable[[], Awaitable[None]]
@@ -91,3 +95,41 @@ class Disposition:
 ACK: Disposition = Disposition(Fate.ACK)
 HAND_BACK: Disposition = Disposition(Fate.HAND_BACK)
 LEFT_TO_BROKER: Disposition = Disposition(Fate.LEFT_TO_BROKER)
+
+
+def retry_copy(
+    request: TaskMessage,
+    value: Mapping[str, Any],
+    eta: str,
+    *,
+    delay_ms: int | None,
+    owed: Owed | None = None,
+) -> Disposition:
+    """The copy a retry leaves: same id, ``retries + 1``, its ``eta``, the arguments ``retry()`` gave.
+
+    ``value`` is what the child reported (``args``/``kwargs`` when ``retry(args=..., kwargs=...)``);
+    the new arguments go in the request's own codec, uncompressed.
+    """
+    headers: dict[str, Any] = {"retries": request.retries + 1, "eta": eta}
+    body: bytes | None = None
+    drop: tuple[str, ...] = ()
+    if "args" in value or "kwargs" in value:
+        args = list(value.get("args", request.args))
+        kwargs = dict(value.get("kwargs", request.kwargs))
+        body, _, _ = codec.encode([args, kwargs, request.embed], codec.reply_type(request.content_type))
+        headers |= {"argsrepr": safe_repr(args), "kwargsrepr": safe_repr(kwargs)}
+        drop = ("compression",)
+    return Disposition.republish(
+        headers, drop=drop, body=body, delay_ms=delay_ms, owed=owed, ran=True, finished=True
+    )
+
+
+def retry_eta(value: Mapping[str, Any]) -> dt.datetime:
+    """When a retry is due: the ISO-8601 ``eta`` its child reported; anything unreadable means now."""
+    eta = value.get("eta")
+    if isinstance(eta, str):
+        try:
+            return parse_iso_datetime(eta)
+        except ValueError:
+            pass
+    return dt.datetime.now(dt.UTC)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import datetime as dt
 from typing import TYPE_CHECKING, Any, Final
 
 import structlog
@@ -12,12 +11,13 @@ import structlog
 from broker_svc import signals
 from broker_svc.app import App
 from broker_svc.follow_ups import FollowUp
-from broker_svc.wire import codec
+from broker_svc.wire.codec import reply_type
 from broker_svc.wire.result_message import CELERY_EXCEPTIONS_MODULE, Outcome, wire_exception
 from broker_svc.wire.states import State
-from broker_svc.wire.task_message import TaskMessage, parse_iso_datetime, safe_repr
+from broker_svc.wire.task_message import TaskMessage, safe_repr
 from worker.consume.admission import DELIVERY_LIMIT_REASON, delivery_count, recount
 from worker.consume.canvas import Canvas
+from worker.consume.disposition import retry_copy, retry_eta
 from worker.consume.eta import EtaScheduler
 from worker.consume.publish import ReplyPublisher
 from worker.consume.settle import HAND_BACK, LEFT_TO_BROKER, Disposition, Fate
@@ -27,7 +27,7 @@ from worker.pool.pool import JobOutcome, JobStatus
 if TYPE_CHECKING:
     import aio_pika.abc
 
-__all__ = ["OutcomeHandler", "describe_repr", "reply_type"]
+__all__ = ["OutcomeHandler", "describe_repr"]
 
 log = structlog.get_logger(__name__)
 
@@ -197,7 +197,7 @@ class OutcomeHandler:
         # is acked: a failed republish raises there and the original goes back to the queue. Only
         # then are the retry's log line, event and RETRY state true.
         value = outcome.value if isinstance(outcome.value, dict) else {}
-        when = _eta_of(value.get("eta"))
+        when = retry_eta(value)
         eta = when.isoformat()
 
         async def announce() -> None:
@@ -213,25 +213,7 @@ class OutcomeHandler:
                 task_id=request.id, status=State.RETRY, result=error, traceback=outcome.traceback
             ))  # fmt: skip
 
-        headers: dict[str, Any] = {"retries": request.retries + 1, "eta": eta}
-        body: bytes | None = None
-        drop: tuple[str, ...] = ()
-        if "args" in value or "kwargs" in value:
-            # retry(args=..., kwargs=...): the next attempt gets them, in the request's own codec.
-            args = list(value.get("args", request.args))
-            kwargs = dict(value.get("kwargs", request.kwargs))
-            body, _, _ = codec.encode([args, kwargs, request.embed], reply_type(request.content_type))
-            headers |= {"argsrepr": safe_repr(args), "kwargsrepr": safe_repr(kwargs)}
-            drop = ("compression",)  # the new body goes uncompressed
-        return Disposition.republish(
-            headers,
-            drop=drop,
-            body=body,
-            delay_ms=self._eta.bucket_for(when),
-            owed=announce,
-            ran=True,
-            finished=True,
-        )
+        return retry_copy(request, value, eta, delay_ms=self._eta.bucket_for(when), owed=announce)
 
     async def _rejected(self, request: TaskMessage, outcome: JobOutcome) -> Disposition:
         # ``Reject(requeue=True)`` hands it back (each time counts toward the delivery limit);
@@ -317,16 +299,6 @@ class OutcomeHandler:
 _FINISHED: Final = Disposition(Fate.ACK, ran=True, finished=True)
 
 
-def _eta_of(value: Any) -> dt.datetime:
-    # The child sends the retry's ETA as ISO-8601; anything unreadable means "now".
-    if isinstance(value, str):
-        try:
-            return parse_iso_datetime(value)
-        except ValueError:
-            pass
-    return dt.datetime.now(dt.UTC)
-
-
 def _child_tuples(ids: list[str]) -> list[Any]:
     # Celery's AsyncResult.as_tuple(): ((id, parent), None); the parent is this task, known already.
     return [[[task_id, None], None] for task_id in ids]
@@ -345,9 +317,3 @@ def describe_repr(error: dict[str, Any]) -> str:
     message = error.get("exc_message")
     items = message if isinstance(message, list) else [message]
     return f"{error.get('exc_type')}({', '.join(repr(m) for m in items)})"
-
-
-def reply_type(content_type: str | None) -> str:
-    # Results go out in the request's content type; a refused type gets json, which every
-    # Celery client accepts.
-    return content_type if content_type in (codec.MSGPACK, codec.JSON) else codec.JSON

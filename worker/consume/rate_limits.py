@@ -13,11 +13,15 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Final
 
 from broker_svc.task import Task
 from broker_svc.wire.rates import parse_rate
 
-__all__ = ["RateLimits", "parse_rate"]
+__all__ = ["RATE_RESERVED_HEADER", "RateLimits", "parse_rate"]
+
+# On a copy parked for its turn under a rate limit: it holds its token already.
+RATE_RESERVED_HEADER: Final = "x-clockwork-rate-reserved"
 
 
 @dataclass(slots=True)

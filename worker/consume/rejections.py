@@ -19,10 +19,11 @@ import aio_pika.abc
 import structlog
 
 from broker_svc import signals
+from broker_svc.wire.codec import reply_type
 from broker_svc.wire.result_message import Outcome, wire_exception
 from broker_svc.wire.states import State
 from broker_svc.wire.task_message import TaskMessage
-from worker.consume.outcomes import OutcomeHandler, reply_type
+from worker.consume.outcomes import OutcomeHandler
 from worker.consume.publish import ReplyPublisher
 from worker.consume.settle import ACK, Disposition, Owed
 from worker.events import EventDispatcher

@@ -2,9 +2,9 @@
 
 The child's counterpart of ``worker/consume/consumer.py`` and ``outcomes.py``, on the blocking side:
 every step decides a :class:`~worker.consume.disposition.Disposition` and the child's settle point
-(``worker/feed/settle.py``) carries it out. What the worker's consumer does and this path does not do
-yet (rate limits) is refused by name: the delivery is dead-lettered with reason
-``not_in_consuming_children`` and its caller gets a FAILURE saying why, never a silent drop.
+(``worker/feed/settle.py``) carries it out. What a consuming child cannot do yet (task events, the
+autoscaler, runtime changes) is refused when the worker starts or by the control command, never
+silently skipped.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import datetime as dt
 import threading
 import time
 from collections.abc import Callable, Mapping, Set
+from pathlib import Path
 from typing import Any, Final
 
 import structlog
@@ -24,25 +25,25 @@ from broker_svc.connection.feed_connection import TaskDelivery
 from broker_svc.errors import MessageError
 from broker_svc.topology import DELAY_HOLD_WINDOW_S, delay_bucket_ms
 from broker_svc.wire import codec
+from broker_svc.wire.codec import reply_type
 from broker_svc.wire.result_message import CELERY_EXCEPTIONS_MODULE, Outcome, wire_exception
 from broker_svc.wire.states import State
-from broker_svc.wire.task_message import TaskMessage, decode_task, safe_repr
+from broker_svc.wire.task_message import TaskMessage, decode_task
 from worker.consume import canvas_plan
 from worker.consume.admission import DELIVERY_LIMIT_REASON, carries_count, delivery_count, recount
-from worker.consume.disposition import ACK, HAND_BACK, Disposition
+from worker.consume.disposition import ACK, HAND_BACK, Disposition, retry_copy, retry_eta
 from worker.consume.job_request import delivery_info, request_context, time_limits
+from worker.consume.rate_limits import RATE_RESERVED_HEADER
 from worker.feed.canvas import FeedCanvas
-from worker.feed.replies import FeedReplies, reply_type
+from worker.feed.rates import SharedRates
+from worker.feed.replies import FeedReplies
 from worker.feed.spec import FeedSpec
 from worker.pool import ipc
 from worker.pool.ipc import Job, JobStatus
 
-__all__ = ["NOT_HERE_REASON", "FeedHandler", "FeedUpdates", "Handled"]
+__all__ = ["FeedHandler", "FeedUpdates", "Handled"]
 
 log = structlog.get_logger(__name__)
-
-# The dead-letter reason of a task this path cannot run yet (see the module's docstring).
-NOT_HERE_REASON: Final = "not_in_consuming_children"
 
 # A delivery's disposition, and what it owes once its copy is confirmed (before the ack).
 Handled = tuple[Disposition, Callable[[], None] | None]
@@ -78,6 +79,9 @@ class FeedHandler:
         self._revoked = revoked
         self._clock = clock
         self._run = run
+        self._rates = (
+            SharedRates(Path(spec.rates_path), spec.rate_limits, owner=False) if spec.rates_path else None
+        )
         self._canvas = FeedCanvas(app=app, replies=replies, namespace=spec.namespace)
         self.processed = 0
         self.current: TaskMessage | None = None  # the request running now (the hard time limit's)
@@ -114,9 +118,6 @@ class FeedHandler:
             ))  # fmt: skip
         if (why := canvas_plan.refusal(request)) is not None:
             return self._cannot_honour(request, why), None
-        if (why := self._not_here(request)) is not None:
-            log.error("task_not_in_consuming_children", why=why)
-            return self._fail(request, NOT_HERE_REASON, why, exc=("NotImplementedError", why, "builtins"))
         count = delivery_count(delivery.headers, redelivered=delivery.redelivered)
         if count > self._settings.delivery_limit:
             why = f"{count} deliveries did not finish (delivery_limit={self._settings.delivery_limit})"
@@ -140,15 +141,30 @@ class FeedHandler:
             if bucket_ms is not None:
                 return Disposition.republish({}, delay_ms=bucket_ms), None  # back when nearly due
             time.sleep(left_s)  # due within the hold window: this child waits for it
+        if (parked := self._rate_limited(delivery, request)) is not None:
+            return parked, None  # parked until its turn under the task's rate limit
         return self._execute(delivery, request)
 
-    def _not_here(self, request: TaskMessage) -> str | None:
-        task = self._app.tasks[request.task]
-        if task.rate_limit:
-            missing = "apply rate limits"
-        else:
+    def _rate_limited(self, delivery: TaskDelivery, request: TaskMessage) -> Disposition | None:
+        # A token is taken once per task: a copy parked for its turn comes back marked, due.
+        rates = self._rates
+        if (
+            rates is None
+            or not rates.limited(request.task)
+            or delivery.headers.get(RATE_RESERVED_HEADER) is True
+        ):
             return None
-        return f"a consuming pool child does not {missing} yet; run this worker without --children-consume"
+        delay_s = rates.reserve(request.task)
+        if delay_s <= 0:
+            return None
+        if delay_s <= DELAY_HOLD_WINDOW_S:
+            time.sleep(delay_s)  # due within the hold window: this child waits for it
+            return None
+        # Its turn is later: it waits in the broker, not in this child, so other tasks go on.
+        due = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=delay_s)
+        log.debug("task_rate_limited", delay_s=round(delay_s, 3))
+        bucket_ms = delay_bucket_ms(delay_s, hold_window_s=DELAY_HOLD_WINDOW_S)
+        return Disposition.republish({"eta": due.isoformat(), RATE_RESERVED_HEADER: True}, delay_ms=bucket_ms)
 
     def _execute(self, delivery: TaskDelivery, request: TaskMessage) -> Handled:
         task = self._app.tasks[request.task]
@@ -213,17 +229,9 @@ class FeedHandler:
         # The copy (same id, retries + 1, new eta) is confirmed before the original is acked; only
         # then are the log line and the RETRY state true.
         value = done["value"] if isinstance(done.get("value"), dict) else {}
-        eta = str(value.get("eta") or dt.datetime.now(dt.UTC).isoformat())
-        headers: dict[str, Any] = {"retries": request.retries + 1, "eta": eta}
-        body: bytes | None = None
-        drop: tuple[str, ...] = ()
-        if "args" in value or "kwargs" in value:
-            args = list(value.get("args", request.args))
-            kwargs = dict(value.get("kwargs", request.kwargs))
-            body, _, _ = codec.encode([args, kwargs, request.embed], reply_type(request.content_type))
-            headers |= {"argsrepr": safe_repr(args), "kwargsrepr": safe_repr(kwargs)}
-            drop = ("compression",)
-        left_s = (dt.datetime.fromisoformat(eta) - dt.datetime.now(dt.UTC)).total_seconds()
+        when = retry_eta(value)
+        eta = when.isoformat()
+        left_s = (when - dt.datetime.now(dt.UTC)).total_seconds()
         delay_ms = delay_bucket_ms(left_s, hold_window_s=DELAY_HOLD_WINDOW_S)
 
         def announce() -> None:
@@ -235,10 +243,7 @@ class FeedHandler:
                 ),
             )
 
-        copy = Disposition.republish(
-            headers, drop=drop, body=body, delay_ms=delay_ms, ran=True, finished=True
-        )
-        return copy, announce
+        return retry_copy(request, value, eta, delay_ms=delay_ms), announce
 
     def update(self, payload: dict[str, Any]) -> None:
         """The running task reported a state (``update_state``, STARTED): to its caller, confirmed."""

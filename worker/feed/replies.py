@@ -30,14 +30,9 @@ from broker_svc.wire.result_message import Outcome, wire_exception
 from broker_svc.wire.states import State
 from broker_svc.wire.task_message import CLOCK_HEADER, WireMessage
 
-__all__ = ["FeedReplies", "reply_type"]
+__all__ = ["FeedReplies"]
 
 log = structlog.get_logger(__name__)
-
-
-def reply_type(content_type: str | None) -> str:
-    """Results go out in the request's content type; a refused type gets json, which every client reads."""
-    return content_type if content_type in (codec.MSGPACK, codec.JSON) else codec.JSON
 
 
 class FeedReplies:

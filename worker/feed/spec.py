@@ -5,7 +5,7 @@ Pure and picklable: the pool hands it to each child through the forkserver.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from broker_svc.settings import Settings
 
@@ -27,6 +27,8 @@ class FeedSpec:
         board_path: the worker's shared board of running tasks (``worker/pool/board.py``).
         board_slots: how many slots the board has.
         slot: this child's slot on it.
+        rate_limits: tokens per second of each rate-limited task, shared by the children.
+        rates_path: the file of their buckets (``worker/feed/rates.py``).
     """
 
     settings: Settings
@@ -39,3 +41,5 @@ class FeedSpec:
     board_path: str | None = None
     board_slots: int = 0
     slot: int = 0
+    rate_limits: dict[str, float] = field(default_factory=dict)
+    rates_path: str | None = None

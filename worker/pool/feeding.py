@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import structlog
 
+from worker.feed.rates import SharedRates
 from worker.feed.spec import FeedSpec
 from worker.pool import ipc
 from worker.pool.board import Board, Running
@@ -35,7 +36,14 @@ class Feeding:
 
     def __init__(self, spec: FeedSpec, *, slots: int) -> None:
         self.board = Board.create(slots)
-        self._spec = dataclasses.replace(spec, board_path=str(self.board.path), board_slots=slots)
+        # One bucket per rate-limited task, shared by every child (a limit is per worker).
+        self.rates = SharedRates.create(spec.rate_limits) if spec.rate_limits else None
+        self._spec = dataclasses.replace(
+            spec,
+            board_path=str(self.board.path),
+            board_slots=slots,
+            rates_path=str(self.rates.path) if self.rates is not None else None,
+        )
         self._revoked: Callable[[], Iterable[str]] | None = None  # set by start()
         self._writers: dict[int, asyncio.StreamWriter] = {}  # slot -> its child's socket
 
@@ -88,8 +96,10 @@ class Feeding:
         return False
 
     def close(self) -> None:
-        """Remove the board."""
+        """Remove the board and the rate buckets."""
         self.board.close()
+        if self.rates is not None:
+            self.rates.close()
 
     def _let_consume(self, writer: asyncio.StreamWriter) -> None:
         if self._revoked is None or writer.is_closing():

@@ -98,6 +98,14 @@ class WorkerCommands:
 
     # -- inspect: what the worker holds and runs ------------------------------------------------------
 
+    def _not_in_children(self, command: str) -> dict[str, Any] | None:
+        # With --children-consume, runtime changes do not reach the children yet: say so.
+        if not getattr(self._config, "children_consume", False):  # unit tests build us without a config
+            return None
+        return nok(
+            f"{command} does not reach consuming children yet; this worker runs with --children-consume"
+        )
+
     async def active(self, safe: bool) -> list[dict[str, Any]]:
         return self._consumer.state.active(safe=safe)
 
@@ -223,6 +231,8 @@ class WorkerCommands:
     # -- runtime changes: limits, queues, events ------------------------------------------------------
 
     async def time_limit(self, task_name: str, soft: float | None, hard: float | None) -> dict[str, Any]:
+        if (refused := self._not_in_children("time_limit")) is not None:
+            return refused
         if task_name not in self._app.tasks:
             return nok("unknown task")
         self._consumer.time_limits[task_name] = (hard, soft)
@@ -240,6 +250,8 @@ class WorkerCommands:
         if task_name not in self._app.tasks:
             log.warning("rate_limit_unknown_task", task_name=task_name)
             return nok("unknown task")
+        if (refused := self._not_in_children("rate_limit")) is not None:
+            return refused
         # As Celery, rewrite the task's option too: it stays what this worker enforces.
         type(self._app.tasks[task_name]).rate_limit = rate_limit
         self._limits.set(task_name, per_second)
@@ -252,12 +264,18 @@ class WorkerCommands:
     async def add_consumer(
         self, queue: str, exchange: str | None, exchange_type: str, routing_key: str | None, options: Any
     ) -> dict[str, Any]:
+        if (refused := self._not_in_children("add_consumer")) is not None:
+            return refused
         return ok(await self._queues.add(queue))
 
     async def cancel_consumer(self, queue: str) -> dict[str, Any]:
+        if (refused := self._not_in_children("cancel_consumer")) is not None:
+            return refused
         return ok(await self._queues.cancel(queue))
 
     async def enable_events(self) -> dict[str, Any]:
+        if (refused := self._not_in_children("enable_events")) is not None:
+            return refused
         if self._events.task_events:
             return ok("task events already enabled")
         self._events.task_events = True
@@ -274,6 +292,8 @@ class WorkerCommands:
     # ``autoscale`` on a worker without it gives ``{"error": "ValueError('Autoscale not enabled')"}``.
 
     async def pool_grow(self, n: int) -> dict[str, Any]:
+        if (refused := self._not_in_children("pool_grow")) is not None:
+            return refused
         sizer = self._sizer
         if self._autoscaler is not None:
             return nok(_NOT_WITH_AUTOSCALE.format("pool_grow"))
@@ -284,6 +304,8 @@ class WorkerCommands:
         return ok("pool will grow")
 
     async def pool_shrink(self, n: int) -> dict[str, Any]:
+        if (refused := self._not_in_children("pool_shrink")) is not None:
+            return refused
         sizer = self._sizer
         if self._autoscaler is not None:
             return nok(_NOT_WITH_AUTOSCALE.format("pool_shrink"))
