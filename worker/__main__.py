@@ -163,8 +163,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--children-consume",
         action="store_true",
-        help="experimental: each pool child consumes and acks its own tasks (no task events or "
-        "autoscaler yet; see docs/design.md)",
+        help="experimental: each pool child consumes and acks its own tasks (no autoscaler yet; "
+        "see docs/design.md)",
     )
     args = parser.parse_args(argv)
     if args.pool not in ("prefork", "processes"):

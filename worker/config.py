@@ -124,8 +124,7 @@ class WorkerConfig:
         children_consume: experimental (issue 16): each pool child consumes the task queues on a
             connection of its own and runs, answers and acks its tasks itself; the main process
             supervises and keeps the control plane. What it does not do yet is in
-            ``worker/feed/handle.py``; it excludes ``task_events``, ``autoscale``, the
-            ``max_*_per_child`` limits and ``dedupe_window_s``.
+            ``worker/feed/handle.py``; it excludes ``autoscale`` and ``dedupe_window_s``.
 
     Raises:
         ConfigurationError: an option out of range (a ``ValueError``, with the fix in its text).
@@ -175,12 +174,11 @@ class WorkerConfig:
             )
         if self.consumer_timeout_s is not None and not self.consumer_timeout_s > 0:
             raise ConfigurationError(f"consumer_timeout_s must be positive, got {self.consumer_timeout_s}")
-        recycling = self.max_tasks_per_child is not None or self.max_memory_per_child_kib is not None
-        not_yet = self.task_events or self.autoscale is not None or recycling or self.dedupe_window_s
+        not_yet = self.autoscale is not None or self.dedupe_window_s
         if self.children_consume and not_yet:
             raise ConfigurationError(
-                "--children-consume does not send task events, autoscale, recycle children or dedupe yet: "
-                "drop -E, --autoscale, --max-*-per-child and --dedupe-window, or run without it"
+                "--children-consume does not autoscale or dedupe yet: drop --autoscale and --dedupe-window, "
+                "or run without it"
             )
         if "@" not in self.hostname:
             raise ConfigurationError(f"hostname must look like name@host, got {self.hostname!r}")

@@ -8,10 +8,8 @@ logged, never a reason to fail a task.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import platform
-import time
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Final
@@ -22,6 +20,7 @@ import structlog
 
 from broker_svc.clock import LamportClock
 from broker_svc.topology import event_exchange
+from worker.event_fields import encode_event, event_body, routing_key, utcoffset
 
 __all__ = ["HEARTBEAT_FREQ_S", "EventDispatcher", "Heart", "software_version", "utcoffset"]
 
@@ -32,13 +31,6 @@ SW_IDENT: Final = "py-clockwork"
 # Task events are sent only while enabled (``-E`` or ``enable_events``), as in Celery; worker
 # events always are.
 _TASK_GROUP: Final = "task-"
-
-
-def utcoffset() -> int:
-    """Hours *west* of UTC, Celery's sign (a UTC+2 host sends -2), DST included when in effect."""
-    if time.daylight and time.localtime().tm_isdst > 0:
-        return time.altzone // 3600
-    return time.timezone // 3600
 
 
 def software_version() -> str:
@@ -81,15 +73,7 @@ class EventDispatcher:
 
     def fields(self, event_type: str, **extra: Any) -> dict[str, Any]:
         """An event map with the standard fields (the clock is forwarded: this is a send)."""
-        return {
-            "type": event_type,
-            "hostname": self._hostname,
-            "pid": os.getpid(),
-            "clock": self._clock.forward(),
-            "timestamp": time.time(),
-            "utcoffset": utcoffset(),
-            **extra,
-        }
+        return event_body(event_type, hostname=self._hostname, clock=self._clock, **extra)
 
     async def send(self, event_type: str, **extra: Any) -> None:
         """Publish one event; task events only while enabled. Never raises on broker errors."""
@@ -100,7 +84,7 @@ class EventDispatcher:
             return
         event = self.fields(event_type, **extra)
         message = aio_pika.Message(
-            json.dumps(event, default=repr).encode(),
+            encode_event(event),
             content_type="application/json",
             content_encoding="utf-8",
             delivery_mode=aio_pika.DeliveryMode.NOT_PERSISTENT,
@@ -109,7 +93,7 @@ class EventDispatcher:
         try:
             # Not mandatory, as Celery's events are: with no one listening the broker drops them,
             # which is normal; mandatory, each would come back as a basic.return logged at ERROR.
-            await exchange.publish(message, routing_key=event_type.replace("-", "."), mandatory=False)
+            await exchange.publish(message, routing_key=routing_key(event_type), mandatory=False)
         except Exception as exc:  # events are best-effort: a broken channel must not fail a task
             log.warning("event_not_sent", event_type=event_type, error=str(exc))
 

@@ -196,7 +196,12 @@ class WorkerService:
         revoker.load()
         await revocation_log.follow(await consuming.channel(publisher_confirms=False), publish_channel)
         heart = Heart(
-            events, lambda: (consumer.running_count, consumer.received), freq_s=config.event_heartbeat_s
+            events,
+            lambda: (
+                consumer.running_count,
+                consumer.received + (pool.feeding.processed if pool.feeding is not None else 0),
+            ),
+            freq_s=config.event_heartbeat_s,
         )
         commands = WorkerCommands(
             app=self._app,
@@ -332,6 +337,10 @@ class WorkerService:
             hostname=config.hostname,
             default_time_limits=(config.time_limit_s, config.soft_time_limit_s),
             namespace=config.namespace,
+            task_events=config.task_events,
+            task_names=tuple(sorted(self._app.tasks)),
+            max_tasks_per_child=config.max_tasks_per_child,
+            max_memory_per_child_kib=config.max_memory_per_child_kib,
             rate_limits={
                 name: per_second
                 for name, task in self._app.tasks.items()

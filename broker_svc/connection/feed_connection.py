@@ -308,6 +308,24 @@ class FeedConnection:
         if self._returned is not None:
             raise Unroutable(f"no queue took a message to {routing_key!r} ({self._returned})")
 
+    def publish_nowait(self, message: WireMessage, routing_key: str, *, exchange: str) -> None:
+        """Publish without a confirm to wait for and not mandatory (events: best-effort).
+
+        Raises:
+            ConnectionLost: the write failed.
+        """
+        properties = encode_properties(
+            content_type=message.content_type,
+            content_encoding=message.content_encoding,
+            headers=message.headers,
+            delivery_mode=message.delivery_mode,
+        )
+        self._write(frames.publish_frames(
+            _CHANNEL, exchange=exchange, routing_key=routing_key, mandatory=False, properties=properties,
+            body=message.body, frame_max=self._frame_max,
+        ))  # fmt: skip
+        self._published += 1  # its confirm comes in order before any later one's
+
     def _declare(self, spec: QueueSpec) -> None:
         bits = (2 if spec.durable else 0) | (4 if spec.exclusive else 0) | (8 if spec.auto_delete else 0)
         arguments = (

@@ -182,10 +182,13 @@ def test_a_revoked_task_is_answered_and_never_runs(
 
 def test_the_worker_refuses_options_the_children_do_not_honour_yet(test_vhost_url: str, feed_queue: str):
     with WorkerProcess(
-        test_vhost_url, app=f"{TASKS}:app", queues=[feed_queue], extra_args=["--children-consume", "-E"]
+        test_vhost_url,
+        app=f"{TASKS}:app",
+        queues=[feed_queue],
+        extra_args=["--children-consume", "--autoscale", "3,1"],
     ) as proc:
         assert proc.proc.wait(timeout=60) != 0
-        assert "--children-consume does not send task events" in proc.log_text()
+        assert "--children-consume does not autoscale" in proc.log_text()
 
 
 def test_pika_is_not_loaded_by_a_job_taking_child():
@@ -263,16 +266,62 @@ def test_a_warm_shutdown_finishes_the_running_task_and_hands_back_the_rest(test_
         delete_queues(test_vhost_url, queue, f"{queue}.dead")
 
 
-def test_runtime_changes_that_do_not_reach_the_children_yet_are_refused(
-    test_vhost_url: str, feed_queue: str, feed_worker: WorkerProcess
+def test_runtime_changes_reach_the_children_or_are_refused(
+    test_vhost_url: str, feed_queue: str, feed_worker: WorkerProcess, app: App
 ):
-    queues = call(test_vhost_url, "active_queues", destination=[feed_worker.name], expect=1)
-    assert [q["name"] for q in queues[0][1][feed_worker.name]] == [feed_queue]  # what the children consume
+    name = feed_worker.name
+    queues = call(test_vhost_url, "active_queues", destination=[name], expect=1)
+    assert [q["name"] for q in queues[0][1][name]] == [feed_queue]  # what the children consume
     for method, arguments in (
         ("add_consumer", {"queue": "elsewhere"}),
-        ("rate_limit", {"task_name": f"{TASKS}.sleeper", "rate_limit": "1/s"}),
-        ("time_limit", {"task_name": f"{TASKS}.sleeper", "soft": 1, "hard": 2}),
+        ("cancel_consumer", {"queue": feed_queue}),
         ("pool_grow", {"n": 1}),
     ):
-        replies = call(test_vhost_url, method, arguments=arguments, destination=[feed_worker.name], expect=1)
-        assert "--children-consume" in replies[0][1][feed_worker.name]["error"], method
+        replies = call(test_vhost_url, method, arguments=arguments, destination=[name], expect=1)
+        assert "--children-consume" in replies[0][1][name]["error"], method
+    # time_limit: a hard limit of 1 s for sleeper, sent to every child.
+    replies = call(
+        test_vhost_url, "time_limit", arguments={"task_name": f"{TASKS}.sleeper", "hard": 1, "soft": None},
+        destination=[name], expect=1,
+    )  # fmt: skip
+    assert replies[0][1][name] == {"ok": "time limits set successfully"}
+    try:
+        with pytest.raises(TaskError) as info:
+            app.send_task(f"{TASKS}.sleeper", (5,), queue=feed_queue).get(timeout=30)
+        assert info.value.exc_type == "TimeLimitExceeded"
+    finally:
+        unset = {"task_name": f"{TASKS}.sleeper", "hard": None, "soft": None}
+        call(test_vhost_url, "time_limit", arguments=unset, destination=[name], expect=1)
+    # rate_limit: 2/s for a task without a limit of its own, in the buckets every child shares.
+    replies = call(
+        test_vhost_url, "rate_limit", arguments={"task_name": f"{TASKS}.now", "rate_limit": "2/s"},
+        destination=[name], expect=1,
+    )  # fmt: skip
+    assert replies[0][1][name] == {"ok": "new rate limit set successfully"}
+    try:
+        started = time.monotonic()
+        results = [app.send_task(f"{TASKS}.now", queue=feed_queue) for _ in range(4)]
+        for result in results:
+            result.get(timeout=30)
+        assert time.monotonic() - started >= 1.4  # four at 2/s: the last starts 1.5 s after the first
+    finally:
+        call(
+            test_vhost_url, "rate_limit", arguments={"task_name": f"{TASKS}.now", "rate_limit": None},
+            destination=[name], expect=1,
+        )  # fmt: skip
+
+
+def test_a_child_past_max_tasks_per_child_retires_and_is_replaced(test_vhost_url: str, app: App):
+    queue = unique_queue("feed-recycle")
+    try:
+        with WorkerProcess(
+            test_vhost_url, app=f"{TASKS}:app", queues=[queue], concurrency=1,
+            extra_args=["--children-consume", "--without-mingle", "--max-tasks-per-child", "3"],
+        ) as proc:  # fmt: skip
+            proc.wait_ready()
+            pids = [app.send_task(f"{TASKS}.sleeper", (0,), queue=queue).get(timeout=60) for _ in range(7)]
+            assert [len(set(pids[i : i + 3])) for i in (0, 3)] == [1, 1] and len(set(pids)) == 3
+            assert proc.count("pool_child_recycled") == 2
+            assert "pool_child_died_idle" not in proc.log_text()
+    finally:
+        delete_queues(test_vhost_url, queue, f"{queue}.dead")

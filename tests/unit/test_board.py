@@ -47,3 +47,15 @@ def test_big_arguments_are_shown_as_their_reprs_cut_short():
         assert board.running() == []
     finally:
         board.close()
+
+
+def test_each_slot_counts_the_tasks_its_child_ended():
+    board = Board.create(2)
+    try:
+        for _ in range(3):
+            board.start(1, {"id": "x"})
+            board.end(1)
+        assert board.ended(1) == 3 and board.ended(0) == 0
+    finally:
+        board.close()
+    assert board.ended(1) == 0  # closed: nothing to read

@@ -21,13 +21,14 @@ from worker.consume.disposition import retry_copy, retry_eta
 from worker.consume.eta import EtaScheduler
 from worker.consume.publish import ReplyPublisher
 from worker.consume.settle import HAND_BACK, LEFT_TO_BROKER, Disposition, Fate
+from worker.event_fields import describe_repr
 from worker.events import EventDispatcher
 from worker.pool.pool import JobOutcome, JobStatus
 
 if TYPE_CHECKING:
     import aio_pika.abc
 
-__all__ = ["OutcomeHandler", "describe_repr"]
+__all__ = ["OutcomeHandler"]
 
 log = structlog.get_logger(__name__)
 
@@ -310,10 +311,3 @@ def _describe(error: dict[str, Any] | None) -> str:
     message = error.get("exc_message")
     text = ", ".join(map(str, message)) if isinstance(message, list) else str(message)
     return f"{error.get('exc_type')}: {text}"
-
-
-def describe_repr(error: dict[str, Any]) -> str:
-    """An exception map as Celery's events show it: ``ValueError('bad')``."""
-    message = error.get("exc_message")
-    items = message if isinstance(message, list) else [message]
-    return f"{error.get('exc_type')}({', '.join(repr(m) for m in items)})"

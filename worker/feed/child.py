@@ -33,10 +33,12 @@ from broker_svc.clock import LamportClock
 from broker_svc.connection.feed_connection import FeedConnection, TaskDelivery
 from broker_svc.errors import BrokerUnavailable
 from worker.consume.disposition import ACK, HAND_BACK
+from worker.feed.events import FeedEvents
 from worker.feed.handle import FeedHandler, FeedUpdates
 from worker.feed.replies import FeedReplies
 from worker.feed.settle import FeedSettler
 from worker.feed.spec import FeedSpec
+from worker.pool import ipc
 from worker.pool.board import Board
 from worker.pool.child import ChildChannel, SoftLimit, UpdateSink, run_job
 from worker.pool.ipc import Job
@@ -58,24 +60,25 @@ def serve(app: App, spec: FeedSpec, channel: ChildChannel, soft_limit: SoftLimit
     stopping, may_consume = threading.Event(), threading.Event()
     name = f"{spec.hostname}.child-{os.getpid()}"
     connection = FeedConnection(spec.settings, name=name, queues=spec.queues, prefetch=spec.prefetch)
-    with _signals_blocked():  # the threads started here never take the main thread's signals
-        control = threading.Thread(
-            target=_follow_worker,
-            args=(channel, revoked, stopping, may_consume),
-            name="clockwork-feed-control",
-        )
-        control.daemon = True
-        control.start()
     signal.signal(signal.SIGALRM, soft_limit.on_signal)
     replies = FeedReplies(connection, clock=LamportClock(), persistent=spec.settings.result_persistent)
     settler = FeedSettler(connection, replies)
     watchdog = _HardLimit(settler, connection)
     board = Board.attach(spec.board_path, spec.board_slots) if spec.board_path else None
+    events = FeedEvents(connection, hostname=spec.hostname, clock=replies.clock, enabled=spec.task_events)
     handler = FeedHandler(
-        app=app, spec=spec, replies=replies, revoked=revoked, clock=replies.clock,
+        app=app, spec=spec, replies=replies, revoked=revoked, clock=replies.clock, events=events,
         run=lambda job: _run_limited(app, job, updates, soft_limit, watchdog, connection, (board, spec.slot)),
     )  # fmt: skip
     updates = FeedUpdates(handler)  # update_state and STARTED: published here, not via the worker
+    with _signals_blocked():  # the threads started here never take the main thread's signals
+        control = threading.Thread(
+            target=_follow_worker,
+            args=(channel, revoked, stopping, may_consume, events, handler.time_limits),
+            name="clockwork-feed-control",
+        )
+        control.daemon = True
+        control.start()
 
     def answer(job: Job) -> None:
         if handler.current is not None:
@@ -84,7 +87,9 @@ def serve(app: App, spec: FeedSpec, channel: ChildChannel, soft_limit: SoftLimit
     watchdog.answer = answer
     may_consume.wait()
     try:
-        _consume(connection, handler, settler, watchdog, stopping, spec)
+        _consume(
+            connection, handler, settler, watchdog, stopping, spec, retiring=lambda: _say_retiring(channel)
+        )
     finally:
         connection.close()
         log.info("feed_child_stopped", processed=handler.processed)
@@ -97,6 +102,7 @@ def _consume(
     watchdog: _HardLimit,
     stopping: threading.Event,
     spec: FeedSpec,
+    retiring: Callable[[], None],
 ) -> None:
     connected, backoff_s = False, _BACKOFF_S[0]
     while not stopping.is_set():
@@ -114,6 +120,12 @@ def _consume(
                 settler.settle(delivery, HAND_BACK)  # delivered, never started: another worker runs it
                 continue
             _one(delivery, handler, settler, watchdog)
+            if (why := _worn_out(spec, handler.processed)) is not None:
+                # Past a limit, checked as a task ends: stop taking tasks, hand back the rest,
+                # exit; the pool starts another child in this slot.
+                log.info("pool_child_recycled", pid=os.getpid(), reason=why, jobs=handler.processed)
+                retiring()
+                break
         except BrokerUnavailable as exc:
             # Lost (or never made): what it delivered is the broker's again; connect anew.
             log.warning("feed_connection_lost", error=str(exc), retry_in_s=backoff_s)
@@ -141,6 +153,27 @@ def _one(delivery: TaskDelivery, handler: FeedHandler, settler: FeedSettler, wat
         return
     if watchdog.claim(delivery):
         settler.settle(delivery, disposition, then=then)
+
+
+def _worn_out(spec: FeedSpec, processed: int) -> str | None:
+    # Celery's max_tasks_per_child and max_memory_per_child, for a child that consumes itself.
+    if spec.max_tasks_per_child is not None and processed >= spec.max_tasks_per_child:
+        return "max_tasks_per_child"
+    if spec.max_memory_per_child_kib is not None:
+        try:
+            with open("/proc/self/statm", "rb") as statm:
+                rss_kib = int(statm.read().split()[1]) * (os.sysconf("SC_PAGE_SIZE") // 1024)
+        except (OSError, ValueError, IndexError):
+            return None
+        if rss_kib > spec.max_memory_per_child_kib:
+            return "max_memory_per_child"
+    return None
+
+
+def _say_retiring(channel: ChildChannel) -> None:
+    # The pool then replaces this child without a warning that it died.
+    with contextlib.suppress(OSError):
+        channel.send(ipc.encode_frame({"op": "retiring"}))
 
 
 def _run_limited(
@@ -241,7 +274,12 @@ class _HardLimit:
 
 
 def _follow_worker(
-    channel: ChildChannel, revoked: set[str], stopping: threading.Event, may_consume: threading.Event
+    channel: ChildChannel,
+    revoked: set[str],
+    stopping: threading.Event,
+    may_consume: threading.Event,
+    events: FeedEvents,
+    time_limits: dict[str, tuple[float | None, float | None]],
 ) -> None:
     # "consume" once the worker knows every revoke (its state file, the log, Mingle); revoked ids
     # as it learns them; end of file (the worker closed our socket): stop.
@@ -252,6 +290,10 @@ def _follow_worker(
                 may_consume.set()
             elif op == "revoke":
                 revoked.update(str(task_id) for task_id in frame.get("ids") or ())
+            elif op == "events":  # enable_events / disable_events
+                events.enabled = bool(frame.get("on"))
+            elif op == "time_limit":  # the time_limit command: (hard, soft) for one task
+                time_limits[str(frame.get("task"))] = (frame.get("hard"), frame.get("soft"))
             else:
                 log.warning("feed_child_unknown_frame", op=op)
     except OSError:

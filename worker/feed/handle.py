@@ -28,13 +28,15 @@ from broker_svc.wire import codec
 from broker_svc.wire.codec import reply_type
 from broker_svc.wire.result_message import CELERY_EXCEPTIONS_MODULE, Outcome, wire_exception
 from broker_svc.wire.states import State
-from broker_svc.wire.task_message import TaskMessage, decode_task
+from broker_svc.wire.task_message import TaskMessage, decode_task, eta_and_expires, safe_repr
 from worker.consume import canvas_plan
 from worker.consume.admission import DELIVERY_LIMIT_REASON, carries_count, delivery_count, recount
 from worker.consume.disposition import ACK, HAND_BACK, Disposition, retry_copy, retry_eta
 from worker.consume.job_request import delivery_info, request_context, time_limits
 from worker.consume.rate_limits import RATE_RESERVED_HEADER
+from worker.event_fields import describe_repr
 from worker.feed.canvas import FeedCanvas
+from worker.feed.events import FeedEvents
 from worker.feed.rates import SharedRates
 from worker.feed.replies import FeedReplies
 from worker.feed.spec import FeedSpec
@@ -59,6 +61,7 @@ class FeedHandler:
         revoked: ids revoked so far (the child's socket adds to it).
         clock: the child's Lamport clock.
         run: runs one job in this process and returns the child's done frame.
+        events: sends task events.
     """
 
     def __init__(
@@ -70,6 +73,7 @@ class FeedHandler:
         revoked: Set[str],
         clock: LamportClock,
         run: Callable[[Job], dict[str, Any]],
+        events: FeedEvents,
     ) -> None:
         self._app = app
         self._spec = spec
@@ -79,12 +83,15 @@ class FeedHandler:
         self._revoked = revoked
         self._clock = clock
         self._run = run
+        self.events = events  # task-* events while enabled (-E, enable_events)
         self._rates = (
-            SharedRates(Path(spec.rates_path), spec.rate_limits, owner=False) if spec.rates_path else None
+            SharedRates(Path(spec.rates_path), spec.task_names, owner=False) if spec.rates_path else None
         )
         self._canvas = FeedCanvas(app=app, replies=replies, namespace=spec.namespace)
         self.processed = 0
         self.current: TaskMessage | None = None  # the request running now (the hard time limit's)
+        # Per-task limits the time_limit command set: (hard, soft), kept by the worker's control thread.
+        self.time_limits: dict[str, tuple[float | None, float | None]] = {}
 
     def handle(self, delivery: TaskDelivery) -> Handled:
         """The fate of one delivery (its task run here if it may run)."""
@@ -103,7 +110,8 @@ class FeedHandler:
                 priority=delivery.priority,
             )
         except MessageError as exc:
-            return self._refuse(delivery, reason=type(exc).__name__, error=str(exc)), None
+            rejected = self._rejected(raw_id) if isinstance(raw_id, str) else None
+            return self._refuse(delivery, reason=type(exc).__name__, error=str(exc)), rejected
         self._clock.adjust(request.clock)
         bind_contextvars(task_name=request.display_name, attempt=request.retries + 1)
         return self._guarded(delivery, request)
@@ -117,7 +125,7 @@ class FeedHandler:
                 "NotRegistered", request.task, CELERY_EXCEPTIONS_MODULE,
             ))  # fmt: skip
         if (why := canvas_plan.refusal(request)) is not None:
-            return self._cannot_honour(request, why), None
+            return self._cannot_honour(request, why), self._rejected(request.id)
         count = delivery_count(delivery.headers, redelivered=delivery.redelivered)
         if count > self._settings.delivery_limit:
             why = f"{count} deliveries did not finish (delivery_limit={self._settings.delivery_limit})"
@@ -148,11 +156,7 @@ class FeedHandler:
     def _rate_limited(self, delivery: TaskDelivery, request: TaskMessage) -> Disposition | None:
         # A token is taken once per task: a copy parked for its turn comes back marked, due.
         rates = self._rates
-        if (
-            rates is None
-            or not rates.limited(request.task)
-            or delivery.headers.get(RATE_RESERVED_HEADER) is True
-        ):
+        if rates is None or delivery.headers.get(RATE_RESERVED_HEADER) is True:
             return None
         delay_s = rates.reserve(request.task)
         if delay_s <= 0:
@@ -169,7 +173,10 @@ class FeedHandler:
     def _execute(self, delivery: TaskDelivery, request: TaskMessage) -> Handled:
         task = self._app.tasks[request.task]
         hard, soft = time_limits(
-            request, task, override=(None, None), defaults=self._spec.default_time_limits
+            request,
+            task,
+            override=self.time_limits.get(request.task, (None, None)),
+            defaults=self._spec.default_time_limits,
         )
         job = Job(
             task_id=request.id,
@@ -180,6 +187,14 @@ class FeedHandler:
             hard_time_limit_s=hard,
             soft_time_limit_s=soft,
         )
+        events = self.events
+        if events.enabled:  # off by default: skip the reprs
+            events.send(
+                "task-received", uuid=request.id, name=request.task, args=safe_repr(tuple(request.args)),
+                kwargs=safe_repr(request.kwargs), root_id=request.root_id, parent_id=request.parent_id,
+                retries=request.retries, **eta_and_expires(request),
+            )  # fmt: skip
+            events.send("task-started", uuid=request.id)
         started = time.monotonic()
         self.current = request
         try:
@@ -203,6 +218,10 @@ class FeedHandler:
             self._canvas.chord_part(request, State.SUCCESS, value)
             if planned:
                 self._canvas.send(planned, why="after_success")
+            if events.enabled:
+                events.send(
+                    "task-succeeded", uuid=request.id, result=safe_repr(value), runtime=runtime_ms / 1000
+                )
             return _FINISHED, None
         if status is JobStatus.IGNORED:
             log.info("task_ignored", runtime_ms=runtime_ms)
@@ -213,11 +232,14 @@ class FeedHandler:
         if status is JobStatus.REJECTED:
             if isinstance(done.get("value"), dict) and done["value"].get("requeue"):
                 log.info("task_rejected_requeued")
+                events.send("task-rejected", uuid=request.id, requeue=True)
                 return HAND_BACK, None
             log.warning("task_rejected", error=_describe(error))
             self._reply(request, Outcome(task_id=request.id, status=State.FAILURE, result=error), failed=True)
             self._canvas.chord_part(request, State.FAILURE, error)
-            return Disposition.dead_letter("rejected", _describe(error), finished=True), None
+            return Disposition.dead_letter("rejected", _describe(error), finished=True), self._rejected(
+                request.id
+            )
         log.warning("task_failed", runtime_ms=runtime_ms, error=error, traceback=done.get("traceback"))
         self._failed(request, error, done.get("traceback"))
         if done.get("retries_exhausted"):
@@ -236,6 +258,12 @@ class FeedHandler:
 
         def announce() -> None:
             log.info("task_retried", retries=request.retries + 1, eta=eta, error=_describe(error))
+            self.events.send(
+                "task-retried",
+                uuid=request.id,
+                exception=describe_repr(error),
+                traceback=done.get("traceback") or "",
+            )
             self._reply(
                 request,
                 Outcome(
@@ -270,6 +298,13 @@ class FeedHandler:
         self._canvas.chord_part(request, State.FAILURE, error)
         if canvas_plan.wants_anything(request):
             self._canvas.after_failure(request)
+        self.events.send(
+            "task-failed", uuid=request.id, exception=describe_repr(error), traceback=traceback or ""
+        )
+
+    def _rejected(self, task_id: str) -> Callable[[], None]:
+        # Sent once the dead letter is confirmed: the task is rejected only if it is kept there.
+        return lambda: self.events.send("task-rejected", uuid=task_id, requeue=False)
 
     def _skip_revoked(self, request: TaskMessage, *, expired: bool) -> Disposition:
         reason = "expired" if expired else "revoked"
@@ -277,6 +312,7 @@ class FeedHandler:
         error = wire_exception("TaskRevokedError", reason)
         self._reply(request, Outcome(task_id=request.id, status=State.REVOKED, result=error))
         self._canvas.chord_part(request, State.REVOKED, error)
+        self.events.send("task-revoked", uuid=request.id, terminated=False, signum=None, expired=expired)
         return ACK
 
     def _cannot_honour(self, request: TaskMessage, why: str) -> Disposition:
@@ -304,7 +340,7 @@ class FeedHandler:
         error = wire_exception(exc_type, message, module=module)
         self._reply(request, Outcome(task_id=request.id, status=State.FAILURE, result=error), failed=True)
         self._canvas.chord_part(request, State.FAILURE, error)
-        return Disposition.dead_letter(reason, why), None
+        return Disposition.dead_letter(reason, why), self._rejected(request.id)
 
     def _refuse(self, delivery: TaskDelivery, *, reason: str, error: str) -> Disposition:
         # Poison input: dead-lettered; a caller we can name gets a FAILURE.

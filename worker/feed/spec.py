@@ -27,8 +27,12 @@ class FeedSpec:
         board_path: the worker's shared board of running tasks (``worker/pool/board.py``).
         board_slots: how many slots the board has.
         slot: this child's slot on it.
+        task_names: every task the app registers, sorted (the rate buckets' order).
         rate_limits: tokens per second of each rate-limited task, shared by the children.
         rates_path: the file of their buckets (``worker/feed/rates.py``).
+        task_events: send ``task-*`` events from the start (``-E``).
+        max_tasks_per_child: a child retires after this many tasks (None: never).
+        max_memory_per_child_kib: a child retires once its resident memory passed this after a task.
     """
 
     settings: Settings
@@ -41,5 +45,9 @@ class FeedSpec:
     board_path: str | None = None
     board_slots: int = 0
     slot: int = 0
+    task_names: tuple[str, ...] = ()
     rate_limits: dict[str, float] = field(default_factory=dict)
     rates_path: str | None = None
+    task_events: bool = False
+    max_tasks_per_child: int | None = None
+    max_memory_per_child_kib: int | None = None

@@ -5,9 +5,10 @@ With ``--children-consume`` no message crosses from a child to the worker per ta
 know what runs where. Each child owns one slot of a memory-mapped file and writes the task it
 starts and clears it when the task ends; the worker reads the slots when asked.
 
-A slot is ``seq`` (even: stable, odd: being written), the child's pid, the start time and a msgpack
-map of the task (id, name, args, kwargs, delivery_info). A reader retries while ``seq`` is odd or
-changed under it, so it never sees half a write and the writer never waits.
+A slot is ``seq`` (even: stable, odd: being written), the child's pid, the start time, a msgpack
+map of the task (id, name, args, kwargs, delivery_info) and how many tasks the child has ended. A
+reader retries while ``seq`` is odd or changed under it, so it never sees half a write and the
+writer never waits.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from broker_svc.wire.task_message import safe_repr
 __all__ = ["Board", "Running"]
 
 SLOT_SIZE: Final = 8192
-_HEAD = struct.Struct("<IIdI")  # seq, pid, started (epoch s), payload length
+_HEAD = struct.Struct("<IIdIQ")  # seq, pid, started (epoch s), payload length, tasks ended
 _SEQ = struct.Struct("<I")
 _MAX_PAYLOAD: Final = SLOT_SIZE - _HEAD.size
 _READ_TRIES: Final = 100
@@ -58,6 +59,7 @@ class Board:
         self.path = path
         self.slots = slots
         self._owner = owner
+        self._ended = 0  # a child's count of its tasks that ended
         with path.open("r+b") as file:
             self._map = mmap.mmap(file.fileno(), slots * SLOT_SIZE)
 
@@ -90,14 +92,15 @@ class Board:
         self._write(slot, os.getpid(), time.time(), payload)
 
     def end(self, slot: int) -> None:
-        """Nothing runs in ``slot`` any more."""
+        """Nothing runs in ``slot`` any more: one more task ended there."""
+        self._ended += 1
         self._write(slot, os.getpid(), 0.0, b"")
 
     def _write(self, slot: int, pid: int, started: float, payload: bytes) -> None:
         base = slot * SLOT_SIZE
         (seq,) = _SEQ.unpack_from(self._map, base)
         _SEQ.pack_into(self._map, base, (seq + 1) & 0xFFFFFFFF)  # odd: being written
-        _HEAD.pack_into(self._map, base, (seq + 1) & 0xFFFFFFFF, pid, started, len(payload))
+        _HEAD.pack_into(self._map, base, (seq + 1) & 0xFFFFFFFF, pid, started, len(payload), self._ended)
         self._map[base + _HEAD.size : base + _HEAD.size + len(payload)] = payload
         _SEQ.pack_into(self._map, base, (seq + 2) & 0xFFFFFFFF)
 
@@ -117,7 +120,7 @@ class Board:
     def _read(self, slot: int) -> Running | None:
         base = slot * SLOT_SIZE
         for _ in range(_READ_TRIES):
-            seq, pid, started, length = _HEAD.unpack_from(self._map, base)
+            seq, pid, started, length, _ended = _HEAD.unpack_from(self._map, base)
             if seq & 1:
                 continue
             payload = bytes(self._map[base + _HEAD.size : base + _HEAD.size + min(length, _MAX_PAYLOAD)])
@@ -131,6 +134,12 @@ class Board:
                 info = {}
             return Running(slot, pid, started, info if isinstance(info, dict) else {})
         return None
+
+    def ended(self, slot: int) -> int:
+        """How many tasks the child in ``slot`` has ended (0 once closed)."""
+        if self._map.closed:
+            return 0
+        return int(_HEAD.unpack_from(self._map, slot * SLOT_SIZE)[4])
 
     def clear(self, slot: int) -> None:
         """Empty a slot whose child died mid-task (the worker's side)."""

@@ -37,15 +37,15 @@ class Feeding:
     def __init__(self, spec: FeedSpec, *, slots: int) -> None:
         self.board = Board.create(slots)
         # One bucket per rate-limited task, shared by every child (a limit is per worker).
-        self.rates = SharedRates.create(spec.rate_limits) if spec.rate_limits else None
+        self.rates = SharedRates.create(spec.task_names, spec.rate_limits)
         self._spec = dataclasses.replace(
-            spec,
-            board_path=str(self.board.path),
-            board_slots=slots,
-            rates_path=str(self.rates.path) if self.rates is not None else None,
+            spec, board_path=str(self.board.path), board_slots=slots, rates_path=str(self.rates.path)
         )
         self._revoked: Callable[[], Iterable[str]] | None = None  # set by start()
+        self.task_events = spec.task_events  # what each child is told (-E, enable_events)
+        self._time_limits: dict[str, tuple[float | None, float | None]] = {}  # the time_limit command's
         self._writers: dict[int, asyncio.StreamWriter] = {}  # slot -> its child's socket
+        self._ended_before = 0  # tasks ended by children that exited
 
     def spec_for(self, slot: int) -> FeedSpec:
         """The start-up order of the child in ``slot``."""
@@ -59,6 +59,7 @@ class Feeding:
     def left(self, slot: int) -> None:
         """The child of ``slot`` exited: what it showed as running is not any more."""
         self._writers.pop(slot, None)
+        self._ended_before += self.board.ended(slot)
         self.board.clear(slot)
 
     def start(self, revoked: Callable[[], Iterable[str]]) -> None:
@@ -76,9 +77,32 @@ class Feeding:
             if not writer.is_closing():
                 writer.write(frame)
 
+    def set_task_events(self, on: bool) -> None:
+        """Turn task events on or off in every child (``enable_events``/``disable_events``)."""
+        self.task_events = on
+        frame = ipc.encode_frame({"op": "events", "on": on})
+        for writer in self._writers.values():
+            if not writer.is_closing():
+                writer.write(frame)
+
+    def set_time_limit(self, task_name: str, *, hard: float | None, soft: float | None) -> None:
+        """The ``time_limit`` command: every child uses these limits for ``task_name`` from now on."""
+        self._time_limits[task_name] = (hard, soft)
+        self._broadcast(ipc.encode_frame({"op": "time_limit", "task": task_name, "hard": hard, "soft": soft}))
+
+    def _broadcast(self, frame: bytes) -> None:
+        for writer in self._writers.values():
+            if not writer.is_closing():
+                writer.write(frame)
+
     def running(self) -> list[Running]:
         """What every child runs now."""
         return self.board.running()
+
+    @property
+    def processed(self) -> int:
+        """Tasks the children have ended since the worker started (the heartbeat's ``processed``)."""
+        return self._ended_before + sum(self.board.ended(slot) for slot in range(self.board.slots))
 
     def terminate(self, task_id: str, sig: int) -> bool:
         """Signal the child running ``task_id``; whether one was."""
@@ -98,11 +122,13 @@ class Feeding:
     def close(self) -> None:
         """Remove the board and the rate buckets."""
         self.board.close()
-        if self.rates is not None:
-            self.rates.close()
+        self.rates.close()
 
     def _let_consume(self, writer: asyncio.StreamWriter) -> None:
         if self._revoked is None or writer.is_closing():
             return
         writer.write(ipc.encode_frame({"op": "revoke", "ids": list(self._revoked())}))
+        writer.write(ipc.encode_frame({"op": "events", "on": self.task_events}))
+        for name, (hard, soft) in self._time_limits.items():
+            writer.write(ipc.encode_frame({"op": "time_limit", "task": name, "hard": hard, "soft": soft}))
         writer.write(ipc.encode_frame({"op": "consume"}))

@@ -439,6 +439,8 @@ class ProcessPool:
                     self._on_update(frame["task_id"], payload)
                 except Exception:  # a broken hook must not take the child's job down with it
                     log.exception("pool_on_update_failed", task_id=frame["task_id"])
+        elif op == "retiring" and self.feeding is not None:
+            child.recycled = True  # a consuming child past its limits: its slot starts another
         elif op == "done" and job is not None:
             child.jobs_done += 1
             child.settle(JobOutcome.from_frame(frame, pid=child.pid))

@@ -6,7 +6,7 @@ import os
 import resource
 import time
 from collections.abc import Callable
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import urlsplit
 
 import structlog
@@ -28,6 +28,9 @@ from worker.pool.pool import ProcessPool
 from worker.remote.mingle import HELLO_REVOKED_LIMIT
 from worker.remote.revocation_log import RevocationLog
 from worker.remote.revoker import Revoker
+
+if TYPE_CHECKING:
+    from worker.pool.feeding import Feeding
 
 __all__ = ["COMMAND_NAMES", "WorkerCommands", "queue_info"]
 
@@ -97,6 +100,17 @@ class WorkerCommands:
         return registry
 
     # -- inspect: what the worker holds and runs ------------------------------------------------------
+
+    @property
+    def _feeding(self) -> Feeding | None:
+        # The pool's consuming children (--children-consume), if any; unit tests build us without a pool.
+        return getattr(self._pool, "feeding", None)
+
+    def _set_task_events(self, on: bool) -> None:
+        # The worker's own events, and consuming children's (they send theirs themselves).
+        self._events.task_events = on
+        if (feeding := self._feeding) is not None:
+            feeding.set_task_events(on)
 
     def _not_in_children(self, command: str) -> dict[str, Any] | None:
         # With --children-consume, runtime changes do not reach the children yet: say so.
@@ -231,11 +245,11 @@ class WorkerCommands:
     # -- runtime changes: limits, queues, events ------------------------------------------------------
 
     async def time_limit(self, task_name: str, soft: float | None, hard: float | None) -> dict[str, Any]:
-        if (refused := self._not_in_children("time_limit")) is not None:
-            return refused
         if task_name not in self._app.tasks:
             return nok("unknown task")
         self._consumer.time_limits[task_name] = (hard, soft)
+        if (feeding := self._feeding) is not None:
+            feeding.set_time_limit(task_name, hard=hard, soft=soft)
         return ok("time limits set successfully")
 
     async def rate_limit(self, task_name: str, rate_limit: str | int | float | None) -> dict[str, Any]:
@@ -250,11 +264,11 @@ class WorkerCommands:
         if task_name not in self._app.tasks:
             log.warning("rate_limit_unknown_task", task_name=task_name)
             return nok("unknown task")
-        if (refused := self._not_in_children("rate_limit")) is not None:
-            return refused
         # As Celery, rewrite the task's option too: it stays what this worker enforces.
         type(self._app.tasks[task_name]).rate_limit = rate_limit
         self._limits.set(task_name, per_second)
+        if (feeding := self._feeding) is not None:
+            feeding.rates.set(task_name, per_second)  # every child takes from the same bucket
         if per_second is None:
             log.info("rate_limit_disabled", task_name=task_name)
             return ok("rate limit disabled successfully")
@@ -274,17 +288,15 @@ class WorkerCommands:
         return ok(await self._queues.cancel(queue))
 
     async def enable_events(self) -> dict[str, Any]:
-        if (refused := self._not_in_children("enable_events")) is not None:
-            return refused
         if self._events.task_events:
             return ok("task events already enabled")
-        self._events.task_events = True
+        self._set_task_events(True)
         return ok("task events enabled")
 
     async def disable_events(self) -> dict[str, Any]:
         if not self._events.task_events:
             return ok("task events already disabled")
-        self._events.task_events = False
+        self._set_task_events(False)
         return ok("task events disabled")
 
     # -- the pool: its size and the autoscaler --------------------------------------------------------
