@@ -185,9 +185,7 @@ class FeedConnection:
         self._write(frames.method(_CHANNEL, 60, 10, struct.pack(">IHB", 0, self._prefetch, 0)))
         self._expect((60, 11))
         for queue in self._queues:
-            arguments = b"\x00\x00" + frames.short_string(queue) + b"\x00" + b"\x00" + encode_table({})
-            ok = self._expect((60, 21), send=frames.method(_CHANNEL, 60, 20, arguments))
-            self._tags[ok[5 : 5 + ok[4]].decode()] = queue
+            self._consume(queue)
         # One read waits at most this long, so heartbeats go out and a stop is seen. A kernel receive
         # timeout on a blocking socket costs one system call per read; Python's own timeout adds a
         # poll() before each (TLS keeps it: its reads cannot use the kernel's).
@@ -233,6 +231,38 @@ class FeedConnection:
         """
         if self._current(delivery):
             self._write(frames.method(_CHANNEL, 60, 120, _U64_BIT.pack(delivery.tag, 2 if requeue else 0)))
+
+    @property
+    def queues(self) -> tuple[str, ...]:
+        """The queues consumed (and consumed again after a reconnect)."""
+        return self._queues
+
+    def set_queues(self, queues: Sequence[str]) -> None:
+        """Consume ``queues`` from now on: new ones are consumed, dropped ones cancelled.
+
+        Deliveries already taken from a dropped queue stay with the caller.
+
+        Raises:
+            ConnectionLost: the connection failed meanwhile (a reconnect consumes ``queues``).
+        """
+        wanted = tuple(dict.fromkeys(queues))
+        self._queues, before = wanted, set(self._tags.values())
+        if self._sock is None:
+            return
+        for tag, queue in list(self._tags.items()):
+            if queue not in wanted:
+                self._expect(
+                    (60, 31), send=frames.method(_CHANNEL, 60, 30, frames.short_string(tag) + b"\x00")
+                )
+                del self._tags[tag]
+        for queue in wanted:
+            if queue not in before:
+                self._consume(queue)
+
+    def _consume(self, queue: str) -> None:
+        arguments = b"\x00\x00" + frames.short_string(queue) + b"\x00" + b"\x00" + encode_table({})
+        ok = self._expect((60, 21), send=frames.method(_CHANNEL, 60, 20, arguments))
+        self._tags[ok[5 : 5 + ok[4]].decode()] = queue
 
     def cancel(self) -> list[TaskDelivery]:
         """Stop consuming; returns what was delivered and not taken yet (the caller hands it back).

@@ -266,19 +266,32 @@ def test_a_warm_shutdown_finishes_the_running_task_and_hands_back_the_rest(test_
         delete_queues(test_vhost_url, queue, f"{queue}.dead")
 
 
-def test_runtime_changes_reach_the_children_or_are_refused(
+def test_runtime_changes_reach_every_child(
     test_vhost_url: str, feed_queue: str, feed_worker: WorkerProcess, app: App
 ):
     name = feed_worker.name
     queues = call(test_vhost_url, "active_queues", destination=[name], expect=1)
     assert [q["name"] for q in queues[0][1][name]] == [feed_queue]  # what the children consume
-    for method, arguments in (
-        ("add_consumer", {"queue": "elsewhere"}),
-        ("cancel_consumer", {"queue": feed_queue}),
-        ("pool_grow", {"n": 1}),
-    ):
-        replies = call(test_vhost_url, method, arguments=arguments, destination=[name], expect=1)
-        assert "--children-consume" in replies[0][1][name]["error"], method
+    replies = call(test_vhost_url, "pool_grow", arguments={"n": 1}, destination=[name], expect=1)
+    assert "--children-consume" in replies[0][1][name]["error"]
+    # add_consumer / cancel_consumer: every child consumes the new queue, then none does.
+    extra = unique_queue("feed-extra")
+    try:
+        replies = call(
+            test_vhost_url, "add_consumer", arguments={"queue": extra}, destination=[name], expect=1
+        )
+        assert replies[0][1][name] == {"ok": f"add consumer {extra}"}
+        wait_for(lambda: _consumers(test_vhost_url, extra) == 2, timeout_s=20, message="both children on it")
+        assert app.send_task(f"{TASKS}.sleeper", (0,), queue=extra).get(timeout=30) > 0
+        queues = call(test_vhost_url, "active_queues", destination=[name], expect=1)
+        assert [q["name"] for q in queues[0][1][name]] == [feed_queue, extra]
+        replies = call(
+            test_vhost_url, "cancel_consumer", arguments={"queue": extra}, destination=[name], expect=1
+        )
+        assert replies[0][1][name] == {"ok": f"no longer consuming from {extra}"}
+        wait_for(lambda: _consumers(test_vhost_url, extra) == 0, timeout_s=20, message="no child on it")
+    finally:
+        delete_queues(test_vhost_url, extra, f"{extra}.dead")
     # time_limit: a hard limit of 1 s for sleeper, sent to every child.
     replies = call(
         test_vhost_url, "time_limit", arguments={"task_name": f"{TASKS}.sleeper", "hard": 1, "soft": None},

@@ -72,6 +72,13 @@ class QueueConsumers:
         if queue not in self._fed:
             self._fed.append(queue)
 
+    def unfeed(self, queue: str) -> bool:
+        """The pool's children stop consuming ``queue`` (``--children-consume``); whether they did."""
+        if queue not in self._fed:
+            return False
+        self._fed.remove(queue)
+        return True
+
     async def add(self, queue: str, *, listed: bool = True) -> str:
         """Declare ``queue`` (as Celery does) and consume it.
 

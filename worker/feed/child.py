@@ -57,6 +57,7 @@ _BACKOFF_S: Final = (0.2, 5.0)
 def serve(app: App, spec: FeedSpec, channel: ChildChannel, soft_limit: SoftLimit) -> None:
     """Consume ``spec.queues`` and run their tasks here until the worker closes the socket."""
     revoked: set[str] = set(spec.revoked)
+    wanted = list(spec.queues)  # the queues to consume; add_consumer/cancel_consumer change it
     stopping, may_consume = threading.Event(), threading.Event()
     name = f"{spec.hostname}.child-{os.getpid()}"
     connection = FeedConnection(spec.settings, name=name, queues=spec.queues, prefetch=spec.prefetch)
@@ -74,7 +75,7 @@ def serve(app: App, spec: FeedSpec, channel: ChildChannel, soft_limit: SoftLimit
     with _signals_blocked():  # the threads started here never take the main thread's signals
         control = threading.Thread(
             target=_follow_worker,
-            args=(channel, revoked, stopping, may_consume, events, handler.time_limits),
+            args=(channel, revoked, stopping, may_consume, events, handler.time_limits, wanted),
             name="clockwork-feed-control",
         )
         control.daemon = True
@@ -88,7 +89,14 @@ def serve(app: App, spec: FeedSpec, channel: ChildChannel, soft_limit: SoftLimit
     may_consume.wait()
     try:
         _consume(
-            connection, handler, settler, watchdog, stopping, spec, retiring=lambda: _say_retiring(channel)
+            connection,
+            handler,
+            settler,
+            watchdog,
+            stopping,
+            spec,
+            wanted=wanted,
+            retiring=lambda: _say_retiring(channel),
         )
     finally:
         connection.close()
@@ -102,6 +110,8 @@ def _consume(
     watchdog: _HardLimit,
     stopping: threading.Event,
     spec: FeedSpec,
+    *,
+    wanted: list[str],
     retiring: Callable[[], None],
 ) -> None:
     connected, backoff_s = False, _BACKOFF_S[0]
@@ -113,6 +123,9 @@ def _consume(
                 log.info(
                     "feed_child_consuming", queues=list(spec.queues), prefetch=spec.prefetch, pid=os.getpid()
                 )
+            if tuple(wanted) != connection.queues:  # add_consumer / cancel_consumer, between tasks
+                connection.set_queues(list(wanted))
+                log.info("feed_child_queues", queues=list(wanted))
             delivery = connection.next_delivery(_STOP_CHECK_S)
             if delivery is None:
                 continue
@@ -280,6 +293,7 @@ def _follow_worker(
     may_consume: threading.Event,
     events: FeedEvents,
     time_limits: dict[str, tuple[float | None, float | None]],
+    wanted: list[str],
 ) -> None:
     # "consume" once the worker knows every revoke (its state file, the log, Mingle); revoked ids
     # as it learns them; end of file (the worker closed our socket): stop.
@@ -292,6 +306,8 @@ def _follow_worker(
                 revoked.update(str(task_id) for task_id in frame.get("ids") or ())
             elif op == "events":  # enable_events / disable_events
                 events.enabled = bool(frame.get("on"))
+            elif op == "queues":  # add_consumer / cancel_consumer: the main thread applies it
+                wanted[:] = [str(queue) for queue in frame.get("queues") or ()]
             elif op == "time_limit":  # the time_limit command: (hard, soft) for one task
                 time_limits[str(frame.get("task"))] = (frame.get("hard"), frame.get("soft"))
             else:

@@ -44,6 +44,7 @@ class Feeding:
         self._revoked: Callable[[], Iterable[str]] | None = None  # set by start()
         self.task_events = spec.task_events  # what each child is told (-E, enable_events)
         self._time_limits: dict[str, tuple[float | None, float | None]] = {}  # the time_limit command's
+        self._queues: list[str] | None = None  # add_consumer/cancel_consumer; None: the spec's
         self._writers: dict[int, asyncio.StreamWriter] = {}  # slot -> its child's socket
         self._ended_before = 0  # tasks ended by children that exited
 
@@ -90,6 +91,11 @@ class Feeding:
         self._time_limits[task_name] = (hard, soft)
         self._broadcast(ipc.encode_frame({"op": "time_limit", "task": task_name, "hard": hard, "soft": soft}))
 
+    def set_queues(self, queues: list[str]) -> None:
+        """``add_consumer``/``cancel_consumer``: every child consumes ``queues`` from now on."""
+        self._queues = list(queues)
+        self._broadcast(ipc.encode_frame({"op": "queues", "queues": self._queues}))
+
     def _broadcast(self, frame: bytes) -> None:
         for writer in self._writers.values():
             if not writer.is_closing():
@@ -129,6 +135,8 @@ class Feeding:
             return
         writer.write(ipc.encode_frame({"op": "revoke", "ids": list(self._revoked())}))
         writer.write(ipc.encode_frame({"op": "events", "on": self.task_events}))
+        if self._queues is not None:
+            writer.write(ipc.encode_frame({"op": "queues", "queues": self._queues}))
         for name, (hard, soft) in self._time_limits.items():
             writer.write(ipc.encode_frame({"op": "time_limit", "task": name, "hard": hard, "soft": soft}))
         writer.write(ipc.encode_frame({"op": "consume"}))

@@ -278,13 +278,22 @@ class WorkerCommands:
     async def add_consumer(
         self, queue: str, exchange: str | None, exchange_type: str, routing_key: str | None, options: Any
     ) -> dict[str, Any]:
-        if (refused := self._not_in_children("add_consumer")) is not None:
-            return refused
+        if (feeding := self._feeding) is not None:  # the children consume: declare, then tell them
+            if queue in self._queues.listed():
+                return ok(f"already consuming from {queue!r}")
+            await self._queues.declare(queue)
+            feeding.set_queues(self._queues.listed())
+            log.info("consumer_added", queue=queue)
+            return ok(f"add consumer {queue}")
         return ok(await self._queues.add(queue))
 
     async def cancel_consumer(self, queue: str) -> dict[str, Any]:
-        if (refused := self._not_in_children("cancel_consumer")) is not None:
-            return refused
+        if (feeding := self._feeding) is not None:
+            if not self._queues.unfeed(queue):
+                return ok(f"not consuming from {queue}")
+            feeding.set_queues(self._queues.listed())
+            log.info("consumer_cancelled", queue=queue)
+            return ok(f"no longer consuming from {queue}")
         return ok(await self._queues.cancel(queue))
 
     async def enable_events(self) -> dict[str, Any]:
