@@ -140,7 +140,10 @@ def revoke_to_skip(url: str, runs: int) -> dict[str, object]:
             for _ in range(runs):
                 task_id = str(uuid.uuid4())
                 started = time.perf_counter()
-                client.revoke(task_id)
+                # reply=True: the call returns once every live worker holds the id (each has told
+                # its consuming children), so the task sent next is skipped. Without a reply the
+                # revoke can reach a worker after the task reaches one of its children.
+                client.revoke(task_id, reply=True, timeout_s=5.0)
                 calls.append((time.perf_counter() - started) * 1000)
                 result = app.send_task(NOOP, queue=queue, task_id=task_id)
                 try:

@@ -1,8 +1,9 @@
 """Where a round trip's time goes: our client and a raw pika client, each against our worker and a
 raw pika echo worker, alternating in one run.
 
-Usage: ``python -m bench.latency_split [--broker URL] [--calls 500] [--rounds 3]`` (or ``echo``, its
-raw worker). Prints one JSON line per pairing and round, then the medians as a table.
+Usage: ``python -m bench.latency_split [--broker URL] [--calls 500] [--rounds 3] [-- WORKER ARGS]``
+(or ``echo``, its raw worker); ``-- --children-consume`` measures that design of our worker.
+Prints one JSON line per pairing and round, then the medians as a table.
 
 The echo worker is one pika process that answers each call with our result message for the call's
 task id (encoded per call, a few microseconds), then acks; the raw client publishes our call message
@@ -73,9 +74,9 @@ def pika_client(url: str, queue: str, calls: int) -> list[float]:
 
 
 @contextmanager
-def _worker(kind: str, url: str, queue: str) -> Iterator[Popen[bytes]]:
+def _worker(kind: str, url: str, queue: str, worker_args: list[str]) -> Iterator[Popen[bytes]]:
     if kind == "ours":
-        with Clockwork(url).worker(queue, Shape.PAIR) as proc:
+        with Clockwork(url, extra_worker_args=worker_args).worker(queue, Shape.PAIR) as proc:
             yield proc
         return
     cmd = [sys.executable, "-m", "bench.latency_split", "echo", "--broker", url, "--queue", queue]
@@ -87,14 +88,14 @@ def _consuming(depth: Depth) -> bool:
     return depth.consumers >= 1
 
 
-def measure(url: str, client: str, worker: str, calls: int) -> dict[str, float]:
+def measure(url: str, client: str, worker: str, calls: int, worker_args: list[str]) -> dict[str, float]:
     """One pairing on a fresh queue: p50/p99 of ``calls`` round trips."""
     queue = f"split-{client}-{worker}-{uuid4_str()[:8]}"
     call: Callable[[str, str, int], list[float]] = (
         pika_client if client == "pika" else lambda u, q, n: Clockwork(u).round_trip(q, n)
     )
     try:
-        with probe(url) as queue_probe, _worker(worker, url, queue) as proc:
+        with probe(url) as queue_probe, _worker(worker, url, queue, worker_args) as proc:
             queue_probe.wait(
                 queue, _consuming, timeout_s=120, what="worker start", alive=lambda: proc.poll() is None
             )
@@ -108,20 +109,23 @@ def main() -> int:
     if raw is not None:
         echo(*raw)
         return 0
+    argv = sys.argv[1:]
+    worker_args = argv[argv.index("--") + 1 :] if "--" in argv else []
+    own = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(prog="python -m bench.latency_split", description=__doc__)
     parser.add_argument(
         "--broker", default=os.environ.get("CLOCKWORK_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
     )
     parser.add_argument("--calls", type=int, default=500)
     parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
+    args = parser.parse_args(own)
     configure_logging("warning")
     p50s: dict[tuple[str, str], list[float]] = {}
     with vhost(args.broker) as url:
         for round_no, (client, worker) in itertools.product(
             range(args.rounds), itertools.product(CLIENTS, WORKERS)
         ):
-            figures = measure(url, client, worker, args.calls)
+            figures = measure(url, client, worker, args.calls, worker_args)
             p50s.setdefault((client, worker), []).append(figures["p50_ms"])
             print(json.dumps({"round": round_no, "client": client, "worker": worker, **figures}), flush=True)
     print("\n| client \\ worker | ours | raw pika echo |\n|---|---|---|")

@@ -27,17 +27,23 @@ from broker_svc.task import Signature
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEM = "clockwork"
 TIMED = "bench.tasks.timed"
-WIDE_PROCESSES = 16  # the pool is processes only: 16 on 2 cores is already memory-heavy (~16 x 25 MiB)
+WIDE_THREADS = 50  # the wide worker: two children with 25 threads each, as Dramatiq's -p 2 -t 25
+# The default design (each pool child consumes); ``-- --worker-consumes`` (bench.cpu_split) selects
+# the previous one, where the main process consumes for its children.
 WORKER_ARGS = "--without-mingle --statedb none"
 
 
 class Clockwork:
     """The ``bench.scenarios.Subject`` for our worker and client."""
 
-    def __init__(self, url: str, *, wide: int = 0, extra_worker_args: Sequence[str] = ()) -> None:
+    def __init__(
+        self, url: str, *, wide: int = 0, extra_worker_args: Sequence[str] = (), wide_threads: bool = True
+    ) -> None:
         self._url = url
-        self._wide = wide or WIDE_PROCESSES
+        self._wide = wide or WIDE_THREADS
         self._extra_worker_args = tuple(extra_worker_args)
+        # The wide shape as Dramatiq's: two processes with threads (--threads), not one per slot.
+        self._wide_threads = wide_threads
 
     def _app(self) -> App:
         return App("bench-compare", settings=Settings(broker_url=self._url))
@@ -50,12 +56,25 @@ class Clockwork:
         concurrency = 2 if shape is Shape.PAIR else self._wide
         # Later options win: bench.cpu_split's -l warning, say.
         extra = [*WORKER_ARGS.split(), *self._extra_worker_args]
+        if shape is not Shape.PAIR and self._wide_threads:
+            concurrency, extra = 2, [*extra, "--threads", str(max(1, self._wide // 2))]
         cmd = worker_command(self._url, queue, concurrency, extra=extra)
         with running(cmd, env=dict(os.environ), cwd=ROOT) as proc:
             yield proc
 
     def consumers(self, shape: Shape) -> int:
-        return 1  # the main process consumes for its children
+        args = [*WORKER_ARGS.split(), *self._extra_worker_args]
+        if "--worker-consumes" in args:
+            return 1  # the main process consumes for its children
+        threads = 1
+        for flag, value in zip(args, args[1:], strict=False):
+            if flag == "--threads":
+                threads = int(value)  # the last one wins, as in the worker's parser
+        if shape is Shape.PAIR:
+            return 2 * threads  # each child consumes, one connection per thread
+        if self._wide_threads:
+            return 2 * max(1, self._wide // 2)  # two children, a consumer per thread
+        return self._wide
 
     def fill(self, queue: str, count: int, task: Task, *, wait_queued: bool = True) -> None:
         # Confirmed messages are queued: there is nothing more to wait for either way.

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.stats import Spread, ratio
-from bench.systems import CHILDREN, LABELS, OUR_SYSTEMS, OURS
+from bench.systems import LABELS, OUR_SYSTEMS, OURS, THREADS
 
 START_MARKER = "<!-- bench:compare:start -->"
 END_MARKER = "<!-- bench:compare:end -->"
@@ -38,7 +38,7 @@ FIGURES = (
     Figure("control", "ping_3w_ms", "inspect ping, 3 workers, in process, ms", False),
     Figure("control", "ping_cmd_1w_ms", "ping as a command (`ctl` / `celery`), 1 worker, ms", False),
     Figure("control", "ping_cmd_3w_ms", "ping as a command, 3 workers, ms", False),
-    Figure("control", "revoke_call_ms", "`revoke()` call, ms", False),
+    Figure("control", "revoke_call_ms", "`revoke(reply=True)` call, ms", False),
     Figure("control", "revoke_to_skip_ms", "revoke → REVOKED result of a task sent after it, ms", False),
 )
 
@@ -105,14 +105,14 @@ def _ratio(row: Row, peer: str, ours_name: str = OURS) -> str:
 def table(rows: Sequence[Row], systems: Sequence[str]) -> str:
     """A Markdown table: median (min–max) per system, then ours / peer of the medians.
 
-    With both of our designs in the run, each gets its ratios (``children / peer`` for the consuming
-    children), and the default design's include ``ours / children``.
+    With both of our shapes in the run, each gets its ratios (``threads / peer`` for ``--threads 8``),
+    and the default's include ``ours / threads``.
     """
     peers = [s for s in systems if s != OURS]
-    extra = [p for p in peers if p not in OUR_SYSTEMS] if CHILDREN in systems else []
+    extra = [p for p in peers if p not in OUR_SYSTEMS] if THREADS in systems else []
     header = [
         "figure", "better", *(LABELS[s] for s in systems), *(f"ours / {LABELS[p]}" for p in peers),
-        *(f"children / {LABELS[p]}" for p in extra),
+        *(f"threads / {LABELS[p]}" for p in extra),
     ]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
@@ -122,7 +122,7 @@ def table(rows: Sequence[Row], systems: Sequence[str]) -> str:
             better,
             *(_cell(row, s) for s in systems),
             *(_ratio(row, p) for p in peers),
-            *(_ratio(row, p, CHILDREN) for p in extra),
+            *(_ratio(row, p, THREADS) for p in extra),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -153,15 +153,21 @@ def settings_text(sizes: Mapping[str, int], wide: Mapping[str, int]) -> str:
   (deleted after it); workers log at INFO to a temporary file (Clockwork and Celery write lines
   per task there, Dramatiq does not); persistent messages; ack after the task ran. Figures are read from the
   broker's side the same way for all (passive `queue.declare` every 10 ms): *drain* is the
-  deliveries between the first one and the moment no message is left ready, over that time (in
+  deliveries between the first one seen with every consumer of the worker on the queue (2 for
+  Dramatiq, 1 per child or thread for our consuming children) and the moment no message is left
+  ready, over that time (in
   steady state deliveries and completions match; the prefetch at either end is at most a few
   hundred of {sizes["drain"]:,}); *end to end* is {sizes["e2e"]:,} tasks over the time from the
   first timed send (worker already consuming) until none is left ready; *enqueue* is
   {sizes["enqueue"]:,} sends after one warm-up send, until the broker confirmed the last.
-- **Clockwork**: `python -m worker -c 2` (process pool, prefetch multiplier 1: 2 unacked; uvloop;
-  `--without-mingle --statedb none`); client `App.send_task` with its default pipelined confirms
-  (a call returns once handed to the I/O thread; *calls/s* counts those, *confirmed* waits for
-  all); results over the client's reply queue. Sleepers: `-c {wide.get("clockwork", 0)}` (processes only).
+- **Clockwork**: `python -m worker -c 2` (each pool child consumes with prefetch 1 on a
+  connection of its own: 2 unacked; uvloop in the main process; `--without-mingle --statedb none`);
+  client `App.send_task` with its default pipelined confirms (a call returns once handed to the
+  I/O thread; *calls/s* counts those, *confirmed* waits for all); results over the client's reply
+  queue. Sleepers: `-c 2 --threads {wide.get("clockwork", 0) // 2}` ({wide.get("clockwork", 0)}
+  threads, each with its own connection and prefetch 1).
+  *Clockwork, --threads 8*: the same worker in Dramatiq's drain shape, `-c 2 --threads 8`
+  (16 at once, 16 unacked), drain and end to end only.
 - **Celery**: `celery worker -P prefork -c 2 --without-mingle --without-gossip`, `task_acks_late`,
   default prefetch multiplier 4 (8 unacked), rpc:// results, JSON,
   `broker_transport_options={{"confirm_publish": True}}` (each `apply_async` waits for its confirm).

@@ -92,18 +92,20 @@ def _drain(
     subject: Subject, url: str, queue: str, count: int, task: Task, shape: Shape, timeout_s: float
 ) -> dict[str, float]:
     subject.fill(queue, count, task)
+    wanted = subject.consumers(shape)
     with probe(url) as queue_probe:
         full = queue_probe.depth(queue).ready
         with subject.worker(queue, shape) as proc:
-            # The clock starts when the broker is first seen handing messages out and stops when
-            # none is left ready; the rate counts what was delivered in between. In steady state
-            # that is what was done: the prefetch in flight at either end is the same (a few dozen
-            # deliveries; 200 for Celery's 50 threads, against thousands).
+            # The clock starts when the broker is seen handing messages out with every consumer of
+            # the worker on the queue (a worker whose 50 threads each connect would otherwise be
+            # timed while it starts), and stops when none is left ready; the rate counts what was
+            # delivered in between. In steady state that is what was done: the prefetch in flight
+            # at either end is the same (a few dozen deliveries; 200 for Celery's 50 threads).
             began, first = queue_probe.wait(
                 queue,
-                lambda d: d.ready < full,
+                lambda d: d.ready < full and d.consumers >= wanted,
                 timeout_s=120,
-                what="first delivery",
+                what="first delivery with every consumer",
                 alive=lambda: _alive(proc),
             )
             ended, _ = queue_probe.wait(

@@ -45,15 +45,16 @@ SCENARIOS = (
 SCENARIO_NAMES = tuple(s.name for s in SCENARIOS)
 
 _TASKS = frozenset({"enqueue", "drain", "e2e", "round_trip", "sleep", "memory"})
+_THREADS = frozenset({"drain", "e2e"})  # where the shape matters; its sleepers are the default's
 _CEILING = frozenset({"enqueue", "drain", "e2e", "round_trip"})
 
 OURS = "clockwork"
-CHILDREN = "clockwork-children"  # the same worker with --children-consume (issue 16)
-OUR_SYSTEMS = (OURS, CHILDREN)
+THREADS = "clockwork-threads"  # the same worker in Dramatiq's drain shape, -c 2 --threads 8
+OUR_SYSTEMS = (OURS, THREADS)
 SYSTEMS = (
     # Our control scenario also measures Celery's control plane (bench.control runs both).
-    System(OURS, "Clockwork", "bench.ours", Venv.PROJECT, _TASKS | {"control"}, 16),
-    System(CHILDREN, "Clockwork, children consume", "bench.ours_children", Venv.PROJECT, _TASKS, 16),
+    System(OURS, "Clockwork", "bench.ours", Venv.PROJECT, _TASKS | {"control"}, 50),
+    System(THREADS, "Clockwork, --threads 8", "bench.ours_threads", Venv.PROJECT, _THREADS, 0),
     System("celery", "Celery", "bench.peers.celery_subject", Venv.PEERS, _TASKS, 50),
     System("dramatiq", "Dramatiq", "bench.peers.dramatiq_subject", Venv.PEERS, _TASKS, 50),
     System("pika", "pika (raw)", "bench.ceiling_pika", Venv.PROJECT, _CEILING, 0),
@@ -79,7 +80,7 @@ class Sizes:
     drain: int = 20_000
     e2e: int = 5_000  # the peers' producers wait for each confirm: ~10 s each already
     round_trip: int = 500
-    sleep: int = 2_000
+    sleep: int = 5_000  # 0.1 s of work at 50 at once, per 500: a start-up would weigh
     memory: int = 5_000
     control: int = 5  # in-process pings per worker count, and revokes (Celery's take 1 s each)
 

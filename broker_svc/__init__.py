@@ -35,11 +35,14 @@ if TYPE_CHECKING:
         ResultTimeout,
         Retry,
         SoftTimeLimitExceeded,
+        SpoolError,
+        SpoolFull,
         TaskError,
         TaskRevokedError,
         Unroutable,
     )
     from broker_svc.group_result import GroupResult, ResultSet
+    from broker_svc.jobs import Job
     from broker_svc.publisher import Publisher
     from broker_svc.result import AsyncResult
     from broker_svc.settings import Settings
@@ -47,6 +50,7 @@ if TYPE_CHECKING:
     from broker_svc.task import Task
     from broker_svc.wire.states import State
     from broker_svc.wire.task_message import TaskMessage
+    from broker_svc.wire.task_state import JobState
 
 __all__ = [
     # the app and its tasks
@@ -55,6 +59,9 @@ __all__ = [
     "Signature",
     "State",
     "Task",
+    # jobs and the task-state stream (docs/guide.md, "Jobs and states")
+    "Job",
+    "JobState",
     "current_app",
     "shared_task",
     # the canvas
@@ -92,6 +99,8 @@ __all__ = [
     "ResultTimeout",
     "Retry",
     "SoftTimeLimitExceeded",
+    "SpoolError",
+    "SpoolFull",
     "TaskError",
     "TaskRevokedError",
     "Unroutable",
@@ -101,6 +110,8 @@ __all__ = [
 _EXPORTS = {
     "App": "broker_svc.app",
     "AsyncResult": "broker_svc.result",
+    "Job": "broker_svc.jobs",
+    "JobState": "broker_svc.wire.task_state",
     "BrokerBlocked": "broker_svc.errors",
     "BrokerSvcError": "broker_svc.errors",
     "BrokerUnavailable": "broker_svc.errors",
@@ -126,6 +137,8 @@ _EXPORTS = {
     "Settings": "broker_svc.settings",
     "Signature": "broker_svc.canvas",
     "SoftTimeLimitExceeded": "broker_svc.errors",
+    "SpoolError": "broker_svc.errors",
+    "SpoolFull": "broker_svc.errors",
     "State": "broker_svc.wire.states",
     "Task": "broker_svc.task",
     "TaskError": "broker_svc.errors",

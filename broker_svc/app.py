@@ -5,40 +5,41 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any
 
-from broker_svc import shared, signals
+from broker_svc import shared
+from broker_svc.batch import Batch, BatchScope
 from broker_svc.builtins import register_builtins
 from broker_svc.clock import LamportClock
 from broker_svc.conf import Config
-from broker_svc.connection.pending import PendingPublish
 from broker_svc.control_plane import ControlPlane, load_control
-from broker_svc.errors import NotRegistered
 from broker_svc.library_log import get_logger
 from broker_svc.open_apps import open_apps
-from broker_svc.request import current_request
+from broker_svc.registry import TaskRegistry
 from broker_svc.result import AsyncResult, ResultStore
-from broker_svc.send_message import Destination, before_publish, build_message
+from broker_svc.send_capture import current_capture
+from broker_svc.send_message import send_signatures
 from broker_svc.settings import Settings
-from broker_svc.task import Signature, build_task_class
+from broker_svc.task import Signature
 from broker_svc.task import Task as TaskBase
 from broker_svc.task_modules import Discovery, import_task_modules
 from broker_svc.topology import new_reply_queue_name, result_queue
 from broker_svc.wire import codec
-from broker_svc.wire.task_message import TaskMessage
 
 if TYPE_CHECKING:
     # Imported when the app first publishes: a worker, its forkserver and its children import the
     # app to run its tasks and need no pika (about 4 MiB each) unless a task sends one.
-    from broker_svc.publisher import Publisher
+    from broker_svc.jobs import Job, Jobs
+    from broker_svc.producer import Producer
+    from broker_svc.spool.stats import SpoolStats
 
 __all__ = ["App"]
 
 log = get_logger(__name__)
 
 
-class App:
-    """Tasks and the client to run them, as ``celery.Celery`` is.
+class App(TaskRegistry):
+    """Tasks and the client to run them, as ``celery.Celery`` is (the registry: ``TaskRegistry``).
 
     Args:
         main: the app's name; tasks defined in ``__main__`` are named ``<main>.<function>``.
@@ -79,7 +80,8 @@ class App:
         self.settings = settings
         self.clock = LamportClock()
         self.tasks: dict[str, TaskBase] = {}
-        self._publisher: Publisher | None = None
+        self._producer: Producer | None = None
+        self._batches = BatchScope()
         self.conf = Config(self._apply_settings)
         if config_source is not None:
             self.conf.from_object(config_source)
@@ -95,6 +97,8 @@ class App:
             accept=codec.accept_set(self.settings.accept_content), max_bytes=self.settings.max_body_bytes
         )
         self._control: ControlPlane | None = None
+        self._jobs: Jobs | None = None
+        self._store.state_lookup = self._stream_state
         self._close_hooks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         open_apps.add(self)
@@ -106,7 +110,7 @@ class App:
     def _apply_settings(self, fields: dict[str, Any]) -> None:
         # app.conf changed a Settings field. A connection made already keeps what it was made with.
         self.settings = self.settings.with_options(**fields)
-        if self._publisher is not None:
+        if self._producer is not None:
             log.warning("setting_changed_after_connect", settings=sorted(fields), app=self.main)
 
     def config_from_object(
@@ -156,7 +160,8 @@ class App:
     @property
     def reply_queue(self) -> str:
         """This client's result queue: the ``reply_to`` of every task it sends (Celery's ``thread_oid``)."""
-        return self._reply_queue
+        capture = current_capture()
+        return capture.reply_queue if capture is not None else self._reply_queue
 
     def set_current(self) -> None:
         """Make this the app ``shared_task`` proxies send through (``current_app``)."""
@@ -178,68 +183,6 @@ class App:
     ) -> None:
         self.close()
 
-    # -- tasks -----------------------------------------------------------------------------------
-
-    @overload
-    def task(self, fn: Callable[..., Any], /) -> TaskBase: ...
-
-    @overload
-    def task(
-        self, fn: None = None, /, *, base: type[TaskBase] = TaskBase, **options: Any
-    ) -> Callable[[Callable[..., Any]], TaskBase]: ...
-
-    def task(
-        self, fn: Callable[..., Any] | None = None, /, *, base: type[TaskBase] = TaskBase, **options: Any
-    ) -> TaskBase | Callable[[Callable[..., Any]], TaskBase]:
-        """Register a function as a task: ``@app.task`` or ``@app.task(name=..., bind=True, ...)``.
-
-        Raises:
-            TypeError: an unknown option or a bad ``base``.
-            ValueError: another task already has this name.
-        """
-
-        def register(func: Callable[..., Any]) -> TaskBase:
-            return self._register(func, base=base, options=dict(options))
-
-        return register(fn) if fn is not None else register
-
-    def _register(
-        self,
-        func: Callable[..., Any],
-        *,
-        base: type[TaskBase],
-        options: dict[str, Any],
-        shared_name: str | None = None,
-    ) -> TaskBase:
-        name = options.pop("name", None) or shared_name or self._default_name(func)
-        existing = self.tasks.get(name)
-        if existing is not None and shared_name is not None:
-            if getattr(type(existing), "__wrapped__", None) is func:
-                return existing  # the same shared task, offered again
-        cls = build_task_class(self, func, name=name, base=base, options=options)
-        if existing is not None:
-            raise ValueError(f"a task named {name!r} is already registered; pass name= to rename")
-        instance = cls()
-        self.tasks[name] = instance
-        return instance
-
-    def _default_name(self, fn: Callable[..., Any]) -> str:
-        module = fn.__module__
-        if module == "__main__" and self.main:
-            module = self.main
-        return f"{module}.{fn.__name__}"
-
-    def get_task(self, name: str) -> TaskBase:
-        """The registered task of this name.
-
-        Raises:
-            NotRegistered: no such task.
-        """
-        try:
-            return self.tasks[name]
-        except KeyError:
-            raise NotRegistered(name) from None
-
     # -- sending ---------------------------------------------------------------------------------
 
     def send_task(
@@ -259,50 +202,31 @@ class App:
         [result] = self._send([Signature(name, tuple(args or ()), dict(kwargs or {}), options)])
         return result
 
-    def send_many(self, signatures: Iterable[Signature]) -> list[AsyncResult]:
-        """Send many tasks in one hand-over to the connection (the fastest way to enqueue).
+    def send_many(self, signatures: Iterable[Signature], *, wait: bool = False) -> list[AsyncResult]:
+        """Send many tasks in one hand-over to the connection (the fastest way to enqueue);
+        ``wait``: then wait once for all their confirms (with a spool: one write), as ``batch()``.
 
         Raises:
             TypeError: an unknown option in a signature.
             MessageTooLarge: one encoded task is over the limit (none of them is sent).
-            PublishError: (``confirm="each"``) the broker did not confirm one of them.
+            PublishError: (``confirm="each"`` or ``wait``) the broker did not confirm one of them.
+            SpoolFull: (spool) none of them was accepted.
         """
-        return self._send(list(signatures))
+        return self._send(list(signatures), wait=wait)
 
-    def _send(self, signatures: Sequence[Signature]) -> list[AsyncResult]:
-        publisher = self._ensure_publisher()
-        prepared: list[tuple[PendingPublish, str, bool]] = []
-        announce = signals.before_task_publish.has_receivers or signals.after_task_publish.has_receivers
-        for sig in signatures:
-            message, destination, serializer = self._build_message(sig)
-            queue, exchange = destination
-            if announce:
-                message = before_publish(message, queue, exchange or "")
-            pending = publisher.prepare(
-                message, queue=queue, queue_type=self.settings.queue_type(queue), serializer=serializer,
-                exchange=exchange,
-            )  # fmt: skip
-            prepared.append((pending, message.id, message.ignore_result))
-        # Results register before the publish, so even an instant reply finds its waiter.
-        results = [AsyncResult(task_id, store=self._store, publish=p) for p, task_id, _ in prepared]
-        publisher.submit([p for p, _, _ in prepared])
-        running = current_request()
-        if running is not None:  # sent from a task: its children, as Celery's result.children lists
-            running.children.extend(task_id for _, task_id, _ in prepared)
-        if announce:
-            for pending, _, _ in prepared:
-                headers = pending.message.headers
-                signals.after_task_publish.send(
-                    sender=headers.get("task"), headers=headers, body=pending.message.body,
-                    exchange=pending.exchange,
-                    routing_key=pending.queue,
-                )  # fmt: skip
-        return results
+    def batch(self) -> Batch:
+        """``with app.batch() as batch:``: the tasks this thread sends in the block go out together
+        at its end, with one wait for all their confirms (or one spool write); see ``Batch``."""
+        return Batch(self._batches, lambda pending: self._ensure_producer().submit(pending, wait=True))
 
-    def _build_message(self, sig: Signature) -> tuple[TaskMessage, Destination, str | None]:
-        return build_message(
-            sig, conf=self.conf, settings=self.settings, clock=self.clock, reply_queue=self._reply_queue
-        )
+    def _send(self, signatures: Sequence[Signature], *, wait: bool = False) -> list[AsyncResult]:
+        capture = current_capture()
+        if capture is not None:  # the asyncio client sends them (broker_svc/send_capture.py)
+            return capture.keep(signatures)
+        return send_signatures(
+            signatures, self._ensure_producer(), batch=self._batches.current, wait=wait, conf=self.conf,
+            settings=self.settings, clock=self.clock, reply_queue=self._reply_queue, results=self._store,
+        )  # fmt: skip
 
     def signature(
         self,
@@ -318,6 +242,9 @@ class App:
 
     def AsyncResult(self, task_id: str) -> AsyncResult:
         """A result handle for a task this client sent (results come to this client's queue)."""
+        capture = current_capture()
+        if capture is not None:
+            return capture.result(task_id)
         return AsyncResult(task_id, store=self._store)
 
     # -- remote control --------------------------------------------------------------------------
@@ -345,49 +272,94 @@ class App:
                     self._close_hooks.append(close)
             return self._control
 
-    # -- lifecycle -------------------------------------------------------------------------------
+    # -- jobs and states (docs/guide.md, "Jobs and states") ---------------------------------------
 
-    def _ensure_publisher(self) -> Publisher:
-        publisher = self._publisher
-        if publisher is not None:
-            return publisher
-        from broker_svc.publisher import Publisher  # lazy: see the TYPE_CHECKING import
+    @property
+    def jobs(self) -> Jobs:
+        """Task states from the task-state stream and RQ's job calls: ``app.jobs.status(task_id)``."""
+        jobs = self._jobs
+        if jobs is not None:
+            return jobs
+        from broker_svc.jobs import Jobs  # lazy: a worker's children never need it
 
         with self._lock:
-            if self._publisher is None:
+            if self._jobs is None:
+                self._jobs = Jobs(self)
+                self._close_hooks.append(self._jobs.close)
+            return self._jobs
+
+    def enqueue(self, f: Callable[..., Any] | str, *args: Any, **kwargs: Any) -> Job:
+        """RQ's ``Queue.enqueue``: see ``Jobs.enqueue`` (``job_id``, ``ttl``, ``result_ttl``,
+        ``at_front``, ``queue``; other keywords go to the task).
+
+        Raises:
+            ConfigurationError: ``task_states`` is off.
+            TypeError: the arguments do not fit the task.
+        """
+        return self.jobs.enqueue(f, *args, **kwargs)
+
+    def _stream_state(self, task_id: str) -> str | None:
+        # ``AsyncResult.state`` of a task with no result here yet: the stream's, when it is kept.
+        return self.jobs.status(task_id) if self.settings.task_states else None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def _ensure_producer(self) -> Producer:
+        producer = self._producer
+        if producer is not None:
+            return producer
+        from broker_svc.producer import Producer  # lazy: see the TYPE_CHECKING import
+
+        with self._lock:
+            if self._producer is None:
                 spec = result_queue(self._reply_queue, expires_s=self.settings.result_expires_s)
-                self._publisher = Publisher(
+                self._producer = Producer(
                     self.settings,
                     clock=self.clock,
                     name=f"clockwork-client-{self.main or 'app'}",
                     consumers=[(spec, self._store.on_delivery)],
                 )
-                self._publisher.connection.start()
-            return self._publisher
+            return self._producer
+
+    def connect(self) -> None:
+        """Connect (in the background) and open the spool now rather than on the first send; with
+        ``spool_dir`` this replays what a crashed predecessor left.
+
+        Raises:
+            SpoolError: ``spool_dir`` cannot be used.
+        """
+        self._ensure_producer()
+
+    def spool_stats(self) -> SpoolStats | None:
+        """The spool's depth, age and counts (``spool_dir``), or None while no spool is open."""
+        return self._producer.spool_stats() if self._producer is not None else None
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every task sent so far is confirmed by the broker.
 
         Raises:
-            PublishError: some were refused, unroutable or unconfirmed (the error says how many).
+            PublishError: some were refused, unroutable or unconfirmed (the error says how many);
+                with a spool, some are still spooled after ``timeout`` (they stay spooled).
         """
-        if self._publisher is not None:
-            self._publisher.flush(timeout)
+        if self._producer is not None:
+            self._producer.flush(timeout)
 
     def close(self, timeout: float | None = None) -> None:
-        """Flush, delete this client's result queue, and close the connection.
+        """Flush, delete this client's result queue, and close the connection (with a spool, what
+        the broker has not confirmed within ``timeout`` stays spooled for the next start).
 
         Raises:
             PublishError: some tasks were not confirmed; the connection is closed all the same.
         """
         open_apps.discard(self)
         with self._lock:
-            publisher, self._publisher = self._publisher, None
+            producer, self._producer = self._producer, None
             hooks, self._close_hooks = self._close_hooks, []
             self._control = None
+            self._jobs = None
         try:
-            if publisher is not None:
-                publisher.close(timeout, delete_queue=self._reply_queue)
+            if producer is not None:
+                producer.close(timeout, delete_queue=self._reply_queue)
         finally:
             for hook in hooks:
                 try:

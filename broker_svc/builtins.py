@@ -8,6 +8,7 @@ Celery's do, so the named task must be registered in the worker's app (else ``No
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
@@ -34,9 +35,12 @@ def register_builtins(app: App) -> None:
     def body_of(task: Mapping[str, Any] | str) -> Task:
         name = task if isinstance(task, str) else str(task.get("task", ""))
         try:
-            return app.tasks[name]
+            body = app.tasks[name]
         except KeyError:
             raise NotRegistered(name) from None
+        if inspect.iscoroutinefunction(body.run):  # its calls here would be coroutines nobody awaits
+            raise TypeError(f"{name} is an async def task: map, starmap and chunks run only plain ones")
+        return body
 
     @app.task(name="celery.map", typing=False)
     def xmap(task: Mapping[str, Any], it: Iterable[Any]) -> list[Any]:

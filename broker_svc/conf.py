@@ -17,6 +17,7 @@ from typing import Any, Final
 
 from broker_svc.errors import ConfigurationError
 from broker_svc.library_log import get_logger
+from broker_svc.topology import SINGLE_ACTIVE_ARGUMENT
 
 __all__ = ["ACCEPTED_AS_DESIGNED", "READ_BY_CLOCKWORK", "SETTINGS_FIELDS", "Config", "load_object"]
 
@@ -41,6 +42,29 @@ def _names(value: Any) -> tuple[str, ...]:
 CHORD_BACKEND: Final = "broker_svc.celery_backend:ChordBackend"
 
 
+def _queue_arguments(entry: Any) -> tuple[str, dict[str, Any]]:
+    # A ``task_queues`` entry: kombu's ``Queue`` (``name``, ``queue_arguments``) or a dict of them.
+    if isinstance(entry, Mapping):
+        name, arguments = entry.get("name"), entry.get("queue_arguments")
+    else:
+        name, arguments = getattr(entry, "name", None), getattr(entry, "queue_arguments", None)
+    if not isinstance(name, str) or not name:
+        raise ConfigurationError(f"task_queues: an entry without a queue name: {entry!r}")
+    return name, dict(arguments or {})
+
+
+def _task_queues(value: Any, ordered: tuple[str, ...]) -> dict[str, Any]:
+    # Celery's ``task_queues``: the queue arguments Clockwork declares alike on both sides.
+    # ``x-single-active-consumer`` makes an ordered queue, ``x-queue-type: quorum`` a quorum one.
+    entries = [_queue_arguments(entry) for entry in (value or ())]
+    single = [name for name, arguments in entries if arguments.get(SINGLE_ACTIVE_ARGUMENT) is True]
+    quorum = [name for name, arguments in entries if arguments.get("x-queue-type") == "quorum"]
+    fields: dict[str, Any] = {"ordered_queues": tuple(dict.fromkeys([*ordered, *single]))}
+    if quorum:
+        fields["quorum_queues"] = tuple(quorum)
+    return fields
+
+
 def _backend(value: Any) -> None:
     # Results travel on RabbitMQ, as Celery's rpc:// backend carries them; any other store would be
     # a setting silently not honoured, so it is refused. Our Celery backend (rpc:// plus chords
@@ -61,8 +85,21 @@ SETTINGS_FIELDS: Final[Mapping[str, tuple[str, Callable[[Any], Any]]]] = {
     "accept_content": ("accept_content", _names),
     "result_expires": ("result_expires_s", _seconds),
     "result_persistent": ("result_persistent", bool),
+    # Clockwork's own: the task-state stream (docs/guide.md, "Jobs and states").
+    "task_states": ("task_states", bool),
     "broker_heartbeat": ("heartbeat_s", int),
     "broker_connection_timeout": ("connect_timeout_s", float),
+    # Clockwork's own: ordered task queues (docs/guide.md, "Ordered queues"); ``task_queues``
+    # entries declared with ``x-single-active-consumer`` are ordered too.
+    "task_ordered_queues": ("ordered_queues", _names),
+    "task_queue_max_priority": ("queue_max_priority", int),
+    # Clockwork's own: the producer's disk spool (docs/guide.md, "When the broker is down").
+    "spool_dir": ("spool_dir", str),
+    "spool_max_bytes": ("spool_max_bytes", int),
+    "spool_memory_records": ("spool_memory_records", int),
+    "spool_flush_count": ("spool_flush_count", int),
+    "spool_flush_interval_s": ("spool_flush_interval_s", float),
+    "spool_fsync": ("spool_fsync", bool),
 }
 
 # Celery names that Clockwork reads where they apply (routing, the worker, the scheduler).
@@ -72,7 +109,7 @@ READ_BY_CLOCKWORK: Final = frozenset(
         "task_default_priority", "task_time_limit", "task_soft_time_limit", "worker_concurrency",
         "worker_prefetch_multiplier", "result_accept_content", "task_track_started",
         "worker_max_tasks_per_child", "worker_max_memory_per_child", "task_always_eager",
-        "task_eager_propagates",
+        "task_eager_propagates", "task_queues",
     }
 )  # fmt: skip
 
@@ -169,6 +206,11 @@ class Config(MutableMapping[str, Any]):
                     raise ConfigurationError(f"app.conf.{key}: {exc}") from None
             elif key == "result_backend":
                 _backend(value)
+        if "task_queues" in changes:
+            ordered = _names(changes.get("task_ordered_queues", self._values.get("task_ordered_queues", ())))
+            fields.update(_task_queues(changes["task_queues"], ordered))
+        elif "task_ordered_queues" in changes and "task_queues" in self._values:
+            fields.update(_task_queues(self._values["task_queues"], fields["ordered_queues"]))
         if fields:
             self._apply(fields)
         self._values.update(changes)

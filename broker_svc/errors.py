@@ -8,7 +8,9 @@
     ├── PublishError                         a publish was not confirmed
     │   ├── PublishNacked                    the broker refused it (nack)
     │   ├── BrokerBlocked                    a memory or disk alarm held it past confirm_timeout_s
-    │   └── Unroutable                       no queue was bound for it (mandatory return)
+    │   ├── Unroutable                       no queue was bound for it (mandatory return)
+    │   └── SpoolError                       the producer's disk spool cannot take the task
+    │       └── SpoolFull                    over spool_max_bytes, or its disk is full
     ├── MessageError                         a message cannot be used as it is
     │   ├── ContentDisallowed                content type not in the accept list (pickle, yaml, ...)
     │   ├── DecodeError                      the body does not decode
@@ -23,6 +25,7 @@
     ├── Reject                               raised by a task: requeue it, or dead-letter it
     ├── TaskError                            a task failed remotely (carries the remote type)
     │   └── TaskRevokedError                 the task was revoked or expired
+    ├── LeadershipLost                       this process is not (or no longer) the leader
     ├── PoolClosedError (RuntimeError)       the worker's pool is closing and takes no more jobs
     └── PoolStartError (RuntimeError)        a pool child did not load the app or report ready
 
@@ -45,6 +48,7 @@ __all__ = [
     "DecodeError",
     "Ignore",
     "InvalidTaskMessage",
+    "LeadershipLost",
     "MaxRetriesExceededError",
     "MessageError",
     "MessageTooLarge",
@@ -55,6 +59,8 @@ __all__ = [
     "ResultTimeout",
     "Retry",
     "SoftTimeLimitExceeded",
+    "SpoolError",
+    "SpoolFull",
     "TaskError",
     "TaskRevokedError",
     "Unroutable",
@@ -71,6 +77,14 @@ class ConfigurationError(BrokerSvcError, ValueError):
 
 class BrokerUnavailable(BrokerSvcError, ConnectionError):
     """The broker could not be reached, or the connection was lost for good."""
+
+
+class LeadershipLost(BrokerSvcError):
+    """This process is not, or no longer, the leader: its term's actions must stop.
+
+    Raised by ``Term.guard()`` once the term's lease ran out or it stepped down, and into a running
+    ``execute()`` hook of an atomic election when its term ends (``broker_svc/leader/``).
+    """
 
 
 class PublishError(BrokerSvcError):
@@ -91,6 +105,21 @@ class BrokerBlocked(PublishError):
 
 class Unroutable(PublishError):
     """The broker returned a mandatory publish: no queue is bound for its routing key."""
+
+
+class SpoolError(PublishError):
+    """The producer's spool (``spool_dir``) cannot take a task: it cannot be opened or written.
+
+    The task was not accepted; tasks accepted before stay in the spool.
+    """
+
+
+class SpoolFull(SpoolError):
+    """The spool holds ``spool_max_bytes`` already, or its disk is full: the task was not accepted.
+
+    Nothing accepted earlier is dropped; the spool takes tasks again once the broker has taken
+    some (or space is freed on the disk).
+    """
 
 
 class MessageError(BrokerSvcError):

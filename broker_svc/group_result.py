@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from broker_svc.errors import ResultTimeout
+from broker_svc.wire.result_view import ResultsView
 
 if TYPE_CHECKING:
     from broker_svc.app import App
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
 __all__ = ["GroupResult", "ResultSet"]
 
 
-class ResultSet:
+class ResultSet(ResultsView):
     """Several results (each an ``AsyncResult`` or a nested ``GroupResult``), waited on together."""
 
     def __init__(self, results: Sequence[AsyncResult | ResultSet], *, app: App | None = None) -> None:
@@ -25,23 +26,8 @@ class ResultSet:
     def __iter__(self) -> Iterator[AsyncResult | ResultSet]:
         return iter(self.results)
 
-    def __len__(self) -> int:
-        return len(self.results)
-
-    def __getitem__(self, index: int) -> AsyncResult | ResultSet:
-        return self.results[index]
-
-    def ready(self) -> bool:
-        """Every task has finished (succeeded, failed or was revoked)."""
-        return all(r.ready() for r in self.results)
-
-    def successful(self) -> bool:
-        """Every task succeeded."""
-        return all(r.successful() for r in self.results)
-
-    def failed(self) -> bool:
-        """At least one task failed."""
-        return any(r.failed() for r in self.results)
+    def _members(self) -> Sequence[Any]:
+        return self.results
 
     def waiting(self) -> bool:
         """At least one task has not finished."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import time
 from typing import Any, TextIO
 
 import structlog
@@ -28,7 +29,7 @@ def configure_logging(level: str | int = "INFO", *, json: bool | None = None, ca
         structlog.contextvars.merge_contextvars,
         structlog.stdlib.add_log_level,
         structlog.stdlib.add_logger_name,
-        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        _UtcStamper(),
         structlog.processors.StackInfoRenderer(),
     ]
     renderer: structlog.types.Processor = (
@@ -61,6 +62,28 @@ def configure_logging(level: str | int = "INFO", *, json: bool | None = None, ca
     # The AMQP clients log every reconnect attempt at INFO with tracebacks; ours say it once.
     for noisy in ("pika", "aio_pika", "aiormq"):
         logging.getLogger(noisy).setLevel(max(numeric, logging.WARNING))
+
+
+class _UtcStamper:
+    """``timestamp`` as structlog's ISO UTC stamper writes it (``2026-11-25T06:30:00.123456Z``).
+
+    The worker writes a line per task: the date and time are formatted once a second, not per line.
+    """
+
+    def __init__(self) -> None:
+        self._second: tuple[int, str] = (-1, "")  # one tuple, replaced whole: safe across threads
+
+    def __call__(
+        self, _logger: object, _name: str, event_dict: structlog.types.EventDict
+    ) -> structlog.types.EventDict:
+        now = time.time()
+        second, text = self._second
+        if int(now) != second:
+            second = int(now)
+            text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+            self._second = (second, text)
+        event_dict["timestamp"] = f"{text}.{int((now - second) * 1_000_000):06d}Z"
+        return event_dict
 
 
 def _identity(

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import datetime as dt
 import threading
 import time
 from collections import deque
@@ -13,11 +11,11 @@ from types import TracebackType
 from broker_svc.clock import LamportClock
 from broker_svc.connection.channel import Consumer
 from broker_svc.connection.io_thread import BrokerConnection
-from broker_svc.connection.pending import PendingPublish
-from broker_svc.errors import BrokerSvcError, MessageTooLarge, PublishError
+from broker_svc.connection.pending import PendingPublish, prepare_publish
+from broker_svc.errors import BrokerSvcError, PublishError
 from broker_svc.settings import Settings
-from broker_svc.topology import DEFAULT_EXCHANGE, QueueSpec, QueueType, task_queue
-from broker_svc.wire.task_message import TaskMessage, WireMessage, encode_task
+from broker_svc.topology import QueueSpec, QueueType
+from broker_svc.wire.task_message import TaskMessage
 
 __all__ = ["Publisher"]
 
@@ -50,6 +48,11 @@ class Publisher:
         self._lock = threading.Lock()
         self._inflight: deque[PendingPublish] = deque()
         self._failed: list[PendingPublish] = []
+
+    @property
+    def settings(self) -> Settings:
+        """The settings it was made with."""
+        return self._settings
 
     @property
     def connection(self) -> BrokerConnection:
@@ -85,33 +88,21 @@ class Publisher:
 
         ``exchange``: publish there, with ``queue`` as the routing key, instead of to the queue.
         """
-        if message.clock is None:
-            message = dataclasses.replace(message, clock=self._clock.forward())
-        wire = encode_task(message, serializer=serializer or self._settings.serializer)
-        self._check_size(wire)
-        eta = message.eta
-        if eta is not None and eta.tzinfo is None:
-            eta = eta.replace(tzinfo=dt.UTC)
-        if exchange:
-            # Celery's exchange= (a topic route, say): published there with ``queue`` as the routing
-            # key, declaring nothing; an ETA is held by the worker that gets it (its delay queues).
-            return PendingPublish(wire, exchange=exchange, routing_key=queue)
-        return PendingPublish(
-            wire,
-            exchange=DEFAULT_EXCHANGE,
-            routing_key=queue,
-            declare=(task_queue(queue, queue_type=queue_type),),
-            eta_s=eta.timestamp() if eta is not None else None,
-        )
+        return prepare_publish(
+            message, settings=self._settings, clock=self._clock, queue=queue, queue_type=queue_type,
+            serializer=serializer, exchange=exchange,
+        )  # fmt: skip
 
-    def submit(self, items: Sequence[PendingPublish]) -> None:
+    def submit(self, items: Sequence[PendingPublish], *, wait: bool | None = None) -> None:
         """Hand prepared messages to the connection; in ``each`` mode wait for their confirms.
 
+        ``wait``: wait for their confirms (one wait for all of them) whatever the mode.
+
         Raises:
-            PublishError: (``each`` mode) a message was not confirmed.
+            PublishError: (``each`` mode or ``wait``) a message was not confirmed.
             BrokerUnavailable: the publisher is closed or the broker unreachable.
         """
-        each = self._settings.confirm == "each"
+        each = self._settings.confirm == "each" if wait is None else wait
         with self._lock:
             self._prune()
             if not each:
@@ -194,9 +185,3 @@ class Publisher:
             pending = inflight.popleft()
             if pending.error is not None:
                 self._failed.append(pending)
-
-    def _check_size(self, wire: WireMessage) -> None:
-        if len(wire.body) > self._settings.max_body_bytes:
-            raise MessageTooLarge(
-                f"task body of {len(wire.body)} bytes is over max_body_bytes={self._settings.max_body_bytes}"
-            )

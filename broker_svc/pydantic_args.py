@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
 __all__ = ["call_with_models"]
@@ -40,6 +40,18 @@ def call_with_models(
         if isinstance(model, type) and issubclass(model, BaseModel) and not isinstance(value, model):
             bound.arguments[name] = model.model_validate(value, strict=strict, context=dict(context or {}))
     result = function(*bound.args, **bound.kwargs)
+    if inspect.iscoroutine(result):  # an ``async def`` task: its model is dumped once awaited
+        return _dumped(result, dump_kwargs)
+    return _dump(result, dump_kwargs)
+
+
+async def _dumped(coroutine: Coroutine[Any, Any, Any], dump_kwargs: Mapping[str, Any] | None) -> Any:
+    return _dump(await coroutine, dump_kwargs)
+
+
+def _dump(result: Any, dump_kwargs: Mapping[str, Any] | None) -> Any:
+    from pydantic import BaseModel
+
     if isinstance(result, BaseModel):
         return result.model_dump(**dict(dump_kwargs or {}))
     return result

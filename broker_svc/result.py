@@ -6,19 +6,25 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Generic, Literal, overload
+
+from typing_extensions import TypeVar
 
 from broker_svc.connection.pending import Delivery, PendingPublish
 from broker_svc.errors import MessageError, ResultTimeout, TaskError
 from broker_svc.library_log import get_logger
 from broker_svc.wire import codec
 from broker_svc.wire.result_message import Outcome, exception_from_wire
-from broker_svc.wire.states import READY_STATES, State
+from broker_svc.wire.result_view import OutcomeView
+from broker_svc.wire.states import State
 
 if TYPE_CHECKING:
     from broker_svc.group_result import GroupResult
 
-__all__ = ["AsyncResult", "ResultStore"]
+__all__ = ["AsyncResult", "ResultStore", "outcome_value"]
+
+# What the task returns (``AsyncResult[int]`` for ``def add(...) -> int``); Any when unknown.
+R = TypeVar("R", default=Any)
 
 log = get_logger(__name__)
 
@@ -52,6 +58,9 @@ class ResultStore:
         self._wanted: dict[str, int] = {}
         self._history: dict[str, deque[Outcome]] = {}
         self._stray: OrderedDict[str, deque[Outcome]] = OrderedDict()
+        # The task-state stream's answer for a task with no result here (``App`` sets it; it
+        # returns None unless ``task_states`` is on).
+        self.state_lookup: Callable[[str], str | None] | None = None
 
     def register(self, task_id: str) -> None:
         """Start keeping results for ``task_id`` (one call per ``AsyncResult`` holding it)."""
@@ -146,7 +155,24 @@ class ResultStore:
                 self._cond.wait(1.0 if remaining is None else min(remaining, 1.0))
 
 
-class AsyncResult:
+def outcome_value(outcome: Outcome, *, propagate: bool) -> Any:
+    """A ready state as ``get()`` returns it: the value, else the task's error raised (or returned).
+
+    Shared by the blocking ``AsyncResult.get`` and the asyncio client's results.
+
+    Raises:
+        TaskError: (``propagate``) the task failed (also an instance of the remote builtin type).
+        TaskRevokedError: (``propagate``) the task was revoked or expired.
+    """
+    if outcome.status == State.SUCCESS:
+        return outcome.result
+    error: TaskError = exception_from_wire(outcome.result, outcome.traceback)
+    if propagate:
+        raise error
+    return error
+
+
+class AsyncResult(OutcomeView, Generic[R]):
     """A handle on one task's result, as in Celery.
 
     Args:
@@ -170,30 +196,25 @@ class AsyncResult:
     def __repr__(self) -> str:
         return f"<AsyncResult: {self.id}>"
 
-    @property
-    def task_id(self) -> str:
-        """Alias of ``id``."""
-        return self.id
+    def _latest(self) -> Outcome | None:
+        return self._store.latest(self.id)
 
     @property
     def state(self) -> str:
-        """PENDING until the worker reports; then STARTED, PROGRESS, SUCCESS, FAILURE, ..."""
-        outcome = self._store.latest(self.id)
-        return outcome.status if outcome is not None else State.PENDING.value
+        """PENDING until the worker reports; then STARTED, PROGRESS, SUCCESS, FAILURE, ...
+
+        With ``task_states``, a task with no result here yet is answered from the task-state
+        stream instead of PENDING: QUEUED, STARTED, ... or UNKNOWN (never seen), even a task
+        another process sent.
+        """
+        outcome = self._latest()
+        if outcome is not None:
+            return outcome.status
+        lookup = self._store.state_lookup
+        stream_state = lookup(self.id) if lookup is not None else None
+        return stream_state or State.PENDING.value
 
     status = state
-
-    def ready(self) -> bool:
-        """True once the task succeeded, failed or was revoked."""
-        return self.state in READY_STATES
-
-    def successful(self) -> bool:
-        """True if the task succeeded."""
-        return self.state == State.SUCCESS
-
-    def failed(self) -> bool:
-        """True if the task failed."""
-        return self.state == State.FAILURE
 
     @property
     def result(self) -> Any:
@@ -241,13 +262,31 @@ class AsyncResult:
         """Why the task could not be published, if it could not."""
         return self._publish.error if self._publish is not None else None
 
+    @overload
+    def get(
+        self,
+        timeout: float | None = None,
+        propagate: Literal[True] = True,
+        on_message: OnMessage | None = None,
+        interval: float = 0.5,
+    ) -> R: ...
+
+    @overload
     def get(
         self,
         timeout: float | None = None,
         propagate: bool = True,
         on_message: OnMessage | None = None,
         interval: float = 0.5,
-    ) -> Any:
+    ) -> R | TaskError: ...
+
+    def get(
+        self,
+        timeout: float | None = None,
+        propagate: bool = True,
+        on_message: OnMessage | None = None,
+        interval: float = 0.5,
+    ) -> R | TaskError:
         """Wait for the task to finish and return its value.
 
         Args:
@@ -267,12 +306,8 @@ class AsyncResult:
             outcome = self._wait_following_parents(timeout, on_message)
         else:
             outcome = self._store.wait(self.id, timeout=timeout, on_message=on_message, publish=self._publish)
-        if outcome.status == State.SUCCESS:
-            return outcome.result
-        error: TaskError = exception_from_wire(outcome.result, outcome.traceback)
-        if propagate:
-            raise error
-        return error
+        value: R | TaskError = outcome_value(outcome, propagate=propagate)
+        return value
 
     def _wait_following_parents(self, timeout: float | None, on_message: OnMessage | None) -> Outcome:
         # A chain's step never comes if a step before it failed: that failure is the answer, as

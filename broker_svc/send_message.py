@@ -10,18 +10,43 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-from collections.abc import Mapping
-from typing import Any, NamedTuple
+import os
+import platform
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from broker_svc import signals
 from broker_svc.clock import LamportClock
 from broker_svc.request import SEND_OPTIONS, countdown_to_eta, current_request
+from broker_svc.result import AsyncResult
 from broker_svc.routes import route_for
 from broker_svc.settings import Settings
 from broker_svc.signature import Signature
+from broker_svc.topology import DEFAULT_EXCHANGE, QueueSpec, task_states_stream
 from broker_svc.wire.task_message import TaskMessage
+from broker_svc.wire.task_state import CONTENT_TYPE as STATE_CONTENT_TYPE
+from broker_svc.wire.task_state import JobState, StateRecord
 
-__all__ = ["Destination", "before_publish", "build_message"]
+if TYPE_CHECKING:
+    from broker_svc.batch import Batch
+    from broker_svc.conf import Config
+    from broker_svc.connection.pending import PendingPublish
+    from broker_svc.producer import Producer
+    from broker_svc.result import ResultStore
+
+__all__ = [
+    "CLIENT_HOSTNAME",
+    "Destination",
+    "after_publish",
+    "before_publish",
+    "build_message",
+    "send_signatures",
+    "state_publish",
+]
+
+# How a client names itself in the records it writes to the task-state stream.
+CLIENT_HOSTNAME = f"client{os.getpid()}@{platform.node()}"
 
 
 def build_message(
@@ -107,6 +132,87 @@ def before_publish(message: TaskMessage, queue: str, exchange: str) -> TaskMessa
     if not added:
         return message
     return dataclasses.replace(message, extra_headers={**message.extra_headers, **added})
+
+
+def send_signatures(
+    signatures: Sequence[Signature],
+    producer: Producer,
+    *,
+    batch: Batch | None,
+    wait: bool,
+    conf: Config,
+    settings: Settings,
+    clock: LamportClock,
+    reply_queue: str,
+    results: ResultStore,
+) -> list[AsyncResult]:
+    """``App.send_task``/``send_many``: prepare each task, register its result, hand them over.
+
+    They go to ``batch`` when a ``with app.batch()`` block is open on this thread, else to the
+    producer (the connection, or the spool) in one piece; ``wait`` as ``Producer.submit``.
+    """
+    publisher = producer.publisher
+    prepared: list[tuple[PendingPublish, str]] = []
+    announce = signals.before_task_publish.has_receivers or signals.after_task_publish.has_receivers
+    for sig in signatures:
+        message, (queue, exchange), serializer = build_message(
+            sig, conf=conf, settings=settings, clock=clock, reply_queue=reply_queue
+        )
+        if announce:
+            message = before_publish(message, queue, exchange or "")
+        pending = publisher.prepare(
+            message,
+            queue=queue,
+            queue_type=settings.queue_type(queue),
+            serializer=serializer,
+            exchange=exchange,
+        )
+        prepared.append((pending, message.id))
+    # Results register before the publish, so even an instant reply finds its waiter.
+    handles = [AsyncResult(task_id, store=results, publish=p) for p, task_id in prepared]
+    sent = [pending for pending, _ in prepared]
+    if settings.task_states and settings.spool_dir is None:
+        # QUEUED, in the same hand-over: one more pipelined publish per task, confirmed alongside.
+        # (Not through a spool: its records name task queues only; docs/design.md, "Task states".)
+        stream = task_states_stream()
+        now = time.time()
+        for pending, task_id in prepared:
+            headers = pending.message.headers
+            record = StateRecord(
+                task_id=task_id, state=JobState.QUEUED, at=now, clock=int(headers.get("clock") or 0),
+                hostname=CLIENT_HOSTNAME, name=headers.get("task"), queue=pending.queue,
+            )  # fmt: skip
+            sent.append(state_publish(record, stream))
+    if batch is not None:
+        batch.keep(sent, handles)  # sent at the end of the ``with app.batch()`` block
+    else:
+        producer.submit(sent, wait=wait)
+    running = current_request()
+    if running is not None:  # sent from a task: its children, as Celery's result.children lists
+        running.children.extend(task_id for _, task_id in prepared)
+    if announce:
+        after_publish(sent)
+    return handles
+
+
+def state_publish(record: StateRecord, stream: QueueSpec | None = None) -> PendingPublish:
+    """A state record on its way to the task-state stream (declared first on each connection)."""
+    from broker_svc.connection.pending import PendingPublish  # pure bookkeeping; no pika
+
+    spec = stream or task_states_stream()
+    return PendingPublish(record.wire(), exchange=DEFAULT_EXCHANGE, routing_key=spec.name, declare=(spec,))
+
+
+def after_publish(sent: Sequence[PendingPublish]) -> None:
+    # Celery's after_task_publish, once a task is handed over (to the connection, or the spool).
+    for pending in sent:
+        if pending.message.content_type == STATE_CONTENT_TYPE and "task" not in pending.message.headers:
+            continue
+        headers = pending.message.headers
+        signals.after_task_publish.send(
+            sender=headers.get("task"), headers=headers, body=pending.message.body,
+            exchange=pending.exchange, routing_key=pending.queue,
+        )  # fmt: skip
 
 
 def _embed(options: Mapping[str, Any]) -> dict[str, Any]:

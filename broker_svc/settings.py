@@ -11,7 +11,7 @@ from typing import Any, Final, Literal, get_type_hints
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 from broker_svc.errors import ConfigurationError
-from broker_svc.topology import QueueType
+from broker_svc.topology import QueueSpec, QueueType, task_queue
 
 __all__ = [
     "DEFAULT_BROKER_URL",
@@ -93,6 +93,14 @@ class Settings:
             ``"quorum"``); every other task queue is classic, as Celery's default. Clients and
             workers sharing a queue must agree, or RabbitMQ refuses the second declaration (406
             PRECONDITION_FAILED).
+        ordered_queues: task queues declared ordered (``x-single-active-consumer``): one consumer
+            of all workers runs their tasks, one at a time, in the order they were published, and
+            the next consumer takes over when it goes (docs/guide.md, "Ordered queues"). Clients
+            and workers must agree, as for ``quorum_queues``.
+        queue_max_priority: declare classic task queues as priority queues with this many levels
+            (``x-max-priority``; Celery's ``task_queue_max_priority``): a task's ``priority``
+            (``at_front=True``: 9) then puts it ahead of lower ones. None (default): no priorities,
+            as Celery's default. Clients and workers must agree, as for ``quorum_queues``.
         delivery_limit: how often a worker lets one message start without finishing (its worker
             or child died) before the next delivery goes to ``<queue>.dead`` instead (reason
             ``delivery_limit``): a poison task runs at most ``delivery_limit + 1`` times.
@@ -107,6 +115,8 @@ class Settings:
         heartbeat_s: AMQP heartbeat interval.
         result_expires_s: idle lifetime of a client's result queue (``x-expires``).
         result_persistent: publish results with delivery mode 2.
+        task_states: write every task's states to the task-state stream (QUEUED from the client,
+            the rest from workers; docs/guide.md, "Jobs and states"), so any process can read them.
         control_signing_key: shared secret for signed control messages (HMAC-SHA256); when set, a
             worker refuses unsigned commands. Never shown in reprs or logs.
         control_allowed_users: when not empty, a worker acts only on commands whose AMQP
@@ -117,6 +127,17 @@ class Settings:
         ssl_cert_file: client certificate (PEM), for brokers that require one (mutual TLS).
         ssl_key_file: the client certificate's private key (PEM); omit it if the key is in
             ``ssl_cert_file``.
+        spool_dir: turns the producer's disk spool on (docs/guide.md, "When the broker is down"):
+            a call returns once its task is in the spool, and a background drain publishes the
+            spool in order with confirms. Each process takes a slot directory under it.
+        spool_max_bytes: the most the spool holds (on disk and in its buffer); past it a call
+            raises ``SpoolFull``.
+        spool_memory_records: tasks kept in memory for the drain; older ones are read back from disk.
+        spool_flush_count: count trigger: buffered tasks are written to the spool file once this
+            many wait (by the call that reaches the count; 1 writes every task before its call returns).
+        spool_flush_interval_s: time trigger: buffered tasks are written at least this often.
+        spool_fsync: each write of the spool is followed by fsync (survives a machine crash);
+            without it, writes survive a crash of the process but not of the machine.
     """
 
     broker_url: str = field(default=DEFAULT_BROKER_URL, repr=False)
@@ -125,6 +146,8 @@ class Settings:
     accept_content: tuple[str, ...] = ("msgpack", "json")
     max_body_bytes: int = 10 * 1024 * 1024
     quorum_queues: tuple[str, ...] = ()
+    ordered_queues: tuple[str, ...] = ()
+    queue_max_priority: int | None = None
     delivery_limit: int = 3
     confirm: ConfirmMode = "pipelined"
     publish_attempts: int = 3
@@ -135,12 +158,19 @@ class Settings:
     heartbeat_s: int = 30
     result_expires_s: int = 86_400
     result_persistent: bool = False
+    task_states: bool = False
     control_signing_key: str | None = field(default=None, repr=False)
     control_allowed_users: tuple[str, ...] = ()
     ssl_context: ssl.SSLContext | None = field(default=None, repr=False, compare=False)
     ssl_ca_file: str | None = None
     ssl_cert_file: str | None = None
     ssl_key_file: str | None = None
+    spool_dir: str | None = None
+    spool_max_bytes: int = 1024 * 1024 * 1024
+    spool_memory_records: int = 10_000
+    spool_flush_count: int = 256
+    spool_flush_interval_s: float = 0.1
+    spool_fsync: bool = True
 
     def __post_init__(self) -> None:
         _check_urls(self.broker_url)
@@ -159,6 +189,8 @@ class Settings:
             raise ConfigurationError("publish_attempts, max_body_bytes and max_unconfirmed must be positive")
         if self.delivery_limit < 0:
             raise ConfigurationError(f"delivery_limit must not be negative, got {self.delivery_limit}")
+        if self.spool_dir is not None:
+            _check_spool(self)
 
     def __repr__(self) -> str:
         # Fields with repr=False (the URL, the control key, the SSL context) are never shown.
@@ -209,6 +241,15 @@ class Settings:
     def queue_type(self, queue: str) -> QueueType:
         """``quorum`` for a queue named in ``quorum_queues``, else ``classic``."""
         return "quorum" if queue in self.quorum_queues else "classic"
+
+    def task_queue(self, queue: str) -> QueueSpec:
+        """How ``queue`` is declared here: its type, and ordered if named in ``ordered_queues``."""
+        return task_queue(
+            queue,
+            queue_type=self.queue_type(queue),
+            single_active=queue in self.ordered_queues,
+            max_priority=self.queue_max_priority,
+        )
 
     def with_options(self, **changes: Any) -> Settings:
         """Return a copy with some fields changed."""
@@ -275,6 +316,8 @@ def env_vars() -> dict[str, tuple[str, ...]]:
 
 def _from_text(hint: Any, var: str, text: str) -> Any:
     # The field's type says how its variable reads; str, optional str and Literal stay text.
+    if hint == int | None or hint == float | None:  # an optional number: set, it is a number
+        hint = int if hint == int | None else float
     if hint is int or hint is float:
         try:
             return hint(text)
@@ -313,4 +356,23 @@ def _check_urls(broker_url: str) -> None:
         # Failover moves a client between brokers of one cluster; its queues live in one vhost.
         raise ConfigurationError(
             f"every URL of a failover list must name the same vhost, got {sorted(vhosts)}"
+        )
+
+
+def _check_spool(settings: Settings) -> None:
+    if settings.confirm == "each":
+        # With a spool a call returns once the task is spooled; the drain waits for the confirm.
+        raise ConfigurationError(
+            "spool_dir and confirm='each' exclude each other: with a spool a call returns once the "
+            "task is spooled; set spool_flush_count=1 to have each call write its task to disk first"
+        )
+    if settings.spool_flush_count < 1 or settings.spool_max_bytes < 1 or settings.spool_flush_interval_s <= 0:
+        raise ConfigurationError(
+            "spool_flush_count, spool_max_bytes and spool_flush_interval_s must be positive"
+        )
+    if settings.spool_memory_records < settings.spool_flush_count:
+        # Only written tasks may leave memory, and up to spool_flush_count wait to be written.
+        raise ConfigurationError(
+            f"spool_memory_records ({settings.spool_memory_records}) must be at least "
+            f"spool_flush_count ({settings.spool_flush_count})"
         )

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, overload
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, Literal, cast, overload
+
+from typing_extensions import ParamSpec, TypeVar
 
 from broker_svc.errors import ConfigurationError
 from broker_svc.task import Task
 
 if TYPE_CHECKING:
     from broker_svc.app import App
+    from broker_svc.result import AsyncResult
+    from broker_svc.signature import Signature
 
 __all__ = ["SharedTask", "app_created", "current_app", "shared_task"]
 
@@ -52,33 +56,68 @@ def app_created(app: App, *, set_as_current: bool) -> None:
         _register(app, fn, base, options, name)
 
 
-class SharedTask:
-    """Stands for a shared task on the current app: every attribute and call goes to that task."""
+P = ParamSpec("P", default=...)
+R = TypeVar("R", default=Any)
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+class SharedTask(Generic[P, R]):
+    """Stands for a shared task on the current app: every attribute and call goes to that task.
+
+    Typed as the task is (``Task[P, R]``): ``delay``, ``si`` and calls are checked against the
+    function's parameters.
+    """
 
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def _task(self) -> Task:
-        return current_app().tasks[self.name]
+    def _task(self) -> Task[P, R]:
+        # The registry holds tasks of every signature; this one is the function's (shared_task).
+        return cast("Task[P, R]", current_app().tasks[self.name])
 
     def __getattr__(self, attribute: str) -> Any:
         return getattr(self._task(), attribute)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         return self._task()(*args, **kwargs)
+
+    def delay(self, *args: P.args, **kwargs: P.kwargs) -> AsyncResult[R]:
+        """``Task.delay`` on the current app's task."""
+        return self._task().delay(*args, **kwargs)
+
+    def apply_async(
+        self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None, **options: Any
+    ) -> AsyncResult[R]:
+        """``Task.apply_async`` on the current app's task."""
+        return self._task().apply_async(args, kwargs, **options)
+
+    def s(self, *args: Any, **kwargs: Any) -> Signature:
+        """``Task.s`` (a partial) on the current app's task."""
+        return self._task().s(*args, **kwargs)
+
+    def si(self, *args: P.args, **kwargs: P.kwargs) -> Signature:
+        """``Task.si`` on the current app's task."""
+        return self._task().si(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"<@shared_task: {self.name}>"
 
 
 @overload
-def shared_task(fn: Callable[..., Any], /) -> SharedTask: ...
+def shared_task(fn: Callable[_P, _R], /) -> SharedTask[_P, _R]: ...
+
+
+@overload
+def shared_task(
+    fn: None = None, /, *, bind: Literal[True], base: type[Task] | None = None, **options: Any
+) -> Callable[[Callable[Concatenate[Any, _P], _R]], SharedTask[_P, _R]]: ...
 
 
 @overload
 def shared_task(
     fn: None = None, /, *, base: type[Task] | None = None, **options: Any
-) -> Callable[[Callable[..., Any]], SharedTask]: ...
+) -> Callable[[Callable[_P, _R]], SharedTask[_P, _R]]: ...
 
 
 def shared_task(

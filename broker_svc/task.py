@@ -5,8 +5,10 @@ from __future__ import annotations
 import datetime as dt
 import inspect
 import random
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Coroutine, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Generic
+
+from typing_extensions import ParamSpec, TypeVar
 
 from broker_svc import canvas
 from broker_svc.errors import MaxRetriesExceededError, Retry
@@ -14,7 +16,8 @@ from broker_svc.library_log import get_logger
 from broker_svc.pydantic_args import call_with_models
 from broker_svc.request import SEND_OPTIONS, ExceptionInfo, Request, current_request, executing
 from broker_svc.signature import Signature
-from broker_svc.wire.rates import parse_rate
+from broker_svc.task_class import build_task_class as build_task_class  # re-exported, as before
+from broker_svc.task_class import check_call_arguments
 
 if TYPE_CHECKING:
     from broker_svc.app import App
@@ -23,16 +26,25 @@ if TYPE_CHECKING:
 
 __all__ = ["SEND_OPTIONS", "ExceptionInfo", "Request", "Signature", "Task", "current_request", "executing"]
 
-# Signature (broker_svc.signature) and the request (broker_svc.request) are imported from here
-# too, as before.
+# A task's parameters and return type, taken from its function by ``@app.task`` (``Task[P, R]``).
+# The defaults (any arguments, any result) keep a bare ``Task`` meaning what it always meant.
+P = ParamSpec("P", default=...)
+R = TypeVar("R", default=Any)
+
+# Signature, the request and build_task_class (broker_svc.task_class) are imported from here too.
 
 log = get_logger(__name__)
 
 
-class Task:
+class Task(Generic[P, R]):
     """Base class of tasks. ``@app.task`` makes a subclass whose ``run`` is the function.
 
     Class attributes are the task's options; subclass and pass ``base=`` to share them.
+
+    For type checkers a decorated ``def add(x: int, y: int) -> int`` is a ``Task[[int, int], int]``:
+    ``add(1, 2)``, ``add.delay(1, 2)`` and ``add.si(1, 2)`` are checked against the function's
+    parameters, and ``add.delay(1, 2).get()`` is an ``int``. ``s`` (a partial) and
+    ``apply_async(args, kwargs)`` take any arguments; ``typing`` checks those when they are sent.
     """
 
     name: ClassVar[str] = ""
@@ -163,23 +175,54 @@ class Task:
         return delay
 
     def execute(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
-        """Run the body as the worker does: ``autoretry_for`` errors become retries."""
+        """Run the body as the worker does: ``autoretry_for`` errors become retries.
+
+        An ``async def`` body gives a coroutine that does the same when awaited (the worker awaits
+        it on its thread's loop). A plain body that returns an awaitable is a mistake (a missing
+        ``async``, a decorator that hid it): ``TypeError``, not a value nobody will await.
+        """
         try:
             if self.pydantic:
-                return call_with_models(
+                value = call_with_models(
                     self.run, args, kwargs, strict=self.pydantic_strict, context=self.pydantic_context,
                     dump_kwargs=self.pydantic_dump_kwargs,
                 )  # fmt: skip
-            return self.run(*args, **kwargs)
+            else:
+                value = self.run(*args, **kwargs)
         except Retry:
             raise
         except self.autoretry_for as exc:
-            if self.dont_autoretry_for and isinstance(exc, self.dont_autoretry_for):
-                raise
-            options = dict(self.retry_kwargs)
-            if self.retry_backoff:
-                options["countdown"] = self.backoff_delay(self.request.retries)
-            raise self.retry(exc=exc, **options) from exc
+            self._autoretry(exc)
+            raise
+        if inspect.isawaitable(value):
+            if inspect.iscoroutinefunction(self.run) and inspect.iscoroutine(value):
+                return self._autoretrying(value)
+            if inspect.iscoroutine(value):
+                value.close()  # never run: no "never awaited" warning on top of the error
+            raise TypeError(
+                f"task {self.name} returned {type(value).__name__}, an awaitable, but its function is not"
+                " `async def`: declare it `async def` (a decorator must keep it a coroutine function)"
+            )
+        return value
+
+    async def _autoretrying(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
+        # An ``async def`` body's errors reach ``autoretry_for`` only as it is awaited.
+        try:
+            return await coroutine
+        except Retry:
+            raise
+        except self.autoretry_for as exc:
+            self._autoretry(exc)
+            raise
+
+    def _autoretry(self, exc: BaseException) -> None:
+        # Raises the retry ``autoretry_for`` asks for; returns when ``dont_autoretry_for`` says no.
+        if self.dont_autoretry_for and isinstance(exc, self.dont_autoretry_for):
+            return
+        options = dict(self.retry_kwargs)
+        if self.retry_backoff:
+            options["countdown"] = self.backoff_delay(self.request.retries)
+        raise self.retry(exc=exc, **options) from exc
 
     # Hooks: override in a base class. Exceptions they raise are logged, never change the outcome.
 
@@ -217,18 +260,18 @@ class Task:
     ) -> None:
         """Called after every run, whatever its outcome."""
 
-    def run(self, *args: Any, **kwargs: Any) -> Any:
+    def run(self, *args: Any, **kwargs: Any) -> R:
         """The task body; replaced by the decorated function."""
         raise NotImplementedError(f"task {self.name} has no body")
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         """Run the task body here, in this process (as calling a Celery task does)."""
         return self.run(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"<@task: {self.name}>"
 
-    def delay(self, *args: Any, **kwargs: Any) -> ResultHandle:
+    def delay(self, *args: P.args, **kwargs: P.kwargs) -> ResultHandle[R]:
         """Send the task with these arguments; see ``apply_async``."""
         return self.apply_async(args, kwargs)
 
@@ -237,7 +280,7 @@ class Task:
         args: Sequence[Any] | None = None,
         kwargs: Mapping[str, Any] | None = None,
         **options: Any,
-    ) -> ResultHandle:
+    ) -> ResultHandle[R]:
         """Send the task to a queue.
 
         Args:
@@ -278,22 +321,13 @@ class Task:
         Raises:
             TypeError: the arguments do not fit the function's signature (as Celery's ``typing``).
         """
-        signature = _call_signature(type(self))
-        if signature is None:
-            return
-        try:
-            if self.bind:
-                signature.bind(self, *args, **kwargs)
-            else:
-                signature.bind(*args, **kwargs)
-        except TypeError as exc:
-            raise TypeError(f"{self.name}: {exc}") from None
+        check_call_arguments(self, args, kwargs)
 
     def s(self, *args: Any, **kwargs: Any) -> Signature:
         """A signature of this task with these arguments (a partial: more may be given later)."""
         return Signature(self.name, args, dict(kwargs), self._default_options(), app=self.app)
 
-    def si(self, *args: Any, **kwargs: Any) -> Signature:
+    def si(self, *args: P.args, **kwargs: P.kwargs) -> Signature:
         """An immutable signature: it ignores a parent's result and partial arguments."""
         return Signature(self.name, args, dict(kwargs), self._default_options(), immutable=True, app=self.app)
 
@@ -325,7 +359,7 @@ class Task:
         """The items in parts of ``n``, one ``starmap`` task per part, sent as a group."""
         return canvas.chunks(self.s(), it, n)
 
-    def AsyncResult(self, task_id: str) -> ResultHandle:  # Celery's name
+    def AsyncResult(self, task_id: str) -> ResultHandle[R]:  # Celery's name
         """A result handle for a task this client sent (see ``App.AsyncResult``)."""
         return self.app.AsyncResult(task_id)
 
@@ -346,53 +380,3 @@ class Task:
         if self.priority is not None:
             options["priority"] = self.priority
         return options
-
-
-def _call_signature(cls: type[Task]) -> inspect.Signature | None:
-    # Worked out once per task class: ``typing`` checks every send against it.
-    if cls in _SIGNATURES:
-        return _SIGNATURES[cls]
-    function = getattr(cls, "__wrapped__", None)
-    signature: inspect.Signature | None = None
-    if function is not None:
-        try:
-            signature = inspect.signature(function)
-        except (TypeError, ValueError):
-            pass  # a builtin or C function: nothing to check against
-    _SIGNATURES[cls] = signature
-    return signature
-
-
-_SIGNATURES: dict[type[Task], inspect.Signature | None] = {}
-
-
-def build_task_class(
-    app: App, fn: Callable[..., Any], *, name: str, base: type[Task], options: Mapping[str, Any]
-) -> type[Task]:
-    """Make the task subclass for ``fn`` (Celery's pattern: one class per task).
-
-    Raises:
-        TypeError: an unknown task option, or a base that is not a ``Task``.
-        ValueError: a ``rate_limit`` that is not a rate (``"10/s"``, ``"100/m"``, ``"2/h"``, a number).
-    """
-    if not (isinstance(base, type) and issubclass(base, Task)):
-        raise TypeError(f"base must be a subclass of broker_svc.Task, got {base!r}")
-    unknown = set(options) - base.OPTIONS
-    if unknown:
-        raise TypeError(f"unknown task option(s) {sorted(unknown)}; known: {sorted(base.OPTIONS)}")
-    try:
-        parse_rate(options.get("rate_limit", base.rate_limit))
-    except ValueError as exc:
-        raise ValueError(f"task {name!r}: {exc}") from None
-    bind = bool(options.get("bind", base.bind))
-    attrs: dict[str, Any] = {
-        **options,
-        "name": name,
-        "app": app,
-        "run": fn if bind else staticmethod(fn),
-        "__wrapped__": staticmethod(fn),
-        "__doc__": fn.__doc__,
-        "__module__": fn.__module__,
-        "__qualname__": getattr(fn, "__qualname__", fn.__name__),
-    }
-    return type(fn.__name__, (base,), attrs)

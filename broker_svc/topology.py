@@ -24,6 +24,8 @@ __all__ = [
     "QueueOptions",
     "QueueSpec",
     "QueueType",
+    "SINGLE_ACTIVE_ARGUMENT",
+    "MAX_PRIORITY_ARGUMENT",
     "EVENT_EXCHANGE",
     "MEMBERS_ROUTING_KEY",
     "EXPIRED_QUEUE",
@@ -32,17 +34,21 @@ __all__ = [
     "dead_letter_queue",
     "delay_bucket_ms",
     "delay_queue",
+    "dependents_queue",
     "event_exchange",
     "event_queue",
+    "leader_queue",
     "members_stream",
     "new_reply_queue_name",
     "node_queue",
+    "ordered_queue",
     "pidbox_exchange",
     "reply_exchange",
     "result_queue",
     "revocation_log",
     "task_exchange",
     "task_queue",
+    "task_states_stream",
 ]
 
 # Tasks and results are published to the default exchange with the queue's name as routing key,
@@ -52,6 +58,12 @@ DEFAULT_EXCHANGE: Final = ""
 DEAD_LETTER_REASON_HEADER: Final = "x-clockwork-reason"
 DEAD_LETTER_ERROR_HEADER: Final = "x-clockwork-error"
 DEAD_LETTER_QUEUE_HEADER: Final = "x-clockwork-queue"
+
+# The queue argument of an ordered task queue: the broker delivers to one consumer at a time and
+# moves that role to the next consumer (in the order they subscribed) when its channel closes.
+SINGLE_ACTIVE_ARGUMENT: Final = "x-single-active-consumer"
+# The queue argument of a priority queue: messages of a higher ``priority`` (up to it) go first.
+MAX_PRIORITY_ARGUMENT: Final = "x-max-priority"
 
 QueueType = Literal["classic", "quorum"]
 
@@ -119,6 +131,11 @@ class QueueSpec:
             "arguments": self.arguments or None,
         }
 
+    @property
+    def single_active(self) -> bool:
+        """Whether the broker lets one consumer at a time take from it (an ordered queue)."""
+        return self.arguments.get(SINGLE_ACTIVE_ARGUMENT) is True
+
 
 @functools.lru_cache(maxsize=1024)
 def task_exchange(queue: str) -> ExchangeSpec:
@@ -127,13 +144,27 @@ def task_exchange(queue: str) -> ExchangeSpec:
 
 
 @functools.lru_cache(maxsize=1024)  # built for every publish; specs are never mutated
-def task_queue(queue: str, *, queue_type: QueueType = "classic") -> QueueSpec:
+def task_queue(
+    queue: str,
+    *,
+    queue_type: QueueType = "classic",
+    single_active: bool = False,
+    max_priority: int | None = None,
+) -> QueueSpec:
     """A task queue: durable, no arguments (as Celery), bound to its exchange by its own name.
 
     A quorum queue must be chosen on both sides (``Settings.quorum_queues``); Celery's
-    ``task_default_queue_type`` / ``task_create_missing_queue_type`` must match.
+    ``task_default_queue_type`` / ``task_create_missing_queue_type`` must match. So must an
+    ordered queue (``single_active``, ``Settings.ordered_queues``): Celery's side declares it with
+    ``Queue(name, queue_arguments={"x-single-active-consumer": True})`` in ``task_queues``. And so
+    must a priority queue (``max_priority``, ``Settings.queue_max_priority``; Celery's
+    ``task_queue_max_priority``): classic queues only, RabbitMQ 3.10's quorum queues have none.
     """
     arguments: dict[str, Any] = {} if queue_type == "classic" else {"x-queue-type": "quorum"}
+    if single_active:
+        arguments[SINGLE_ACTIVE_ARGUMENT] = True
+    if max_priority is not None and queue_type == "classic":
+        arguments[MAX_PRIORITY_ARGUMENT] = max_priority
     return QueueSpec(
         name=queue,
         durable=True,
@@ -141,6 +172,15 @@ def task_queue(queue: str, *, queue_type: QueueType = "classic") -> QueueSpec:
         exchange=task_exchange(queue),
         routing_key=queue,
     )
+
+
+def ordered_queue(queue: str, *, queue_type: QueueType = "classic") -> QueueSpec:
+    """An ordered task queue: one consumer of all workers takes its tasks, one at a time, in order.
+
+    ``task_queue`` with ``x-single-active-consumer``; a worker consumes it with prefetch 1 and
+    never cancels its consumer while it holds one of its deliveries (docs/guide.md, "Ordered queues").
+    """
+    return task_queue(queue, queue_type=queue_type, single_active=True)
 
 
 def dead_letter_queue(queue: str) -> QueueSpec:
@@ -291,63 +331,14 @@ def event_queue(routing_key: str = "#") -> QueueSpec:
     )
 
 
-# -- Clockwork's own durable streams (RabbitMQ streams; see docs/design.md, "Control plane") ------
-
-
-def members_stream(namespace: str = DEFAULT_NAMESPACE) -> QueueSpec:
-    """A stream holding the last minute of worker events, bound to ``celeryev`` by ``worker.#``.
-
-    A control client that has just started reads it from a minute ago to learn which workers are
-    alive, so it can stop waiting once they have all answered. Small segments, because a stream
-    drops old data a whole segment at a time.
-    """
-    return QueueSpec(
-        name=f"clockwork.members.{namespace}",
-        durable=True,
-        arguments={
-            "x-queue-type": "stream",
-            "x-max-age": "60s",
-            "x-stream-max-segment-size-bytes": 1_000_000,
-            "x-max-length-bytes": 20_000_000,
-        },
-        exchange=event_exchange(),
-        routing_key=MEMBERS_ROUTING_KEY,
-    )
-
-
-def revocation_log(namespace: str = DEFAULT_NAMESPACE) -> QueueSpec:
-    """The durable log of revokes: every worker reads it from the start, so a revoke issued while
-    no worker was running still holds. Entries live as long as a revoked id does (10,800 s).
-    """
-    return QueueSpec(
-        name=f"clockwork.revoked.{namespace}",
-        durable=True,
-        arguments={
-            "x-queue-type": "stream",
-            "x-max-age": "10800s",
-            "x-stream-max-segment-size-bytes": 4_000_000,
-            "x-max-length-bytes": 200_000_000,
-        },
-    )
-
-
-def chord_join_queue(namespace: str = DEFAULT_NAMESPACE) -> QueueSpec:
-    """Where finished chord header tasks leave their parts for the joiner.
-
-    A quorum queue, so the parts of a chord in progress survive the loss of a node, with a single
-    active consumer: one worker of the cluster joins at a time, holding the parts of each chord
-    unacked until it sends the body; if it dies they go to the next worker, which joins again.
-    """
-    return QueueSpec(
-        name=f"clockwork.chords.{namespace}",
-        durable=True,
-        arguments={"x-queue-type": "quorum", "x-single-active-consumer": True},
-    )
-
-
-# Where RabbitMQ dead-letters tasks that expire in their queue (a Celery client sets the AMQP
-# ``expiration`` of a task with ``expires``), given the operator's policy on the task queues:
-#   rabbitmqctl set_policy clockwork-expired '^celery$' \
-#     '{"dead-letter-exchange":"","dead-letter-routing-key":"clockwork.expired"}' --apply-to queues
-# Every worker consumes it and answers each such task REVOKED "expired" (docs/guide.md, "Expiry").
-EXPIRED_QUEUE: Final = "clockwork.expired"
+# Clockwork's own streams and single-active-consumer queues live in ``broker_svc.topology_streams``;
+# imported here, after everything they use is defined, so every name stays importable from here.
+from broker_svc.topology_streams import (  # noqa: E402
+    EXPIRED_QUEUE,
+    chord_join_queue,
+    dependents_queue,
+    leader_queue,
+    members_stream,
+    revocation_log,
+    task_states_stream,
+)

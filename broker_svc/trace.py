@@ -6,8 +6,9 @@ sees the same signals and hooks, and ends in the same outcomes, wherever it runs
 
 from __future__ import annotations
 
+import inspect
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
@@ -61,6 +62,7 @@ def trace(
     *,
     started: Callable[[], None] | None = None,
     guard: AbstractContextManager[Any] | None = None,
+    await_body: Callable[[Coroutine[Any, Any, Any]], Any] | None = None,
 ) -> Traced:
     """Run ``task`` once with its signals and hooks; how it ended (never raises for the task).
 
@@ -71,12 +73,14 @@ def trace(
         kwargs: keyword arguments.
         started: called after ``task_prerun`` (the worker reports STARTED there).
         guard: entered around the body alone (the worker's soft time limit).
+        await_body: runs an ``async def`` body's coroutine to its end and returns its value (the
+            worker: on its thread's long-lived loop); by default, on a loop of its own (``apply()``).
     """
     task_id = request.id
     signals.task_prerun.send(sender=task, task_id=task_id, task=task, args=args, kwargs=kwargs)
     if started is not None:
         started()
-    traced = _run(task, request, args, kwargs, guard or nullcontext())
+    traced = _run(task, request, args, kwargs, guard or nullcontext(), await_body or _await_alone)
     signals.task_postrun.send(
         sender=task, task_id=task_id, task=task, args=args, kwargs=kwargs, state=traced.state,
         retval=traced.value if traced.state == SUCCESS else (traced.retry or traced.exception),
@@ -90,11 +94,14 @@ def _run(
     args: Sequence[Any],
     kwargs: Mapping[str, Any],
     guard: AbstractContextManager[Any],
+    await_body: Callable[[Coroutine[Any, Any, Any]], Any],
 ) -> Traced:
     task_id = request.id
     try:
         with guard:
             value = task.execute(args, kwargs)
+            if inspect.iscoroutine(value):  # an ``async def`` body (``Task.execute`` refuses the rest)
+                value = await_body(value)
     except Ignore:
         return Traced(IGNORED)
     except Reject as reject:
@@ -121,6 +128,23 @@ def _run(
     _hook(task.after_return, SUCCESS, value, task_id, args, kwargs, None)
     signals.task_success.send(sender=task, result=value)
     return Traced(SUCCESS, value=value)
+
+
+def _await_alone(coroutine: Coroutine[Any, Any, Any]) -> Any:
+    # ``apply()`` of an ``async def`` task: a loop for this run alone, as ``asyncio.run`` makes one;
+    # called inside a running loop (an async test, an eager app in a web handler), on a thread of
+    # its own, as that loop's thread cannot run a second one. Either way the caller waits.
+    import asyncio  # only a run of an async task needs it
+    import contextvars
+    from concurrent.futures import ThreadPoolExecutor
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    context = contextvars.copy_context()  # the request the body sees
+    with ThreadPoolExecutor(1, thread_name_prefix="clockwork-apply") as executor:
+        return executor.submit(context.run, asyncio.run, coroutine).result()
 
 
 def _hook(hook: Callable[..., None], *args: Any) -> None:

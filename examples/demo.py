@@ -35,7 +35,9 @@ def main() -> int:
         ],
         env={**os.environ, "CLOCKWORK_BROKER_URL": settings.broker_url},
     )
-    client = App("demo", settings=settings)
+    # The demo's producer spools: with the broker down, delay() still returns and nothing is lost
+    # (docs/guide.md, "When the broker is down"). CLOCKWORK_SPOOL_DIR picks another directory.
+    client = App("demo", settings=settings.with_options(spool_dir=settings.spool_dir or ".spool/demo"))
     try:
         wait_until_serving(client)
         show(client)

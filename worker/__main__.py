@@ -131,6 +131,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="task queues to declare as quorum queues (default $CLOCKWORK_QUORUM_QUEUES; clients must agree)",
     )
     parser.add_argument(
+        "--ordered-queues",
+        default=None,
+        metavar="A,B",
+        help="task queues to declare and consume as ordered queues: one consumer of all workers runs "
+        "their tasks, one at a time, in order (default $CLOCKWORK_ORDERED_QUEUES or the app's "
+        "task_ordered_queues; clients must agree; docs/guide.md, 'Ordered queues')",
+    )
+    parser.add_argument(
         "--delivery-limit",
         type=int,
         default=None,
@@ -160,11 +168,29 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="the broker's consumer_timeout (default 1800, RabbitMQ's); warns at start-up about task "
         "time limits it would cut short; 0 skips the check",
     )
+    # The last of the two given wins, so a script's default can be overridden after it.
     parser.add_argument(
         "--children-consume",
+        dest="children_consume",
         action="store_true",
-        help="experimental: each pool child consumes and acks its own tasks (no autoscaler yet; "
-        "see docs/design.md)",
+        default=True,
+        help="each pool child consumes, runs and acks its own tasks (the default; see docs/design.md, "
+        "'Consuming children')",
+    )
+    parser.add_argument(
+        "--worker-consumes",
+        dest="children_consume",
+        action="store_false",
+        help="the previous design, kept for one release: the worker's main process consumes for every "
+        "child and hands each task over",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        metavar="N",
+        help="N consumers per child, each in a thread (for tasks that wait "
+        "on I/O; soft time limits only between bytecodes, a hard limit or terminate ends the child)",
     )
     args = parser.parse_args(argv)
     if args.pool not in ("prefork", "processes"):
@@ -231,6 +257,8 @@ def _start(args: argparse.Namespace) -> int:
         settings = settings.with_options(broker_url=args.broker)
     if args.quorum_queues is not None:
         settings = settings.with_options(quorum_queues=split_names(args.quorum_queues))
+    if args.ordered_queues is not None:
+        settings = settings.with_options(ordered_queues=split_names(args.ordered_queues))
     if args.delivery_limit is not None:
         settings = settings.with_options(delivery_limit=args.delivery_limit)
     conf = app.conf
@@ -268,9 +296,12 @@ def _start(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         metrics_address=args.metrics_address,
         children_consume=args.children_consume,
+        threads=args.threads,
     )
     try:
         return _run(WorkerService(config, app).run())
+    except ConfigurationError as exc:  # a queue declared otherwise before (an ordered one, say)
+        return _say(str(exc), status=2)
     except BrokerUnavailable as exc:  # a refused login or TLS handshake: retrying cannot help
         if args.loglevel.lower() == "debug":
             traceback.print_exc()

@@ -97,8 +97,9 @@ class WorkerConfig:
             no task it cannot start now, and a busy worker hoards nothing.
         shutdown_timeout_s: how long running tasks may finish after SIGTERM.
         dedupe_window_s: skip a task id this worker finished within this many seconds (opt-in
-            dedupe, per worker; ``worker.consume.admission.DedupeWindow``). None: at-least-once, every
-            delivery runs. The delivery limit is ``settings.delivery_limit``.
+            dedupe, per worker; ``worker.consume.admission.DedupeWindow``, or with
+            ``children_consume`` one window shared by the children, ``worker.feed.dedupe``). None:
+            at-least-once, every delivery runs. The delivery limit is ``settings.delivery_limit``.
         time_limit_s: hard time limit for tasks that set none (the task's and the call's win).
         soft_time_limit_s: soft time limit for tasks that set none.
         state_path: the state file of the revoked set (None: kept in memory only).
@@ -121,10 +122,12 @@ class WorkerConfig:
             after the task it ran (None: never).
         metrics_port: serve Prometheus metrics on this port (None: not served; worker/metrics.py).
         metrics_address: the address the metrics are served on.
-        children_consume: experimental (issue 16): each pool child consumes the task queues on a
-            connection of its own and runs, answers and acks its tasks itself; the main process
-            supervises and keeps the control plane. What it does not do yet is in
-            ``worker/feed/handle.py``; it excludes ``autoscale`` and ``dedupe_window_s``.
+        children_consume: each pool child consumes the task queues on a connection of its own and
+            runs, answers and acks its tasks itself; the main process supervises and keeps the
+            control plane (``worker/feed``, docs/design.md). False: the previous design
+            (``--worker-consumes``), where the main process consumes for every child.
+        threads: with ``children_consume``, consumers per child, each a thread with a connection
+            of its own, for tasks that wait on I/O (1: the child's main thread alone).
 
     Raises:
         ConfigurationError: an option out of range (a ``ValueError``, with the fix in its text).
@@ -153,7 +156,8 @@ class WorkerConfig:
     max_memory_per_child_kib: int | None = None
     metrics_port: int | None = None
     metrics_address: str = "0.0.0.0"
-    children_consume: bool = False
+    children_consume: bool = True
+    threads: int = 1
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -174,11 +178,11 @@ class WorkerConfig:
             )
         if self.consumer_timeout_s is not None and not self.consumer_timeout_s > 0:
             raise ConfigurationError(f"consumer_timeout_s must be positive, got {self.consumer_timeout_s}")
-        not_yet = self.autoscale is not None or self.dedupe_window_s
-        if self.children_consume and not_yet:
+        if self.threads < 1:
+            raise ConfigurationError(f"threads must be at least 1, got {self.threads}")
+        if self.threads > 1 and not self.children_consume:
             raise ConfigurationError(
-                "--children-consume does not autoscale or dedupe yet: drop --autoscale and --dedupe-window, "
-                "or run without it"
+                "--threads runs consumers in threads of each child, which --worker-consumes does not have"
             )
         if "@" not in self.hostname:
             raise ConfigurationError(f"hostname must look like name@host, got {self.hostname!r}")

@@ -11,7 +11,8 @@ Ours, under ``clockwork_``: dead letters by queue and reason, redeliveries, the 
 (busy or idle), each consumed queue's depth and consumers (sampled every 15 s), and how long the
 broker takes to confirm what the worker publishes. Every task's
 outcome is known in the worker's main process (the pool children report to it), so one registry
-there is the whole count.
+there is the whole count; consuming children (``--children-consume``) send theirs in batches
+(``worker/feed/tally.py``), added here by :meth:`WorkerMetrics.add`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from worker.feed.tally import Tally
 from worker.pool.pool import JobOutcome, JobStatus
 
 __all__ = ["WorkerMetrics"]
@@ -136,6 +138,34 @@ class WorkerMetrics:
             self._rejected.labels(*labels).inc()
         elif status is JobStatus.TERMINATED:
             self._revoked.labels(*labels).inc()
+
+    def add(self, tally: Tally) -> None:
+        """Counts a consuming child reported (``--children-consume``): the same series, in a batch."""
+        host = self.hostname
+        by_event = {
+            "received": self._received, "started": self._started, "succeeded": self._succeeded,
+            "retried": self._retried, "rejected": self._rejected, "revoked": self._revoked,
+        }  # fmt: skip
+        for (event, *labels), n in tally.counts.items():
+            if event in by_event:
+                name, queue = labels
+                by_event[event].labels(name, host, queue).inc(n)
+            elif event == "failed":
+                name, queue, exception = labels
+                self._failed.labels(name, host, exception, queue).inc(n)
+            elif event == "dead_lettered":
+                queue, reason = labels
+                self._dead.labels(host, queue, reason).inc(n)
+            elif event == "redelivered":
+                self._redelivered.labels(host, labels[0]).inc(n)
+        for (name, queue), seconds in tally.runtimes.items():
+            runtime = self._runtime.labels(name, host, queue)
+            for value in seconds:
+                runtime.observe(value)
+        for kind, seconds in tally.confirms.items():
+            confirm = self._confirm.labels(host, kind)
+            for value in seconds:
+                confirm.observe(value)
 
     def revoked(self, name: str, queue: str) -> None:
         """A revoked or expired task was answered without running."""

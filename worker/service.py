@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import signal
-from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -18,35 +16,32 @@ from broker_svc import signals
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
 from broker_svc.errors import BrokerUnavailable
-from broker_svc.topology import EXPIRED_QUEUE, dead_letter_queue, task_queue
-from control.aio.broadcaster import AsyncBroadcaster, declare_members_stream
+from broker_svc.topology import EXPIRED_QUEUE, dead_letter_queue
 from control.aio.declare import declare_queue
-from control.aio.node import MailboxNode
+from control.aio.header_ints import install_header_int_guard
 from control.protocol.commands import CommandRegistry
-from control.protocol.signing import ControlSecurity
 from worker.amqp.channel_watch import ConsumeChannelWatch
 from worker.amqp.connection import connect
-from worker.amqp.header_ints import install_header_int_guard
+from worker.amqp.queue_depth import QueueDepth
 from worker.amqp.subscriptions import QueueConsumers
+from worker.assembly import feed_spec, task_consumer, warn_time_limits
 from worker.background import Background
-from worker.config import WorkerConfig, time_limits_over_consumer_timeout
+from worker.cluster import mingle_step, run_shared_queue_check, start_events, start_mailbox
+from worker.config import WorkerConfig
 from worker.consume.chord_join import ChordJoiner
 from worker.consume.consumer import TaskConsumer
-from worker.consume.eta import EtaScheduler
-from worker.consume.publish import ReplyPublisher
-from worker.consume.rate_limits import RateLimits, parse_rate
-from worker.events import EventDispatcher, Heart, software_version
-from worker.feed.spec import FeedSpec
+from worker.consume.dependents import DependentsJoiner
+from worker.consume.rate_limits import RateLimits
+from worker.events import Heart, software_version
 from worker.metrics import WorkerMetrics
 from worker.pool.autoscale import Autoscaler, PoolSizer
+from worker.pool.demand import BacklogDemand, Demand, SlotDemand
 from worker.pool.handle import EXIT_GRACE_S
 from worker.pool.pool import ProcessPool
 from worker.remote.commands import WorkerCommands
-from worker.remote.mingle import mingle
 from worker.remote.revocation_log import RevocationLog
 from worker.remote.revoked_set import RevokedSet
 from worker.remote.revoker import Revoker
-from worker.remote.shared_queues import check_shared_queues
 
 __all__ = ["WorkerService"]
 
@@ -111,11 +106,11 @@ class WorkerService:
             on_update=self._relay_update,
             max_tasks_per_child=config.max_tasks_per_child,
             max_memory_per_child_kib=config.max_memory_per_child_kib,
-            feed=self._feed_spec() if config.children_consume else None,
+            feed=feed_spec(config, self._app) if config.children_consume else None,
             # A consuming child stops on its own once told: it finishes the task it runs first.
             exit_grace_s=config.shutdown_timeout_s if config.children_consume else EXIT_GRACE_S,
         )
-        self._warn_time_limits()
+        warn_time_limits(config, self._app)
         await pool.start()
         # Two connections: RabbitMQ blocks a connection that publishes during a memory or disk
         # alarm, and a blocked connection is not read at all, so acks would stall with it. Task
@@ -156,28 +151,48 @@ class WorkerService:
         config = self._config
         # Everything that publishes, or answers by publishing, is on the publishing connection.
         publish_channel = await publishing.channel(publisher_confirms=True)
-        events = await self._start_events(publishing)
-        consumer = self._consumer = self._task_consumer(pool, publish_channel, events)
+        events = await start_events(publishing, config=config, clock=self._clock)
+        consumer, self._metrics = task_consumer(
+            config,
+            self._app,
+            pool=pool,
+            publish_channel=publish_channel,
+            events=events,
+            clock=self._clock,
+            revoked=self._revoked,
+            limits=self._limits,
+        )
+        self._consumer = consumer
         consume_channel = await consuming.channel(publisher_confirms=False)
         await consume_channel.set_qos(prefetch_count=config.prefetch_count)  # per consumer
         # The task queues consumed (worker.amqp.subscriptions), and the consume channel's faults
         # and the consumer watchdog (RELIABILITY.md R4-R7).
-        queues = QueueConsumers(consume_channel, settings=config.settings, consumer=consumer)
+        queues = QueueConsumers(
+            consume_channel, settings=config.settings, consumer=consumer, connection=consuming
+        )
         watch = ConsumeChannelWatch(consume_channel, queues, consumer=consumer)
         await watch.install()
         sizer = PoolSizer(
             pool,
             consumer.slots,
-            set_prefetch=queues.set_prefetch,
+            # Consuming children are a consumer each, at their own prefetch: nothing to re-subscribe.
+            set_prefetch=None if config.children_consume else queues.set_prefetch,
             multiplier=config.prefetch_multiplier,
             autoscale_max=config.autoscale[0] if config.autoscale else None,
+            threads=config.threads,
         )
         autoscaler = None
         if config.autoscale is not None:
             maximum, minimum = config.autoscale
+            demand: Demand = SlotDemand(consumer.slots)
+            if config.children_consume:  # no delivery waits here: the queues' backlog does
+                depth = QueueDepth(consuming, queues.listed)
+                demand = BacklogDemand(
+                    running=lambda: pool.busy_count, ready=depth.ready, threads=config.threads
+                )
             autoscaler = Autoscaler(
                 sizer,
-                consumer.slots,
+                demand,
                 maximum=maximum,
                 minimum=minimum,
                 keepalive_s=config.autoscale_keepalive_s,
@@ -219,10 +234,16 @@ class WorkerService:
             heart=heart,
             request_stop=self.request_stop,
         )
-        await self._start_mailbox(publishing, commands.register(CommandRegistry()))
-        mingle_step = await self._mingle_step(publishing, revoker) if config.mingle else None
-        if mingle_step is not None:
-            await mingle_step()  # before the first task: peers' revokes hold for it too
+        await start_mailbox(
+            publishing, commands.register(CommandRegistry()), config=config, clock=self._clock
+        )
+        run_mingle = (
+            await mingle_step(publishing, revoker, config=config, clock=self._clock)
+            if config.mingle
+            else None
+        )
+        if run_mingle is not None:
+            await run_mingle()  # before the first task: peers' revokes hold for it too
         if config.children_consume:
             for name in config.queues:
                 await queues.declare(name)
@@ -234,7 +255,10 @@ class WorkerService:
         # Tasks a Celery client's broker TTL expired in their queue, given the operator's policy.
         if await self._may_consume(consuming, EXPIRED_QUEUE):
             await queues.add(EXPIRED_QUEUE, listed=False)
-        background.spawn(self._check_shared_queues(publishing), name="shared-queues")
+        background.spawn(
+            run_shared_queue_check(publishing, config=config, app=self._app, clock=self._clock),
+            name="shared-queues",
+        )
         if self._metrics is not None:
             background.spawn(
                 self._metrics.sample_queues(consuming, queues.listed, every_s=_QUEUE_SAMPLE_S),
@@ -249,8 +273,8 @@ class WorkerService:
             # The broker may have forgotten us (and we it): announce the node again.
             log.info("worker_reconnected", hostname=config.hostname)
             background.spawn(heart.online(), name="worker-online")
-            if mingle_step is not None:
-                background.spawn(mingle_step(), name="mingle")
+            if run_mingle is not None:
+                background.spawn(run_mingle(), name="mingle")
 
         publishing.reconnect_callbacks.add(on_reconnect)
         background.spawn(watch.watch_consumers(), name="consumer-watch")
@@ -263,6 +287,12 @@ class WorkerService:
         )
         background.spawn(joiner.run(publishing), name="chord-joiner")
         background.spawn(joiner.watch(), name="chord-watch")
+        if config.settings.task_states:
+            # depends_on: one worker of the cluster releases waiting tasks (worker/consume/dependents.py).
+            dependents = DependentsJoiner(
+                settings=config.settings, clock=self._clock, hostname=config.hostname
+            )
+            background.spawn(dependents.run(publishing), name="dependents")
         log.info(
             "worker_ready",
             hostname=config.hostname,
@@ -291,9 +321,12 @@ class WorkerService:
         log.info("worker_stopping", in_flight=consumer.in_flight, timeout_s=config.shutdown_timeout_s)
         signals.worker_shutdown.send(sender=self)
         await running.background.stop("autoscaler")
+        ordered = running.queues.ordered()  # closed once their tasks are settled (close_ordered)
         for name in running.queues.consuming():
-            await running.queues.cancel(name)
+            if name not in ordered:
+                await running.queues.cancel(name)
         await consumer.stop(timeout_s=config.shutdown_timeout_s)
+        await running.queues.close_ordered()
         await running.pool.close(timeout_s=0)
         await running.background.stop("heartbeat")
         await running.heart.offline()
@@ -303,7 +336,7 @@ class WorkerService:
         # deployment whose permissions predate this queue must still start (without it).
         try:
             async with connection.channel(publisher_confirms=False) as channel:
-                await declare_queue(channel, task_queue(queue))
+                await declare_queue(channel, self._config.settings.task_queue(queue))  # as it is consumed
                 await declare_queue(channel, dead_letter_queue(queue))
         except Exception as exc:  # refused (ACCESS_REFUSED, PRECONDITION_FAILED), or closing after it
             log.warning(
@@ -323,176 +356,6 @@ class WorkerService:
             heartbeat_s=config.broker_heartbeat_s,
             stop=self._stop,
         )
-
-    def _feed_spec(self) -> FeedSpec:
-        # What each consuming child is told (--children-consume): one delivery per child at a time.
-        config = self._config
-        settings = config.settings
-        if config.broker_heartbeat_s is not None:
-            settings = dataclasses.replace(settings, heartbeat_s=config.broker_heartbeat_s)
-        return FeedSpec(
-            settings=settings,
-            queues=config.queues,
-            prefetch=config.prefetch_multiplier,
-            hostname=config.hostname,
-            default_time_limits=(config.time_limit_s, config.soft_time_limit_s),
-            namespace=config.namespace,
-            task_events=config.task_events,
-            task_names=tuple(sorted(self._app.tasks)),
-            max_tasks_per_child=config.max_tasks_per_child,
-            max_memory_per_child_kib=config.max_memory_per_child_kib,
-            rate_limits={
-                name: per_second
-                for name, task in self._app.tasks.items()
-                if (per_second := parse_rate(task.rate_limit)) is not None
-            },
-        )
-
-    def _warn_time_limits(self) -> None:
-        # The worker cannot read the broker's consumer_timeout: it is told it (--consumer-timeout).
-        config = self._config
-        limits = {
-            name: task.time_limit or config.time_limit_s
-            for name, task in self._app.tasks.items()
-            if not name.startswith("celery.")
-        }
-        over = time_limits_over_consumer_timeout(limits, consumer_timeout_s=config.consumer_timeout_s)
-        for name, limit in over.items():
-            log.warning(
-                "time_limit_over_consumer_timeout",
-                task_name=name,
-                time_limit_s=limit,
-                consumer_timeout_s=config.consumer_timeout_s,
-                hint="the broker closes the channel of a delivery held past consumer_timeout "
-                "(checked every 60 s) and redelivers it: lower the limit or raise consumer_timeout",
-            )
-
-    def _task_consumer(
-        self, pool: ProcessPool, publish_channel: aio_pika.abc.AbstractChannel, events: EventDispatcher
-    ) -> TaskConsumer:
-        config = self._config
-        metrics = self._metrics = None
-        if config.metrics_port is not None:
-            # Read at each scrape, so the figures are now's; the consumer exists once this returns.
-            metrics = WorkerMetrics(
-                config.hostname, pool_size=lambda: pool.target, busy=lambda: consumer.running_count
-            )
-            self._metrics = metrics
-            metrics.serve(config.metrics_port, config.metrics_address)
-            log.info("metrics_serving", port=config.metrics_port, address=config.metrics_address)
-        consumer = TaskConsumer(
-            app=self._app,
-            pool=pool,
-            replies=ReplyPublisher(
-                publish_channel,
-                clock=self._clock,
-                persistent=config.settings.result_persistent,
-                observe=metrics.confirmed if metrics is not None else None,
-            ),
-            clock=self._clock,
-            settings=config.settings,
-            hostname=config.hostname,
-            concurrency=config.concurrency,
-            dedupe_window_s=config.dedupe_window_s,
-            # Held ETA deliveries count against the prefetch: leave one per child for due tasks.
-            eta=EtaScheduler(publish_channel, max_held=max(1, config.prefetch_count - config.concurrency)),
-            events=events,
-            revoked=self._revoked,
-            limits=self._limits,
-            default_time_limits=(config.time_limit_s, config.soft_time_limit_s),
-            namespace=config.namespace,
-            metrics=metrics,
-        )
-        return consumer
-
-    async def _start_events(self, publishing: aio_pika.abc.AbstractRobustConnection) -> EventDispatcher:
-        config = self._config
-        channel = await publishing.channel(publisher_confirms=False)
-        events = EventDispatcher(
-            channel, hostname=config.hostname, clock=self._clock, task_events=config.task_events
-        )
-        await events.start()
-        try:
-            # Before worker-online: a client that starts later learns of us from the stream.
-            await declare_members_stream(channel, config.namespace)
-        except aio_pika.exceptions.AMQPError as exc:
-            # The refused declare closed the channel: events go on a new one.
-            log.error("members_stream_unavailable", error=str(exc))
-            channel = await publishing.channel(publisher_confirms=False)
-            events = EventDispatcher(
-                channel, hostname=config.hostname, clock=self._clock, task_events=config.task_events
-            )
-            await events.start()
-        return events
-
-    async def _check_shared_queues(self, publishing: aio_pika.abc.AbstractRobustConnection) -> None:
-        # A peer of another app on one of our queues (worker/remote/shared_queues.py); never fatal.
-        config = self._config
-        channel = await publishing.channel(publisher_confirms=False)
-        try:
-            broadcaster = AsyncBroadcaster(
-                channel,
-                clock=self._clock,
-                namespace=config.namespace,
-                security=ControlSecurity.from_settings(config.settings),
-            )
-            await broadcaster.start()
-            await check_shared_queues(
-                broadcaster, nodename=config.hostname, queues=config.queues, registered=self._app.tasks
-            )
-        except Exception as exc:  # a check, not a duty: the worker runs on without it
-            log.info("shared_queue_check_failed", error=f"{type(exc).__name__}: {exc}")
-        finally:
-            await channel.close()
-
-    async def _mingle_step(
-        self, publishing: aio_pika.abc.AbstractRobustConnection, revoker: Revoker
-    ) -> Callable[[], Coroutine[Any, Any, None]]:
-        """Mingle, as a step run at start and again after each reconnect."""
-        config = self._config
-        broadcaster = AsyncBroadcaster(
-            await publishing.channel(publisher_confirms=False),
-            clock=self._clock,
-            namespace=config.namespace,
-            security=ControlSecurity.from_settings(config.settings),
-        )
-        await broadcaster.start()
-
-        async def run_mingle() -> None:
-            members_channel = await publishing.channel(publisher_confirms=False)
-            try:
-                await mingle(
-                    broadcaster,
-                    members_channel,
-                    nodename=config.hostname,
-                    revoker=revoker,
-                    clock=self._clock,
-                    namespace=config.namespace,
-                )
-            finally:
-                await members_channel.close()
-
-        return run_mingle
-
-    async def _start_mailbox(
-        self, connection: aio_pika.abc.AbstractRobustConnection, registry: CommandRegistry
-    ) -> None:
-        # The control plane is a side door: a worker whose mailbox cannot start (another node of
-        # the same name holds its exclusive queue) still serves tasks, and says so.
-        config = self._config
-        node = MailboxNode(
-            await connection.channel(),
-            nodename=config.hostname,
-            registry=registry,
-            clock=self._clock,
-            accept=config.settings.accept_content,
-            namespace=config.namespace,
-            security=ControlSecurity.from_settings(config.settings),
-        )
-        try:
-            await node.start()
-        except aio_pika.exceptions.AMQPError as exc:
-            log.error("mailbox_unavailable", hostname=config.hostname, error=str(exc))
 
     def _relay_update(self, task_id: str, payload: dict[str, Any]) -> None:
         # The pool exists before the consumer (children start first); route updates once it does.

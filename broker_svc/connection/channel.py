@@ -20,7 +20,6 @@ from broker_svc.connection.pika_internals import EncodedProperties
 from broker_svc.library_log import get_logger
 from broker_svc.topology import QueueSpec
 from broker_svc.wire.amqp_fields import encode_properties
-from broker_svc.wire.task_message import RESENT_HEADER
 
 __all__ = ["Consumer", "declare", "delivery_handler", "message_properties"]
 
@@ -63,25 +62,7 @@ def message_properties(pending: PendingPublish) -> pika.BasicProperties:
     Raises:
         TypeError, ValueError: a header or property AMQP cannot carry (``amqp_fields``).
     """
-    msg = pending.message
-    # A resend says so: the earlier send may have been enqueued, so this can be a duplicate.
-    headers = {**msg.headers, RESENT_HEADER: pending.attempts} if pending.attempts else msg.headers
-    return EncodedProperties(
-        encode_properties(
-            content_type=msg.content_type,
-            content_encoding=msg.content_encoding,
-            headers=headers,
-            delivery_mode=msg.delivery_mode,
-            priority=msg.priority,
-            correlation_id=msg.correlation_id,
-            reply_to=msg.reply_to,
-            # Only a task parked in a delay queue keeps its TTL: it dead-letters back to its queue
-            # when it expires. In its own queue (which has no dead-letter exchange, as Celery
-            # declares it) the broker would drop it unseen and its caller would wait forever; without
-            # a TTL a worker takes it and answers REVOKED "expired".
-            expiration=msg.expiration if pending.routing_key != pending.queue else None,
-        )
-    )
+    return EncodedProperties(encode_properties(**pending.property_fields()))
 
 
 def delivery_handler(callback: Consumer, *, connection_name: str) -> Callable[..., None]:

@@ -212,7 +212,13 @@ class Confirms:
                 lambda p: p.exchange == exchange,
                 Unroutable(f"no exchange {exchange!r}: declare it (and bind a queue) before sending to it"),
             )
-        if declaring is not None and isinstance(reason, pika.exceptions.ChannelClosedByBroker):
+        # A publish to a missing exchange closes the channel too, possibly while another queue's
+        # declaration is in flight: that close is the publish's fault, not the declaration's.
+        if (
+            exchange is None
+            and declaring is not None
+            and isinstance(reason, pika.exceptions.ChannelClosedByBroker)
+        ):
             # The broker refused the declaration itself (406 different arguments, 403 access):
             # retrying cannot help, so the messages for that queue fail now, with the reason.
             self._outbox.fail_where(

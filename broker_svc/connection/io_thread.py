@@ -99,6 +99,11 @@ class BrokerConnection:
         """Wait until connected with a channel in confirm mode."""
         return self._ready.wait(timeout)
 
+    @property
+    def can_publish(self) -> bool:
+        """Connected with a channel in confirm mode, and not blocked by a resource alarm."""
+        return self._ready.is_set() and self._blocked_since is None
+
     def publish(self, pending: PendingPublish) -> None:
         """Hand a message to the I/O thread; returns without waiting for the broker.
 

@@ -5,16 +5,70 @@ Pure bookkeeping shared by the connection's I/O thread and the threads that wait
 
 from __future__ import annotations
 
+import dataclasses
+import datetime as dt
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from broker_svc.errors import BrokerSvcError
-from broker_svc.topology import DELAY_HOLD_WINDOW_S, QueueSpec, delay_bucket_ms, delay_queue
-from broker_svc.wire.task_message import WireMessage
+from broker_svc.clock import LamportClock
+from broker_svc.errors import BrokerSvcError, MessageTooLarge
+from broker_svc.settings import Settings
+from broker_svc.topology import (
+    DEFAULT_EXCHANGE,
+    DELAY_HOLD_WINDOW_S,
+    QueueSpec,
+    QueueType,
+    delay_bucket_ms,
+    delay_queue,
+)
+from broker_svc.wire.task_message import RESENT_HEADER, TaskMessage, WireMessage, encode_task
 
-__all__ = ["Delivery", "PendingPublish"]
+__all__ = ["Delivery", "PendingPublish", "prepare_publish"]
+
+
+def prepare_publish(
+    message: TaskMessage,
+    *,
+    settings: Settings,
+    clock: LamportClock,
+    queue: str,
+    queue_type: QueueType = "classic",
+    serializer: str | None = None,
+    exchange: str | None = None,
+) -> PendingPublish:
+    """Stamp the clock, encode and size-check a task: what either client publishes, not sent yet.
+
+    ``Publisher.prepare`` (blocking) and ``broker_svc.aio`` (asyncio) both call this, so the two
+    clients put the same bytes on the wire. A task whose ETA is more than ``DELAY_HOLD_WINDOW_S``
+    away when it is sent goes to one of ``queue``'s delay queues (``PendingPublish.route``).
+
+    Raises:
+        MessageTooLarge: the body is over ``max_body_bytes`` (checked before publishing).
+        TypeError: an argument cannot be encoded.
+    """
+    if message.clock is None:
+        message = dataclasses.replace(message, clock=clock.forward())
+    wire = encode_task(message, serializer=serializer or settings.serializer)
+    if len(wire.body) > settings.max_body_bytes:
+        raise MessageTooLarge(
+            f"task body of {len(wire.body)} bytes is over max_body_bytes={settings.max_body_bytes}"
+        )
+    eta = message.eta
+    if eta is not None and eta.tzinfo is None:
+        eta = eta.replace(tzinfo=dt.UTC)
+    if exchange:
+        # Celery's exchange= (a topic route, say): published there with ``queue`` as the routing
+        # key, declaring nothing; an ETA is held by the worker that gets it (its delay queues).
+        return PendingPublish(wire, exchange=exchange, routing_key=queue)
+    return PendingPublish(
+        wire,
+        exchange=DEFAULT_EXCHANGE,
+        routing_key=queue,
+        declare=(settings.task_queue(queue),),
+        eta_s=eta.timestamp() if eta is not None else None,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +101,7 @@ class PendingPublish:
     """
 
     __slots__ = (
+        "__weakref__",  # the spool keeps a caller's handle only while the caller does
         "_declare",
         "_done",
         "_event",
@@ -57,6 +112,7 @@ class PendingPublish:
         "exchange",
         "mandatory",
         "message",
+        "on_settle",
         "queue",
         "first_sent_at",
         "routing_key",
@@ -85,8 +141,30 @@ class PendingPublish:
         self.sent_at = 0.0
         self.first_sent_at = 0.0
         self.error: BrokerSvcError | None = None
+        # Called once, with this message, when it is settled (on the thread that settles it).
+        self.on_settle: Callable[[PendingPublish], None] | None = None
         self._done = False
         self._event: threading.Event | None = None  # made only if someone waits: most never do
+
+    @property
+    def queue_declared(self) -> QueueSpec | None:
+        """The queue declared before it goes out (its own, not a delay queue), if any."""
+        return self._declare[0] if self._declare else None
+
+    def copy(self, *, resent: bool = False) -> PendingPublish:
+        """A fresh, unsent copy to publish again; ``resent`` marks it as possibly a duplicate."""
+        message = self.message
+        if resent and RESENT_HEADER not in message.headers:
+            # An earlier send may have been enqueued: the worker then marks the run redelivered.
+            message = dataclasses.replace(message, headers={**message.headers, RESENT_HEADER: 1})
+        return PendingPublish(
+            message,
+            exchange=self.exchange,
+            routing_key=self.queue,
+            declare=self._declare,
+            mandatory=self.mandatory,
+            eta_s=self.eta_s,
+        )
 
     @property
     def done(self) -> bool:
@@ -118,6 +196,28 @@ class PendingPublish:
             wait = delay_queue(self.queue, bucket_ms)
             self.routing_key, self.declare = wait.name, (*self._declare, wait)
 
+    def property_fields(self) -> dict[str, Any]:
+        """The AMQP properties this send goes out with, as ``amqp_fields.encode_properties`` takes them.
+
+        A resend says so (the earlier send may have been enqueued, so this can be a duplicate).
+        Only a task parked in a delay queue keeps its TTL: it dead-letters back to its queue when
+        it expires. In its own queue (which has no dead-letter exchange, as Celery declares it)
+        the broker would drop it unseen and its caller would wait forever; without a TTL a worker
+        takes it and answers REVOKED "expired".
+        """
+        msg = self.message
+        headers = {**msg.headers, RESENT_HEADER: self.attempts} if self.attempts else msg.headers
+        return {
+            "content_type": msg.content_type,
+            "content_encoding": msg.content_encoding,
+            "headers": headers,
+            "delivery_mode": msg.delivery_mode,
+            "priority": msg.priority,
+            "correlation_id": msg.correlation_id,
+            "reply_to": msg.reply_to,
+            "expiration": msg.expiration if self.routing_key != self.queue else None,
+        }
+
     def wait(self, timeout: float | None) -> bool:
         """Wait until settled; True if settled within ``timeout``."""
         if self._done:
@@ -140,6 +240,8 @@ class PendingPublish:
             event = self._event
         if event is not None:
             event.set()
+        if self.on_settle is not None:
+            self.on_settle(self)
 
 
 # Guards the lazy creation of a PendingPublish's Event against a concurrent settle; held for a

@@ -31,6 +31,7 @@ _PRIORITY: Final = 1 << 11
 _CORRELATION_ID: Final = 1 << 10
 _REPLY_TO: Final = 1 << 9
 _EXPIRATION: Final = 1 << 8
+_MESSAGE_ID: Final = 1 << 7
 
 _U8 = struct.Struct("B")
 _U16 = struct.Struct(">H")
@@ -58,8 +59,11 @@ def encode_properties(
     correlation_id: str | None = None,
     reply_to: str | None = None,
     expiration: str | None = None,
+    message_id: str | None = None,
 ) -> bytes:
     """The property flags and fields of a content header, after its class id and body size.
+
+    ``message_id`` is for the asyncio client: aiormq matches a returned message to its publish by it.
 
     Raises:
         TypeError: a header value of a type AMQP tables (as pika writes them) cannot carry.
@@ -91,6 +95,9 @@ def encode_properties(
     if expiration is not None:
         flags |= _EXPIRATION
         pieces.append(_short_string(expiration))
+    if message_id is not None:
+        flags |= _MESSAGE_ID
+        pieces.append(_short_string(message_id))
     # Every flag used here is in the first flag word, so there is never a continuation bit.
     return _U16.pack(flags) + b"".join(pieces)
 

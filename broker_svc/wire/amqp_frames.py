@@ -49,6 +49,7 @@ _FRAME_HEAD = struct.Struct(">BHI")
 _U8 = struct.Struct(">B")
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
+_I32 = struct.Struct(">i")
 _U64 = struct.Struct(">Q")
 _METHOD_ID = struct.Struct(">HH")
 _HEADER_HEAD = struct.Struct(">HHQH")  # class, weight, body size, first property-flags word
@@ -58,7 +59,9 @@ class FrameError(ValueError):
     """The broker sent bytes that are not AMQP 0-9-1 as we read it (the connection must go)."""
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen (nor Properties): a child builds three frames and a header per delivery, and a
+# frozen dataclass's __init__ costs about three times as much. Nobody changes one once built.
+@dataclass(slots=True)
 class Frame:
     """One frame: its type, channel and payload (a method frame's starts with class and method ids)."""
 
@@ -141,7 +144,7 @@ def publish_frames(
     return b"".join(parts)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Properties:
     """A content header: the body's size and the basic properties a consumer reads."""
 
@@ -227,16 +230,42 @@ def decode_table(data: bytes) -> dict[str, Any]:
 
 
 def _table(data: bytes, offset: int) -> tuple[dict[str, Any], int]:
+    # A task's header table holds about 20 entries, decoded for every delivery: the common types
+    # (long strings, void, booleans, ints) are read here in the loop, the rest by ``_value``.
     (length,) = _U32.unpack_from(data, offset)
     offset += 4
     end = offset + length
     if end > len(data):
         raise FrameError("a field table is cut short")
     table: dict[str, Any] = {}
+    unpack_u32, unpack_i32 = _U32.unpack_from, _I32.unpack_from
     while offset < end:
         size = data[offset]
-        key = data[offset + 1 : offset + 1 + size].decode(errors="replace")
-        table[key], offset = _value(data, offset + 1 + size)
+        key_end = offset + 1 + size
+        key = data[offset + 1 : key_end].decode(errors="replace")
+        kind = data[key_end]
+        offset = key_end + 1
+        if kind == 83:  # S
+            (size,) = unpack_u32(data, offset)
+            offset += 4
+            raw = data[offset : offset + size]
+            if len(raw) != size:
+                raise FrameError("a long string is cut short")
+            offset += size
+            try:
+                table[key] = raw.decode()
+            except UnicodeDecodeError:
+                table[key] = raw
+        elif kind == 86:  # V
+            table[key] = None
+        elif kind == 116:  # t
+            table[key] = bool(data[offset])
+            offset += 1
+        elif kind == 73:  # I
+            (table[key],) = unpack_i32(data, offset)
+            offset += 4
+        else:
+            table[key], offset = _value(data, offset - 1)
     if offset != end:
         raise FrameError("a field table's entries overrun its length")
     return table, end

@@ -30,7 +30,14 @@ from broker_svc.wire import codec
 from control.aio.declare import declare_queue
 from control.protocol.collector import ReplyCollector
 from control.protocol.membership import Membership
-from control.protocol.request import CLOCK_HEADER, EXPIRES_HEADER, MARKER_HEADER, ControlRequest, ReplyAddress
+from control.protocol.request import (
+    CLOCK_HEADER,
+    EXPIRES_HEADER,
+    MARKER_HEADER,
+    ControlRequest,
+    Matcher,
+    ReplyAddress,
+)
 from control.protocol.signing import ControlSecurity
 
 __all__ = ["AsyncBroadcaster", "declare_members_stream", "read_members"]
@@ -143,45 +150,39 @@ class AsyncBroadcaster:
         *,
         expected: frozenset[str] | None,
         timeout_s: float,
+        destination: tuple[str, ...] | None = None,
+        pattern: str | None = None,
+        matcher: Matcher | None = None,
+        limit: int | None = None,
+        headers: Mapping[str, Any] | None = None,
     ) -> ReplyCollector:
-        """Broadcast ``method`` and wait for ``expected`` nodes (None: for ``timeout_s``)."""
-        assert self._exchange is not None, "start() first"
+        """Broadcast ``method`` and wait for ``expected`` nodes (None: for ``timeout_s``).
+
+        ``destination``/``pattern``/``matcher`` choose the nodes as for the blocking client;
+        ``limit`` stops after that many answered; ``headers`` are extra message headers.
+        """
         reply = self._reply_spec
         assert reply.exchange is not None
         request = ControlRequest(
             method=method,
             arguments=dict(arguments),
+            destination=destination,
+            pattern=pattern if destination is None else None,
+            matcher=matcher if destination is None and pattern is not None else None,
             ticket=ControlRequest.new_ticket(),
             reply_to=ReplyAddress(reply.exchange.name, reply.routing_key),
         )
         assert request.ticket is not None
         loop = asyncio.get_running_loop()
         collector = ReplyCollector(
-            request.ticket, expected=None, limit=None, timeout_s=timeout_s, now=loop.time()
+            request.ticket, expected=None, limit=limit, timeout_s=timeout_s, now=loop.time()
         )
         if expected is not None:
             collector.expect(expected)
         arrived = asyncio.Event()
         self._collectors[request.ticket] = (collector, arrived)
-        payload, ctype, encoding = codec.encode(request.to_wire(), self._serializer)
-        # Header values are ints, never floats (DESIGN §2); kombu only reads ``expires`` as a number.
-        headers = self._security.sign(
-            "request",
-            exchange=self._exchange.name,
-            body=payload,
-            content_type=ctype,
-            content_encoding=encoding,
-            headers={CLOCK_HEADER: self._clock.forward(), EXPIRES_HEADER: int(time.time() + timeout_s) + 1},
-        )
-        message = aio_pika.Message(
-            payload,
-            content_type=ctype,
-            content_encoding=encoding,
-            headers=headers,
-            user_id=self._security.user_id,
-        )
         try:
-            await self._exchange.publish(message, routing_key="")
+            await self._publish(request, timeout_s=timeout_s, headers=headers)
             while not collector.done(loop.time()):
                 arrived.clear()
                 try:
@@ -191,6 +192,53 @@ class AsyncBroadcaster:
         finally:
             self._collectors.pop(request.ticket, None)
         return collector
+
+    async def cast(
+        self,
+        method: str,
+        arguments: Mapping[str, Any],
+        *,
+        destination: tuple[str, ...] | None = None,
+        pattern: str | None = None,
+        matcher: Matcher | None = None,
+        headers: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Send ``method`` to the nodes it is for, asking for no reply."""
+        request = ControlRequest(
+            method=method,
+            arguments=dict(arguments),
+            destination=destination,
+            pattern=pattern if destination is None else None,
+            matcher=matcher if destination is None and pattern is not None else None,
+        )
+        await self._publish(request, timeout_s=1.0, headers=headers)
+
+    async def _publish(
+        self, request: ControlRequest, *, timeout_s: float, headers: Mapping[str, Any] | None
+    ) -> None:
+        assert self._exchange is not None, "start() first"
+        payload, ctype, encoding = codec.encode(request.to_wire(), self._serializer)
+        # Header values are ints, never floats (DESIGN §2); kombu only reads ``expires`` as a number.
+        signed = self._security.sign(
+            "request",
+            exchange=self._exchange.name,
+            body=payload,
+            content_type=ctype,
+            content_encoding=encoding,
+            headers={
+                CLOCK_HEADER: self._clock.forward(),
+                EXPIRES_HEADER: int(time.time() + timeout_s) + 1,
+                **(headers or {}),
+            },
+        )
+        message = aio_pika.Message(
+            payload,
+            content_type=ctype,
+            content_encoding=encoding,
+            headers=signed,
+            user_id=self._security.user_id,
+        )
+        await self._exchange.publish(message, routing_key="")
 
     async def _on_reply(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
         headers = message.headers or {}

@@ -33,6 +33,7 @@ from control.cli.render import (
     show,
     summarize,
 )
+from control.cli.task_history import task_command
 from control.cli.watch import queues_command, top_command
 from control.protocol.commands import COMMANDS, CommandKind, Param
 from control.protocol.event_order import ReorderBuffer
@@ -118,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     revoke.add_argument("ids", nargs="+", metavar="ID", help="task ids")
     revoke.add_argument("--terminate", action="store_true", help="also kill the tasks if running")
     revoke.add_argument("--signal", default="SIGTERM", help="signal for --terminate (default SIGTERM)")
+    task = commands.add_parser(
+        "task", parents=[common], help="a task's history from the task-state stream (task_states)"
+    )
+    task.add_argument("ids", nargs="+", metavar="ID", help="task ids")
     queues = commands.add_parser(
         "queues",
         parents=[common],
@@ -346,6 +351,7 @@ _COMMANDS: Final[dict[str, Command]] = {
     "revoke": _revoke,
     "shutdown": _shutdown,
     "events": _events,
+    "task": task_command,
 }
 
 

@@ -55,6 +55,15 @@ def record(path: str, tag: str) -> str:
     return tag
 
 
+@app.task
+def sleep_then_record(path: str, tag: str, seconds: float) -> str:
+    """Sleep, then append ``tag`` (a task killed while it sleeps records nothing)."""
+    time.sleep(seconds)
+    with open(path, "a") as out:
+        out.write(tag + "\n")
+    return tag
+
+
 @app.task(rate_limit="10/s")
 def limited() -> float:
     """When the body ran (wall clock), for rate-limit tests."""

@@ -79,6 +79,15 @@ def sleeper(seconds: float) -> int:
     return os.getpid()
 
 
+@app.task(bind=True)
+def recorded(self: Task, path: str, seconds: float) -> list[float]:
+    """Note this run (task id, pid) in ``path`` as it starts, sleep; when it started and ended."""
+    started = time.time()
+    _record(path, {"id": self.request.id, "pid": os.getpid(), "started": started})
+    time.sleep(seconds)
+    return [started, time.time()]
+
+
 @app.task(bind=True, track_started=True)
 def progress(self: Task, steps: int) -> str:
     for step in range(steps):

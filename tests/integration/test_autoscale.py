@@ -36,14 +36,16 @@ SHRINK_BOUND_S = KEEPALIVE_S + 2.0
 
 @pytest.fixture
 def scaled(test_vhost_url: str, queue: str) -> Iterator[WorkerProcess]:
-    args = ["--autoscale", "4,1", "--autoscale-keepalive", str(KEEPALIVE_S)]
+    # The worker-consumes design's prefetch headroom (consuming children: test_children_autoscale.py).
+    args = ["--worker-consumes", "--autoscale", "4,1", "--autoscale-keepalive", str(KEEPALIVE_S)]
     with WorkerProcess(test_vhost_url, queues=[queue], concurrency=1, extra_args=args) as proc:
         yield proc.wait_ready()
 
 
 @pytest.fixture
 def fixed(test_vhost_url: str, queue: str) -> Iterator[WorkerProcess]:
-    with WorkerProcess(test_vhost_url, queues=[queue], concurrency=1) as proc:
+    args = ["--worker-consumes"]
+    with WorkerProcess(test_vhost_url, queues=[queue], concurrency=1, extra_args=args) as proc:
         yield proc.wait_ready()
 
 

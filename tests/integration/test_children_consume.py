@@ -35,14 +35,27 @@ def feed_queue(test_vhost_url: str) -> Iterator[str]:
     delete_queues(test_vhost_url, name, f"{name}.dead")
 
 
+@pytest.fixture(scope="module", params=[1, 3], ids=["one-thread", "three-threads"])
+def feed_threads(request: pytest.FixtureRequest) -> int:
+    # Every behaviour here holds with a child's main thread consuming, and with --threads N.
+    return int(request.param)
+
+
 @pytest.fixture(scope="module")
-def feed_worker(test_vhost_url: str, feed_queue: str) -> Iterator[WorkerProcess]:
+def feed_worker(test_vhost_url: str, feed_queue: str, feed_threads: int) -> Iterator[WorkerProcess]:
     with WorkerProcess(
         test_vhost_url,
         app=f"{TASKS}:app",
         queues=[feed_queue],
         concurrency=2,
-        extra_args=["--children-consume", "--broker-heartbeat", "1", "--without-mingle"],
+        extra_args=[
+            "--children-consume",
+            "--threads",
+            str(feed_threads),
+            "--broker-heartbeat",
+            "1",
+            "--without-mingle",
+        ],
     ) as proc:
         yield proc.wait_ready()
 
@@ -60,14 +73,17 @@ def _consumers(url: str, queue: str) -> int:
 
 
 def test_each_child_consumes_and_the_worker_itself_does_not(
-    test_vhost_url: str, feed_queue: str, feed_worker: WorkerProcess, app: App
+    test_vhost_url: str, feed_queue: str, feed_worker: WorkerProcess, app: App, feed_threads: int
 ):
-    wait_for(lambda: _consumers(test_vhost_url, feed_queue) == 2, timeout_s=30, message="two child consumers")
+    wanted = 2 * feed_threads  # a consumer per child, or per thread of each child
+    wait_for(
+        lambda: _consumers(test_vhost_url, feed_queue) == wanted, timeout_s=30, message="child consumers"
+    )
     results = [app.send_task(f"{TASKS}.sleeper", (0,), queue=feed_queue) for _ in range(200)]
     pids = {r.get(timeout=60) for r in results}
     assert feed_worker.pid not in pids
-    assert len(pids) == 2  # both children ran tasks, each from its own consumer
-    assert feed_worker.log_text().count('"event": "feed_child_consuming"') >= 2
+    assert len(pids) == 2  # both children ran tasks, each from its own consumers
+    assert feed_worker.log_text().count('"event": "feed_child_consuming"') >= wanted
 
 
 def test_results_failures_and_the_request_a_task_sees(feed_queue: str, feed_worker: WorkerProcess, app: App):
@@ -180,17 +196,6 @@ def test_a_revoked_task_is_answered_and_never_runs(
     assert not path.exists()
 
 
-def test_the_worker_refuses_options_the_children_do_not_honour_yet(test_vhost_url: str, feed_queue: str):
-    with WorkerProcess(
-        test_vhost_url,
-        app=f"{TASKS}:app",
-        queues=[feed_queue],
-        extra_args=["--children-consume", "--autoscale", "3,1"],
-    ) as proc:
-        assert proc.proc.wait(timeout=60) != 0
-        assert "--children-consume does not autoscale" in proc.log_text()
-
-
 def test_pika_is_not_loaded_by_a_job_taking_child():
     # The consuming child loads pika through worker.feed; a child that takes jobs must not.
     code = "import sys, worker.pool.child; print('pika' in sys.modules, 'aio_pika' in sys.modules)"
@@ -267,13 +272,11 @@ def test_a_warm_shutdown_finishes_the_running_task_and_hands_back_the_rest(test_
 
 
 def test_runtime_changes_reach_every_child(
-    test_vhost_url: str, feed_queue: str, feed_worker: WorkerProcess, app: App
+    test_vhost_url: str, feed_queue: str, feed_worker: WorkerProcess, app: App, feed_threads: int
 ):
     name = feed_worker.name
     queues = call(test_vhost_url, "active_queues", destination=[name], expect=1)
     assert [q["name"] for q in queues[0][1][name]] == [feed_queue]  # what the children consume
-    replies = call(test_vhost_url, "pool_grow", arguments={"n": 1}, destination=[name], expect=1)
-    assert "--children-consume" in replies[0][1][name]["error"]
     # add_consumer / cancel_consumer: every child consumes the new queue, then none does.
     extra = unique_queue("feed-extra")
     try:
@@ -281,7 +284,11 @@ def test_runtime_changes_reach_every_child(
             test_vhost_url, "add_consumer", arguments={"queue": extra}, destination=[name], expect=1
         )
         assert replies[0][1][name] == {"ok": f"add consumer {extra}"}
-        wait_for(lambda: _consumers(test_vhost_url, extra) == 2, timeout_s=20, message="both children on it")
+        wait_for(
+            lambda: _consumers(test_vhost_url, extra) == 2 * feed_threads,
+            timeout_s=20,
+            message="every child on it",
+        )
         assert app.send_task(f"{TASKS}.sleeper", (0,), queue=extra).get(timeout=30) > 0
         queues = call(test_vhost_url, "active_queues", destination=[name], expect=1)
         assert [q["name"] for q in queues[0][1][name]] == [feed_queue, extra]

@@ -53,7 +53,7 @@ def test_worker_online_heartbeats_at_freq_and_offline(test_vhost_url: str, queue
 @pytest.fixture(params=["worker-consumes", "children-consume"])
 def design(request: pytest.FixtureRequest) -> list[str]:
     """Both consuming designs (issue 16): task events come from the worker or from each child."""
-    return ["--children-consume"] if request.param == "children-consume" else []
+    return ["--children-consume"] if request.param == "children-consume" else ["--worker-consumes"]
 
 
 def test_task_events_in_causal_order(

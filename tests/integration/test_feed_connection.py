@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from urllib.parse import urlsplit, urlunsplit
@@ -11,9 +12,10 @@ import pytest
 from broker_svc import Settings
 from broker_svc.connection.feed_connection import ConnectionLost, FeedConnection
 from broker_svc.errors import BrokerUnavailable, Unroutable
-from broker_svc.topology import QueueSpec
+from broker_svc.topology import QueueSpec, dead_letter_queue, task_queue
 from broker_svc.wire.task_message import WireMessage
 from tests.support.amqp import channel, delete_queues, drain, publish_raw, queue_depth
+from tests.support.waiting import wait_for
 from tests.support.workers import unique_queue
 
 
@@ -185,3 +187,47 @@ def test_failover_goes_to_the_next_url_and_a_refusal_says_why(test_vhost_url: st
     wrong = Settings(broker_url=test_vhost_url.replace("guest:guest", "guest:wrong"), connect_timeout_s=2.0)
     with pytest.raises(BrokerUnavailable, match="ACCESS_REFUSED|403|closed"):
         FeedConnection(wrong, name="test-feed", queues=[queue], prefetch=1).connect()
+
+
+def test_a_queue_deleted_under_the_consumer_is_declared_again_on_the_next_connect(test_vhost_url: str):
+    name = unique_queue("fc-gone")
+    specs = (dead_letter_queue(name), task_queue(name, queue_type="classic"))
+    settings = Settings(broker_url=test_vhost_url, confirm_timeout_s=5.0)
+    connection = FeedConnection(settings, name="test-feed", queues=[name], prefetch=1, declare=specs)
+    try:
+        connection.connect()  # declared before it is consumed: nobody made it before
+        delete_queues(test_vhost_url, name)
+        with pytest.raises(ConnectionLost) as lost:
+            connection.next_delivery(5.0)
+        assert lost.value.cancelled_queue == name and not lost.value.consumer_timeout
+        connection.connect()
+        # Back as declared (durable, bound to its exchange): a publish through the exchange arrives.
+        with channel(test_vhost_url) as ch:
+            assert ch.queue_declare(name, durable=True, passive=True).method.consumer_count == 1
+            ch.basic_publish(exchange=name, routing_key=name, body=b"{}")
+        delivery = connection.next_delivery(5.0)
+        assert delivery is not None and delivery.queue == name
+        connection.ack(delivery)
+    finally:
+        connection.close()
+        delete_queues(test_vhost_url, name, f"{name}.dead")
+
+
+def test_prefetched_deliveries_of_a_channel_closed_meanwhile_are_not_handed_out(
+    test_vhost_url: str, queue: str
+):
+    # What a consumer_timeout does under a long task: the broker closes the channel and requeues
+    # everything it held, prefetched deliveries included, which may then run elsewhere.
+    for i in range(2):
+        publish_raw(test_vhost_url, queue, b"{}", headers={"id": f"t{i}"})
+    connection = _connection(test_vhost_url, queue, prefetch=2)
+    try:
+        first = connection.next_delivery(5.0)
+        assert first is not None  # and t1 prefetched behind it, in our socket
+        connection.ack(dataclasses.replace(first, tag=first.tag + 100))  # the broker: 406, channel closed
+        wait_for(lambda: queue_depth(test_vhost_url, queue) == 2, timeout_s=10, message="both requeued")
+        with pytest.raises(ConnectionLost, match="406"):
+            connection.next_delivery(0)  # not the prefetched t1: the broker has it back
+    finally:
+        connection.close()
+    assert queue_depth(test_vhost_url, queue) == 2

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import urllib.request
 from collections.abc import Iterator
 
@@ -13,28 +12,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from broker_svc import App, Settings
 from tests.support.amqp import delete_queues
+from tests.support.metrics import free_port, scrape
 from tests.support.waiting import wait_for
 from tests.support.workers import ROOT, WorkerProcess, unique_queue
 
 ADD = "tests.integration.e2e_tasks.add"
 COUNT = 200
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
 
 
 def value(samples: dict, metric: str, **labels: str) -> float:
@@ -44,7 +27,7 @@ def value(samples: dict, metric: str, **labels: str) -> float:
 
 @pytest.fixture
 def metered(test_vhost_url: str) -> Iterator[tuple[WorkerProcess, int, str]]:
-    queue, port = unique_queue("metrics"), _free_port()
+    queue, port = unique_queue("metrics"), free_port()
     args = ["--metrics-port", str(port), "--metrics-address", "127.0.0.1"]
     with WorkerProcess(test_vhost_url, queues=[queue], concurrency=2, extra_args=args) as worker:
         worker.wait_ready()
@@ -83,11 +66,13 @@ def test_metrics_count_a_drain_under_celery_exporters_names(test_vhost_url: str,
         assert value(samples, "celery_worker_tasks_active", hostname=host) == 0
         assert value(samples, "clockwork_pool_processes", hostname=host, state="idle") == 2
         assert value(samples, "clockwork_dead_letters_total", queue_name=queue, reason="NotRegistered") == 1
-        # Every result the worker published was confirmed, and timed.
+        # Every result the worker (or its consuming children) published was confirmed, and timed.
         assert value(samples, "clockwork_publish_confirm_seconds_count", kind="result") >= COUNT
-        # The queue's depth is sampled in the background: drained now, with our one consumer.
+        # The queue's depth is sampled in the background: drained now, with our consumers (one
+        # per consuming child, or the worker's one).
+        consumers = 2 if worker.children_consume else 1
         wait_for(
-            lambda: value(scrape(port), "clockwork_queue_consumers", queue_name=queue) == 1,
+            lambda: value(scrape(port), "clockwork_queue_consumers", queue_name=queue) == consumers,
             timeout_s=30,
             message="queue depth not sampled",
         )

@@ -13,10 +13,12 @@ SLEEP = "tests.integration.e2e_tasks.sleep_s"
 
 
 def test_sigterm_with_tasks_running_loses_none(test_vhost_url: str, queue: str, client: App):
-    # Multiplier 2, so the worker holds reserved tasks (the default 1 holds none) to hand back.
+    # Multiplier 2, so the worker holds reserved tasks (the default 1 holds none) to hand back;
+    # consuming children hand back theirs as R3 shows (tests/reliability).
     first = WorkerProcess(
-        test_vhost_url, queues=[queue], concurrency=2, extra_args=["--prefetch-multiplier", "2"]
-    ).wait_ready()
+        test_vhost_url, queues=[queue], concurrency=2,
+        extra_args=["--worker-consumes", "--prefetch-multiplier", "2"],
+    ).wait_ready()  # fmt: skip
     try:
         results = [client.send_task(SLEEP, (0.5, str(i)), queue=queue) for i in range(20)]
         client.flush(timeout=10)

@@ -19,10 +19,18 @@ from tests.support.workers import WorkerProcess
 T = "tests.integration.semantics_tasks."
 
 
-@pytest.fixture(params=["worker-consumes", "children-consume"])
+_DESIGNS = {
+    "worker-consumes": ["--worker-consumes"],
+    "children-consume": ["--children-consume"],
+    "children-threads": ["--children-consume", "--threads", "2"],
+}
+
+
+@pytest.fixture(params=list(_DESIGNS))
 def sem_worker(request: pytest.FixtureRequest, test_vhost_url: str, queue: str) -> Iterator[WorkerProcess]:
-    # Both consuming designs (issue 16): the worker's main process, or each pool child.
-    extra = ["--children-consume"] if request.param == "children-consume" else []
+    # Both consuming designs (issue 16): the worker's main process, or each pool child (with
+    # --threads, each thread of each child).
+    extra = _DESIGNS[request.param]
     with WorkerProcess(
         test_vhost_url, app=T.rstrip(".") + ":app", queues=[queue], concurrency=2, extra_args=extra
     ) as proc:
@@ -85,10 +93,15 @@ def test_autoretry_follows_the_exponential_backoff_schedule(
         assert expected - 0.05 <= gap <= expected + 1.0, gaps
 
 
-def test_soft_time_limit_raises_inside_the_task(client: App, queue: str, sem_worker: WorkerProcess):
+def test_soft_time_limit_raises_inside_the_task(
+    client: App, queue: str, sem_worker: WorkerProcess, request: pytest.FixtureRequest
+):
     started = time.monotonic()
     assert client.send_task(T + "soft_limited", queue=queue).get(timeout=30) == "soft limit caught"
-    assert time.monotonic() - started < 4
+    if request.node.callspec.params["sem_worker"] != "children-threads":
+        assert time.monotonic() - started < 4  # it cut the 5 s sleep short
+    # In a thread the limit lands at the next bytecode, after the sleep (a documented limit;
+    # test_children_threads.py shows it cutting a Python loop short).
 
 
 def test_hard_time_limit_kills_the_child_and_the_next_task_runs(

@@ -73,9 +73,11 @@ class Node:
 def node(test_vhost_url: str) -> Iterator[Node]:
     queue = unique_queue("cli")
     name = f"cli-{uuid.uuid4().hex[:6]}@test"
-    # One child, prefetch 2: the first task runs, the second waits in the worker as "reserved".
+    # One child, prefetch 2: the first task runs, the second waits in the worker as "reserved" (the
+    # worker-consumes design: a consuming child's prefetched delivery is not on the board).
     worker = WorkerProcess(test_vhost_url, queues=[queue], concurrency=1, name=name,
-                           extra_args=["--prefetch-multiplier", "2", "--shutdown-timeout", "1"])  # fmt: skip
+                           extra_args=["--worker-consumes", "--prefetch-multiplier", "2",
+                                       "--shutdown-timeout", "1"])  # fmt: skip
     app = App("cli-client", settings=Settings(broker_url=test_vhost_url))
     try:
         worker.wait_ready()

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from tests.support.waiting import poll
+from tests.support.workers import DESIGN
 
 __all__ = [
     "JOURNAL_ENV",
@@ -201,9 +202,17 @@ def check(journal: Journal, *, expected: Iterable[str] | None = None) -> Verdict
 def report(row: str, verdict: Verdict | None = None, **figures: Any) -> dict[str, Any]:
     """Print one ``RELIABILITY {json}`` line for ``row`` and append it to the run's report file.
 
+    The record carries ``design``: ``children-consume`` (the default) or ``worker-consumes``.
+
     The file is ``$CLOCKWORK_RELIABILITY_REPORT``, else ``.reliability/results.jsonl`` in the project.
     """
-    record: dict[str, Any] = {"row": row, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    # Tagged with the worker design the run's workers used (CLOCKWORK_TEST_WORKER_ARGS): the
+    # summary writes each design's figures to a table of its own.
+    record: dict[str, Any] = {
+        "row": row,
+        "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "design": DESIGN,
+    }
     test = os.environ.get("PYTEST_CURRENT_TEST")
     if test:
         record["test"] = test.rsplit(" ", 1)[0]

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
-from pathlib import Path
 
 from broker_svc import App, Task
 from tests.reliability.journal import record_execution
+from tests.support.process_tree import descendants, worker_main_pid
 
 app = App("journal")
 
@@ -42,14 +43,17 @@ def kill_child(self: Task) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _worker_pid() -> int:
-    # Children fork from the pool's forkserver, whose parent is the worker's main process.
-    stat = Path(f"/proc/{os.getppid()}/stat").read_text()
-    return int(stat.rsplit(")", 1)[1].split()[1])
-
-
 @app.task(bind=True, name="journal.kill_worker")
 def kill_worker(self: Task) -> None:
-    """A poison task that SIGKILLs the whole worker: its main process, not just the forkserver."""
+    """A poison task that SIGKILLs the whole worker: its main process and every process under it.
+
+    As a machine or container dies: with consuming children (``--children-consume``) the child
+    holds the delivery, so killing the main process alone would let this run end and be acked.
+    """
     _journal(self)
-    os.kill(_worker_pid(), signal.SIGKILL)
+    main, me = worker_main_pid(), os.getpid()
+    for pid in [main, *descendants(main)]:  # listed before the first kill, which reparents the rest
+        if pid != me:
+            with contextlib.suppress(ProcessLookupError):  # ended meanwhile
+                os.kill(pid, signal.SIGKILL)
+    os.kill(me, signal.SIGKILL)  # last, or the processes after it in the list would survive

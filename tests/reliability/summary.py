@@ -1,8 +1,14 @@
-"""Write the figures of the last reliability run into RELIABILITY.md.
+"""Write the figures of the last reliability run into RELIABILITY.md, one table per worker design.
 
 ``python -m tests.reliability.summary`` reads the JSON lines the matrix tests appended (see
-:func:`tests.reliability.journal.report`) and replaces the table between the markers in
-RELIABILITY.md with the newest record of each test, rows in matrix order.
+:func:`tests.reliability.journal.report`) and, for each design, replaces the rows of the table
+between that design's markers in RELIABILITY.md with the newest record of each test, rows in
+matrix order. A test with no record in the file keeps the row it had, so a run of one file (or
+of one design) leaves the others' figures in place.
+
+Designs (``design`` in a record, from ``CLOCKWORK_TEST_WORKER_ARGS``): ``worker-consumes``
+(``--worker-consumes``, the default before issue 16), whose table has the original markers
+(records from before the tag are that design's), and ``children-consume``, the default now.
 """
 
 from __future__ import annotations
@@ -15,9 +21,20 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_DESIGN = "worker-consumes"
 START_MARKER = "<!-- reliability:last-run:start -->"
 END_MARKER = "<!-- reliability:last-run:end -->"
-_NOT_FIGURES = {"row", "test", "at"}
+# Each design's table, between its markers.
+MARKERS = {
+    DEFAULT_DESIGN: (START_MARKER, END_MARKER),
+    "children-consume": (
+        "<!-- reliability:last-run:children-consume:start -->",
+        "<!-- reliability:last-run:children-consume:end -->",
+    ),
+}
+_NOT_FIGURES = {"row", "test", "at", "design"}
+_HEADER = ["| row | test | figures | run at (UTC) |", "|---|---|---|---|"]
+_LINE = re.compile(r"\| (?P<row>[^|]+?) \| `(?P<test>[^`]*)` \|")
 
 
 def _row_order(row: str) -> tuple[str, int, str]:
@@ -33,30 +50,53 @@ def _format(value: Any) -> str:
     return json.dumps(value) if isinstance(value, dict | list) else str(value)
 
 
-def newest(records: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """The last record of each (row, test), sorted by row."""
+def design_of(record: Mapping[str, Any]) -> str:
+    """The worker design a record was measured with (untagged records predate the tag: the default)."""
+    return str(record.get("design") or DEFAULT_DESIGN)
+
+
+def newest(records: Iterable[Mapping[str, Any]], *, design: str = DEFAULT_DESIGN) -> list[Mapping[str, Any]]:
+    """The last record of each (row, test) measured with ``design``, sorted by row."""
     latest: dict[tuple[str, str], Mapping[str, Any]] = {}
     for record in records:
-        latest[(record["row"], record.get("test", ""))] = record
+        if design_of(record) == design:
+            latest[(record["row"], record.get("test", ""))] = record
     return sorted(latest.values(), key=lambda r: (_row_order(r["row"]), r.get("test", "")))
 
 
-def render(records: Sequence[Mapping[str, Any]]) -> str:
-    """A markdown table: row, test, figures, when."""
-    lines = ["| row | test | figures | run at (UTC) |", "|---|---|---|---|"]
-    for record in records:
-        figures = ", ".join(
-            f"{key} {_format(value)}" for key, value in record.items() if key not in _NOT_FIGURES
-        )
-        test = str(record.get("test", "")).split("::", 1)[-1]
-        lines.append(f"| {record['row']} | `{test}` | {figures} | {record.get('at', '')} |")
-    return "\n".join(lines)
+def _short(test: str) -> str:
+    return test.split("::", 1)[-1]
 
 
-def rewrite(doc: Path, table: str) -> None:
-    """Replace the text between the markers in ``doc`` with ``table``."""
+def render_line(record: Mapping[str, Any]) -> str:
+    """One table line: row, test, figures, when."""
+    figures = ", ".join(f"{key} {_format(value)}" for key, value in record.items() if key not in _NOT_FIGURES)
+    return (
+        f"| {record['row']} | `{_short(str(record.get('test', '')))}` | {figures} | {record.get('at', '')} |"
+    )
+
+
+def render(records: Sequence[Mapping[str, Any]], *, kept: Sequence[str] = ()) -> str:
+    """A markdown table of ``records``, plus the ``kept`` lines of tests they have no record of."""
+    lines = {(str(r["row"]), _short(str(r.get("test", "")))): render_line(r) for r in records}
+    for line in kept:
+        match = _LINE.match(line)
+        if match and (match["row"], match["test"]) not in lines:
+            lines[(match["row"], match["test"])] = line
+    ordered = sorted(lines.items(), key=lambda item: (_row_order(item[0][0]), item[0][1]))
+    return "\n".join([*_HEADER, *(line for _, line in ordered)])
+
+
+def table_lines(text: str, start_marker: str, end_marker: str) -> list[str]:
+    """The table lines now between the markers (header and separator left out)."""
+    start, end = text.index(start_marker) + len(start_marker), text.index(end_marker)
+    return [line for line in text[start:end].splitlines() if _LINE.match(line)]
+
+
+def rewrite(doc: Path, table: str, *, markers: tuple[str, str] = (START_MARKER, END_MARKER)) -> None:
+    """Replace the text between ``markers`` in ``doc`` with ``table``."""
     text = doc.read_text()
-    start, end = text.index(START_MARKER) + len(START_MARKER), text.index(END_MARKER)
+    start, end = text.index(markers[0]) + len(markers[0]), text.index(markers[1])
     doc.write_text(text[:start] + "\n" + table + "\n" + text[end:])
 
 
@@ -66,8 +106,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--doc", type=Path, default=ROOT / "RELIABILITY.md")
     args = parser.parse_args(argv)
     records = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()]
-    rewrite(args.doc, render(newest(records)))
-    print(f"{len(newest(records))} tests written to {args.doc}")
+    for design, markers in MARKERS.items():
+        text = args.doc.read_text()
+        latest = newest(records, design=design)
+        if markers[0] not in text:
+            if latest:
+                print(f"{len(latest)} {design} tests not written: {args.doc} has no {markers[0]}")
+            continue
+        rewrite(args.doc, render(latest, kept=table_lines(text, *markers)), markers=markers)
+        print(f"{len(latest)} {design} tests written to {args.doc}")
     return 0
 
 

@@ -73,6 +73,23 @@ def consumer_count(url: str, queue: str) -> int:
             connection.close()
 
 
+def consumes_again_event(proc: WorkerProcess) -> str:
+    """What a worker logs once it consumes again after losing its connection.
+
+    The main process's consume channel, reopened; with ``--children-consume``, each consumer of
+    each child, connected again (so ``proc.consumers_per_queue`` of them after a fault that hit all).
+    """
+    return "feed_child_consuming" if proc.children_consume else "consume_channel_reopened"
+
+
+def channel_lost_event(proc: WorkerProcess) -> str:
+    """What a worker logs when the broker closes the channel its task deliveries came on.
+
+    Both carry ``consumer_timeout``; a consuming child drops its whole connection (one channel).
+    """
+    return "feed_connection_lost" if proc.children_consume else "consume_channel_closed"
+
+
 def logged_at(event: dict[str, Any]) -> float:
     """The wall-clock time of a worker log line (structlog's ISO timestamp)."""
     return dt.datetime.fromisoformat(str(event["timestamp"]).replace("Z", "+00:00")).timestamp()
@@ -182,13 +199,17 @@ def test_r3_sigterm_finishes_running_tasks_and_hands_back_the_prefetched_ones(
         started = time.monotonic()
         assert first.terminate(timeout_s=grace_s + 30) == 0
         shutdown_s = round(time.monotonic() - started, 2)
-        requeued = first.count("task_requeued_on_shutdown")
     finally:
         first.close()
     done_by_first = len(journal.executed_ids())
+    runs_by_first = len(journal.executions())
     with worker(test_vhost_url, journal, queue, concurrency=6) as second:
         second.wait_ready()
         journal.wait_executed(ids, timeout_s=90)
+    # Handed back unstarted: the second worker gets them flagged redelivered by the broker (the
+    # rest it takes were never delivered). The broker's view, the same whichever process held
+    # them: the worker's main process, or (--children-consume) each child its own prefetch.
+    requeued = sum(1 for e in journal.executions()[runs_by_first:] if e.redelivered)
     verdict = check(journal)
     report(
         "R3",
@@ -215,7 +236,10 @@ def test_r5_a_frozen_worker_reconnects_without_stale_tag_errors(
         proc.wait_ready()
         ids = publish(test_vhost_url, journal, queue, "journal.sleep", [(0.1,)] * 200)
         wait_for(lambda: len(journal.executed_ids()) >= 20, timeout_s=60, message="tasks running")
-        os.kill(proc.pid, signal.SIGSTOP)
+        consuming_before = proc.count(consumes_again_event(proc))
+        # A frozen machine freezes every process of the worker: with --children-consume the
+        # children hold connections of their own, which the main process alone would not freeze.
+        proc.signal_tree(signal.SIGSTOP)
         stopped_at = time.monotonic()
         try:
             # The freeze lasts until the broker gave up on us (no consumer left on the queue), and
@@ -227,7 +251,7 @@ def test_r5_a_frozen_worker_reconnects_without_stale_tag_errors(
                 message="the broker dropped the frozen worker's connection",
             )
         finally:
-            os.kill(proc.pid, signal.SIGCONT)
+            proc.signal_tree(signal.SIGCONT)
         frozen_s = round(time.monotonic() - stopped_at, 1)
         resumed_at = time.monotonic()
         [probe] = publish(test_vhost_url, journal, queue, "journal.noop", [()])
@@ -235,7 +259,7 @@ def test_r5_a_frozen_worker_reconnects_without_stale_tag_errors(
         consuming_again_s = round(time.monotonic() - resumed_at, 2)
         journal.wait_executed(ids, timeout_s=90)
         errors_406 = proc.log_text().count(UNKNOWN_TAG)
-        reconnected = proc.count("consume_channel_reopened")
+        reconnected = proc.count(consumes_again_event(proc)) - consuming_before
         assert proc.proc.poll() is None, "the worker died"
     verdict = check(journal)
     report(
@@ -245,8 +269,9 @@ def test_r5_a_frozen_worker_reconnects_without_stale_tag_errors(
         frozen_s=frozen_s,
         seconds_until_consuming_again=consuming_again_s,
         unknown_delivery_tag_406=errors_406,
+        reconnected=reconnected,
     )
-    assert reconnected >= 1
+    assert reconnected >= proc.consumers_per_queue  # every consumer the broker dropped is back
     assert errors_406 == 0
     assert verdict.lost == 0 and verdict.unmarked_duplicates == 0, verdict
     assert verdict.duplicated <= 16 + 4, verdict
@@ -266,7 +291,7 @@ def test_r7_a_deleted_queue_is_declared_and_consumed_again(
         deleted_at = time.monotonic()
         # Only the worker can bring the queue back here: a probe publish would declare it itself.
         wait_for(
-            lambda: consumer_count(test_vhost_url, queue) == 1,
+            lambda: consumer_count(test_vhost_url, queue) == proc.consumers_per_queue,
             timeout_s=60,
             interval_s=0.1,
             message=f"the worker consumes {queue} again",
@@ -331,7 +356,7 @@ def test_r4_a_task_past_consumer_timeout_neither_stalls_nor_duplicates(
         others = publish(node.url, journal, queue, "journal.sleep", [(0.1,)] * 20)
         journal.wait_executed([long_id], timeout_s=30)
         started_at = next(e.at for e in journal.executions() if e.task_id == long_id)
-        closed = proc.first("consume_channel_closed", timeout_s=CONSUMER_TIMEOUT_S + tick_s + 30)
+        closed = proc.first(channel_lost_event(proc), timeout_s=CONSUMER_TIMEOUT_S + tick_s + 30)
         detection_s = round(logged_at(closed) - started_at, 2)
         # Still consuming: a task sent after the close runs while the long one still does.
         [probe] = publish(node.url, journal, queue, "journal.noop", [()])
@@ -398,25 +423,27 @@ def test_r6_forced_closes_leave_the_consumer_in_place_and_lose_nothing(
         ids = publish(node.url, journal, queue, "journal.sleep", [(max(0.005, 60.0 / n),)] * n)
         reconnect_s: list[float] = []
         consumer_counts: list[int] = []
+        expected = proc.consumers_per_queue
         for _ in range(5):
-            reopened = proc.count("consume_channel_reopened")
+            reopened = proc.count(consumes_again_event(proc))
             closed_at = time.time()
             node.rabbitmqctl("close_all_connections", "R6 forced close")
             event = wait_for(
-                functools.partial(_reopened_after, proc, reopened),
+                functools.partial(_reopened_after, proc, reopened, expected),
                 timeout_s=30,
                 interval_s=0.05,
-                message="the consume channel came back",
+                message="every consumer came back",
             )
             assert event is not None
             reconnect_s.append(round(logged_at(event) - closed_at, 3))
-            # The broker's own view: exactly one consumer on the task queue again.
+            # The broker's own view: the worker's consumers on the task queue again, exactly: one,
+            # or one per child (and thread) with --children-consume.
             consumer_counts.append(
                 wait_for(
-                    lambda: _consumers(node, queue) == 1 and 1,
+                    lambda: _consumers(node, queue) == expected and expected,
                     timeout_s=30,
                     interval_s=0.5,
-                    message="one consumer on the task queue",
+                    message=f"{expected} consumer(s) on the task queue",
                 )
             )
             # Two seconds between closes, the matrix's rhythm, counted from this close.
@@ -432,16 +459,17 @@ def test_r6_forced_closes_leave_the_consumer_in_place_and_lose_nothing(
         reconnect_p50_s=ordered[len(ordered) // 2],
         reconnect_max_s=ordered[-1],
         consumers_after_each_close=consumer_counts,
+        consumers_expected=expected,
         done_during_closes=done_during_closes,
     )
     assert done_during_closes < n, "the run ended before the closes: make the tasks longer"
     assert verdict.lost == 0 and verdict.unexpected == 0 and verdict.unmarked_duplicates == 0, verdict
 
 
-def _reopened_after(proc: WorkerProcess, seen: int) -> dict[str, Any] | None:
-    """The first ``consume_channel_reopened`` event after the first ``seen`` ones, if logged."""
-    events = [e for e in proc.events() if e.get("event") == "consume_channel_reopened"]
-    return events[seen] if len(events) > seen else None
+def _reopened_after(proc: WorkerProcess, seen: int, needed: int) -> dict[str, Any] | None:
+    """The ``needed``-th consuming-again event after the first ``seen`` ones, if logged by now."""
+    events = [e for e in proc.events() if e.get("event") == consumes_again_event(proc)]
+    return events[seen + needed - 1] if len(events) >= seen + needed else None
 
 
 def _consumers(node: PrivateNode, queue: str) -> int:

@@ -14,9 +14,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tests.support.process_tree import signal_tree
 from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
+# Options every test worker gets first, to run a suite against another design, e.g.
+# CLOCKWORK_TEST_WORKER_ARGS=--children-consume pytest tests/reliability (a test's own come after).
+DESIGN_ARGS = os.environ.get("CLOCKWORK_TEST_WORKER_ARGS", "").split()
+# The design those options select, as the reliability report tags its records: the worker's main
+# process consumes for its children, or each pool child consumes for itself.
+DESIGN = "children-consume"
+for _arg in DESIGN_ARGS:  # the last of the two options wins, as in the worker
+    if _arg in ("--worker-consumes", "--children-consume"):
+        DESIGN = _arg[2:]
 # Workers keep their revoked-set state files here (per node name), not in the user's home; a
 # worker restarted under the same name finds its file again.
 STATE_DIR = tempfile.mkdtemp(prefix="clockwork-test-state-")
@@ -38,11 +48,13 @@ class WorkerProcess:
     ) -> None:
         self.name = name or f"w{uuid.uuid4().hex[:6]}@test"
         self.queues = list(queues)
+        self.concurrency = concurrency
+        self.args = [*DESIGN_ARGS, *extra_args]  # the worker's options beside -A, -c, -n, -Q, -b, -l
         self._log = Path(tempfile.mkstemp(prefix="clockwork-worker-", suffix=".log")[1])
         self._logfile = self._log.open("w")
         cmd = [
             sys.executable, "-m", "worker", "-A", app, "-c", str(concurrency), "-n", self.name,
-            "-Q", ",".join(queues), "-b", url, "-l", "info", *extra_args,
+            "-Q", ",".join(queues), "-b", url, "-l", "info", *self.args,
         ]  # fmt: skip
         self.proc = subprocess.Popen(
             cmd,
@@ -62,6 +74,33 @@ class WorkerProcess:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    @property
+    def children_consume(self) -> bool:
+        """Whether each pool child consumes for itself (the default; not with ``--worker-consumes``)."""
+        chosen = [arg for arg in self.args if arg in ("--worker-consumes", "--children-consume")]
+        return not chosen or chosen[-1] == "--children-consume"
+
+    @property
+    def consumers_per_queue(self) -> int:
+        """The consumers the broker lists on each task queue once the worker consumes.
+
+        One (the main process's) by default; one per child, and per thread with ``--threads``,
+        when the children consume (a fixed pool: not with ``--autoscale``).
+        """
+        if not self.children_consume:
+            return 1
+        threads = 1
+        for i, arg in enumerate(self.args):
+            if arg == "--threads" and i + 1 < len(self.args):
+                threads = int(self.args[i + 1])
+            elif arg.startswith("--threads="):
+                threads = int(arg.split("=", 1)[1])
+        return self.concurrency * threads
+
+    def signal_tree(self, sig: int) -> list[int]:
+        """Send ``sig`` to the worker and every process under it (a frozen machine freezes them all)."""
+        return signal_tree(self.proc.pid, sig)
 
     def events(self) -> list[dict[str, Any]]:
         """The JSON log lines written so far."""

@@ -111,3 +111,16 @@ def test_a_table_cut_short_is_an_error():
     encoded = encode_table({"key": "value"})
     with pytest.raises(frames.FrameError):
         frames.decode_table(encoded[:-2])
+
+
+@pytest.mark.parametrize("value", ["value", 7, True, None, [1, "a"], {"a": 1}])
+def test_a_value_that_overruns_its_table_is_an_error(value):
+    # The table's length is intact; the entry's own length (or the table's end) is not.
+    encoded = bytearray(encode_table({"k": value}))
+    if isinstance(value, str):
+        encoded[8:12] = (100).to_bytes(4, "big")  # the long string's length, past the table's end
+    else:
+        encoded[0:4] = (len(encoded) - 4 - 1).to_bytes(4, "big")  # the table ends inside the entry
+        encoded = encoded[:-1]
+    with pytest.raises(frames.FrameError):
+        frames.decode_table(bytes(encoded))

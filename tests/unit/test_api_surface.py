@@ -15,6 +15,7 @@ def test_broker_svc_exports_exactly_its_public_names():
     assert sorted(broker_svc.__all__) == sorted(
         [
             "App", "AsyncResult", "Signature", "State", "Task", "current_app", "shared_task", "LamportClock",
+            "Job", "JobState",
             "GroupResult", "ResultSet", "chain", "chord", "chunks", "group", "signature", "xmap", "xstarmap",
             "Publisher", "Settings",
             "TaskMessage", "BrokerBlocked", "BrokerSvcError", "BrokerUnavailable", "ChordError",
@@ -22,11 +23,21 @@ def test_broker_svc_exports_exactly_its_public_names():
             "ContentDisallowed", "Ignore", "Reject",
             "DecodeError", "InvalidTaskMessage", "MaxRetriesExceededError", "MessageError",
             "MessageTooLarge", "NotRegistered", "PublishError", "PublishNacked", "ResultTimeout", "Retry",
-            "SoftTimeLimitExceeded", "TaskError", "TaskRevokedError", "Unroutable",
+            "SoftTimeLimitExceeded", "SpoolError", "SpoolFull", "TaskError", "TaskRevokedError", "Unroutable",
         ]
     )  # fmt: skip
     for name in broker_svc.__all__:
         assert getattr(broker_svc, name) is not None
+
+
+def test_the_asyncio_client_exports_exactly_its_public_names():
+    import broker_svc.aio
+    import control.aio.client
+
+    assert sorted(broker_svc.aio.__all__) == ["AioGroupResult", "AioResult", "AsyncApp"]
+    for name in broker_svc.aio.__all__:
+        assert getattr(broker_svc.aio, name) is not None
+    assert control.aio.client.__all__ == ["AsyncControl"]
 
 
 def test_worker_exports():
@@ -61,7 +72,7 @@ def test_imports_flow_worker_to_control_to_broker_svc_only():
 # DESIGN §1: a module is pure, blocking (pika) or async (aio-pika), never two of those. The folder says
 # which: these rules name folders, never files, so a new module is checked by where it is put.
 BLOCKING_FOLDERS = ("broker_svc/connection/", "control/blocking/")
-ASYNC_FOLDERS = ("worker/", "control/aio/")
+ASYNC_FOLDERS = ("worker/", "control/aio/", "broker_svc/aio/")
 PURE_FOLDERS = ("broker_svc/wire/", "control/protocol/")
 IO_LIBRARIES = {"pika", "aio_pika", "aiormq", "pamqp", "socket", "asyncio", "selectors"}
 
@@ -87,7 +98,8 @@ def test_pure_folders_do_no_io():
 
 
 def test_the_client_nouns_import_no_amqp_library_directly():
-    # broker_svc's top level reaches pika only through connection/, loaded when the app first publishes.
+    # broker_svc's top level reaches pika only through connection/, loaded when the app first
+    # publishes, and aio-pika only through aio/ (the asyncio client).
     for path in (ROOT / "broker_svc").glob("*.py"):
         tops = _top(_imports(path))
         assert not tops & {"pika", "aio_pika", "aiormq", "pamqp", "socket"}, path
@@ -110,3 +122,36 @@ def test_app_control_is_typed_by_a_protocol_that_control_api_satisfies():
         assert callable(app.control.inspect(timeout=0.1).ping)
     finally:
         app.close()
+
+
+def test_broker_svc_leader_exports_exactly_the_election_its_hooks_and_its_error():
+    import broker_svc.leader
+
+    assert sorted(broker_svc.leader.__all__) == ["Election", "LeaderHooks", "LeadershipLost", "Term"]
+    for name in broker_svc.leader.__all__:
+        assert getattr(broker_svc.leader, name) is not None
+
+
+# broker_svc/leader/ is blocking (threads) but opens no socket of its own: its one connection is
+# broker_svc/connection/lease_connection.py, a FrameSocket (no pika), so the folder imports no
+# AMQP library, no socket and no asyncio; an embedding worker runs it on threads.
+LEADER_FOLDERS = ("broker_svc/leader/",)
+
+
+def test_the_leader_folder_reaches_the_broker_only_through_its_lease_connection():
+    checked = 0
+    for path, names in _package_imports("broker_svc").items():
+        if path.startswith(LEADER_FOLDERS):
+            assert not _top(names) & IO_LIBRARIES, path
+            checked += 1
+    assert checked >= 3
+
+
+def test_ordered_queues_are_public_in_topology_and_settings():
+    import dataclasses
+
+    from broker_svc import Settings, topology
+
+    assert {"ordered_queue", "SINGLE_ACTIVE_ARGUMENT"} <= set(topology.__all__)
+    assert "ordered_queues" in {f.name for f in dataclasses.fields(Settings)}
+    assert callable(Settings.task_queue)

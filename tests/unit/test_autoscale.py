@@ -1,12 +1,16 @@
-"""The autoscaler's decision, the prefetch that follows the pool size, and ``--autoscale`` parsing."""
+"""The autoscaler's decision and what it reads, the prefetch that follows the size, ``--autoscale``."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 
 from broker_svc import Settings
+from broker_svc.errors import ConfigurationError
 from worker.config import WorkerConfig, parse_autoscale, prefetch_for
 from worker.pool.autoscale import decide
+from worker.pool.demand import BacklogDemand, Load
 
 
 def in_1_to_4(*, size: int, waiting: int, spare_for_s: float) -> int:
@@ -75,3 +79,51 @@ def test_the_config_checks_the_autoscale_range_and_starts_inside_it():
         WorkerConfig(
             app_spec="m:app", settings=settings, concurrency=1, autoscale=(4, 1), autoscale_keepalive_s=0
         )
+
+
+def test_consuming_children_may_autoscale_and_dedupe():
+    settings = Settings()
+    config = WorkerConfig(
+        app_spec="m:app", settings=settings, concurrency=1, autoscale=(4, 1), children_consume=True
+    )
+    assert config.autoscale == (4, 1)
+    deduping = WorkerConfig(app_spec="m:app", settings=settings, children_consume=True, dedupe_window_s=60)
+    assert deduping.dedupe_window_s == 60
+
+
+def test_threads_need_consuming_children():
+    settings = Settings()
+    assert WorkerConfig(app_spec="m:app", settings=settings, children_consume=True, threads=4).threads == 4
+    with pytest.raises(ConfigurationError, match="--worker-consumes does not have"):
+        WorkerConfig(app_spec="m:app", settings=settings, children_consume=False, threads=4)
+    with pytest.raises(ConfigurationError, match="at least 1"):
+        WorkerConfig(app_spec="m:app", settings=settings, children_consume=True, threads=0)
+
+
+def backlog(busy: int, ready: int, threads: int = 1) -> tuple[BacklogDemand, list[int]]:
+    """A ``BacklogDemand`` over fixed figures, and the list of times the queues were asked."""
+    asked: list[int] = []
+
+    async def read_ready() -> int:
+        asked.append(ready)
+        return ready
+
+    return BacklogDemand(running=lambda: busy, ready=read_ready, threads=threads), asked
+
+
+def test_with_consuming_children_the_ready_backlog_waits_only_while_every_child_is_busy():
+    demand, asked = backlog(busy=2, ready=7)
+    assert asyncio.run(demand.look(2)) == Load(busy=2, waiting=7)
+    assert asyncio.run(demand.look(3)) == Load(busy=2, waiting=0)  # a free child takes the next one
+    assert asked == [7]  # the queues are not asked while a child is free
+    assert demand.held() == 2
+    idle, asked = backlog(busy=2, ready=0)
+    assert asyncio.run(idle.look(2)) == Load(busy=2, waiting=0) and asked == [0]
+
+
+def test_with_threads_a_child_is_busy_when_all_its_threads_are_and_each_n_ready_make_one_child():
+    demand, asked = backlog(busy=7, ready=5, threads=4)
+    assert asyncio.run(demand.look(2)) == Load(busy=1, waiting=0) and asked == []  # a thread is free
+    full, asked = backlog(busy=8, ready=5, threads=4)
+    assert asyncio.run(full.look(2)) == Load(busy=2, waiting=2)  # 5 ready: two more children
+    assert full.held() == 8

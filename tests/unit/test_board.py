@@ -5,6 +5,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 
+import pytest
+
 from worker.pool.board import Board
 
 
@@ -59,3 +61,36 @@ def test_each_slot_counts_the_tasks_its_child_ended():
     finally:
         board.close()
     assert board.ended(1) == 0  # closed: nothing to read
+
+
+def test_a_grown_board_keeps_what_its_slots_show_and_children_attached_before_still_write():
+    board = Board.create(1)
+    early = Board.attach(str(board.path), 1)  # a child that attached at the start-up size
+    try:
+        early.start(0, {"id": "before"})
+        board.grow(3)
+        assert board.slots == 3 and board.path.stat().st_size == 3 * 8192
+        late = Board.attach(str(board.path), board.slots)
+        late.start(2, {"id": "after"})
+        early.end(0)
+        early.start(0, {"id": "again"})
+        assert [(r.slot, r.info["id"]) for r in board.running()] == [(0, "again"), (2, "after")]
+        assert board.ended(0) == 1
+        board.grow(2)  # room already: nothing changes
+        assert board.slots == 3
+        late.close()
+    finally:
+        early.close()
+        board.close()
+    assert not board.path.exists()
+
+
+def test_only_the_worker_grows_the_board():
+    board = Board.create(1)
+    child = Board.attach(str(board.path), 1)
+    try:
+        with pytest.raises(RuntimeError, match="worker"):
+            child.grow(2)
+    finally:
+        child.close()
+        board.close()

@@ -51,3 +51,12 @@ def test_a_builtin_naming_an_unknown_task_fails_clearly(app: App):
 def test_chord_parts_fail_with_the_reason_instead_of_not_registered(app: App):
     with pytest.raises(NotImplementedError, match="joins chords in the broker"):
         app.tasks["celery.chord_unlock"].apply(("group-id", {})).get()
+
+
+def test_map_of_an_async_task_is_refused_clearly(app: App):
+    @app.task(name="b.async_double")
+    async def async_double(x: int) -> int:
+        return x * 2
+
+    with pytest.raises(TypeError, match="async def task"):
+        app.tasks["celery.map"].apply((sig("b.async_double"), [1])).get()

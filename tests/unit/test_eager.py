@@ -25,7 +25,7 @@ def test_apply_runs_here_and_returns_an_eager_result(app: App):
     result = whoami.apply((3,), task_id="fixed-id")
     assert result.ready() and result.successful() and result.state == "SUCCESS"
     assert result.get() == {"x": 3, "eager": True, "id": "fixed-id"}
-    assert app._publisher is None  # no connection was made
+    assert app._producer is None  # no connection was made
 
 
 def test_a_failure_raises_its_own_exception_from_get_or_at_once_with_propagation(app: App):
@@ -74,7 +74,7 @@ def test_task_always_eager_makes_delay_run_here(app: App):
 
     app.conf.task_always_eager = True
     assert add.delay(2, 3).get() == 5
-    assert app._publisher is None
+    assert app._producer is None
 
 
 def test_eager_runs_send_the_same_signals_as_a_worker(app: App):
@@ -119,3 +119,53 @@ def test_eager_retry_takes_new_arguments(app: App):
         return x
 
     assert grow.apply((3,)).get() == 300
+
+
+def test_apply_runs_an_async_task_with_retries_and_hooks(app: App):
+    import asyncio
+
+    seen: list[Any] = []
+
+    class Hooked(app.Task):  # type: ignore[name-defined,misc]
+        def on_success(self, retval: Any, task_id: str, args: Any, kwargs: Any) -> None:
+            seen.append(retval)
+
+    @app.task(bind=True, base=Hooked, autoretry_for=(ConnectionError,), retry_kwargs={"countdown": 0})
+    async def flaky(self: Any, x: int) -> int:
+        await asyncio.sleep(0)
+        if self.request.retries < 2:
+            raise ConnectionError("not yet")
+        return x + int(self.request.retries)
+
+    assert flaky.apply((40,)).get() == 42
+    assert seen == [42]  # the awaited value, not a coroutine
+
+
+def test_a_plain_task_that_returns_a_coroutine_fails_with_a_type_error(app: App):
+    import asyncio
+
+    @app.task
+    def forgot() -> Any:
+        return asyncio.sleep(0)
+
+    result = forgot.apply()
+    assert result.failed()
+    assert isinstance(result.result, TypeError)
+    assert "not `async def`" in str(result.result)
+
+
+def test_apply_of_an_async_task_inside_a_running_loop_runs_it_on_a_thread(app: App):
+    import asyncio
+
+    @app.task(bind=True)
+    async def inner(self: Any) -> list[Any]:
+        await asyncio.sleep(0)
+        return [self.request.id, id(asyncio.get_running_loop())]
+
+    async def caller() -> Any:
+        return id(asyncio.get_running_loop()), inner.apply(task_id="in-a-loop")
+
+    outer_loop, result = asyncio.run(caller())
+    task_id, loop = result.get()
+    assert task_id == "in-a-loop"
+    assert loop != outer_loop  # a loop of its own, not the caller's (busy waiting for it)

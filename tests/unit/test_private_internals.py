@@ -1,7 +1,7 @@
-"""Pins on every private pika, pamqp and aio-pika name Clockwork uses: each fails when one goes.
+"""Pins on every private pika, pamqp, aio-pika and multiprocessing name we use: each fails when one goes.
 
 The names live in one module per library: ``broker_svc/connection/pika_internals.py`` (pika),
-``worker/amqp/header_ints.py`` (pamqp) and ``worker/amqp/connection.py`` (aio-pika's robust
+``control/aio/header_ints.py`` (pamqp) and ``worker/amqp/connection.py`` (aio-pika's robust
 connection hooks). aiormq is used through its public names only. The dependency ranges in
 ``pyproject.toml`` are the versions these pins ran against.
 """
@@ -13,6 +13,7 @@ import re
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing import forkserver, resource_tracker
 from typing import Any
 
 import aio_pika.connection
@@ -26,7 +27,7 @@ from pika.adapters.blocking_connection import BlockingChannel
 
 from broker_svc.connection.pika_internals import EncodedProperties, GatheringConnection
 from broker_svc.wire.amqp_fields import encode_properties
-from worker.amqp import header_ints
+from control.aio import header_ints
 from worker.amqp.connection import FailoverConnection
 
 _MISSING = object()
@@ -100,6 +101,14 @@ PINS = [
     ),
     Pin(_AioConnection, "_close_called", attribute=True),
     Pin(aio_pika.robust_connection.RobustConnection, "connection_attempt", attribute=True),
+    # worker/pool/spawn.py: go_without_resource_tracker sets the fd the tracker and forkserver read.
+    Pin(
+        resource_tracker.ResourceTracker,
+        "_fd",
+        attribute=True,
+        read_by=(resource_tracker.ResourceTracker.ensure_running, forkserver.main),  # the child takes it
+    ),
+    Pin(resource_tracker, "_resource_tracker"),
 ]
 
 

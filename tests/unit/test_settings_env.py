@@ -21,6 +21,8 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "accept_content": ("json", ("json",)),
     "max_body_bytes": ("1024", 1024),
     "quorum_queues": ("a, b,,", ("a", "b")),
+    "ordered_queues": ("updates, ledger", ("updates", "ledger")),
+    "queue_max_priority": ("10", 10),
     "delivery_limit": ("5", 5),
     "confirm": ("each", "each"),
     "publish_attempts": ("7", 7),
@@ -31,11 +33,18 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "heartbeat_s": ("10", 10),
     "result_expires_s": ("60", 60),
     "result_persistent": ("yes", True),
+    "task_states": ("1", True),
     "control_signing_key": ("s3cret", "s3cret"),
     "control_allowed_users": ("ops, worker", ("ops", "worker")),
     "ssl_ca_file": ("/ca.pem", "/ca.pem"),
     "ssl_cert_file": ("/cert.pem", "/cert.pem"),
     "ssl_key_file": ("/key.pem", "/key.pem"),
+    "spool_dir": ("/var/spool/app", "/var/spool/app"),
+    "spool_max_bytes": ("1048576", 1048576),
+    "spool_memory_records": ("20000", 20000),
+    "spool_flush_count": ("64", 64),
+    "spool_flush_interval_s": ("0.5", 0.5),
+    "spool_fsync": ("off", False),
 }
 
 

@@ -23,8 +23,16 @@ ALLOWED = {
     "control/aio/broadcaster.py",
     # Members-stream events read by the blocking control client, not task deliveries.
     "control/blocking/members_feed.py",
+    # Task-state records read by a client's state feed, not task deliveries.
+    "broker_svc/connection/state_feed.py",
     # Chord parts, not task deliveries: acked in the transaction that sends their chord's body.
     "worker/consume/chord_join.py",
+    # Tasks waiting for their dependencies (in the dependents queue, not a task queue): each acked
+    # in the transaction that releases it; state records read from the stream.
+    "worker/consume/dependents.py",
+    # Election bids and term tokens, not task deliveries: a leader acks each token once the next
+    # one is back (its lease), and bids as they come.
+    "broker_svc/leader/election.py",
 }
 
 

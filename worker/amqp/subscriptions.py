@@ -18,8 +18,9 @@ import aio_pika
 import aio_pika.abc
 import structlog
 
+from broker_svc.errors import ConfigurationError
 from broker_svc.settings import Settings
-from broker_svc.topology import dead_letter_queue, task_queue
+from broker_svc.topology import QueueSpec, dead_letter_queue
 from control.aio.declare import declare_queue
 
 if TYPE_CHECKING:
@@ -40,9 +41,15 @@ class QueueConsumers:
     """
 
     def __init__(
-        self, channel: aio_pika.abc.AbstractChannel, *, settings: Settings, consumer: TaskConsumer
+        self,
+        channel: aio_pika.abc.AbstractChannel,
+        *,
+        settings: Settings,
+        consumer: TaskConsumer,
+        connection: aio_pika.abc.AbstractRobustConnection | None = None,
     ) -> None:
         self._channel = channel
+        self._connection = connection  # where an ordered queue gets a channel of its own
         self._settings = settings
         self._consumer = consumer
         # Task queues consumed now: name → (queue, consumer tag).
@@ -52,6 +59,8 @@ class QueueConsumers:
         self._fed: list[str] = []  # declared here, consumed by the pool's children (--children-consume)
         # Held while consumers are added, cancelled or re-subscribed (a new prefetch).
         self._consumers_lock = asyncio.Lock()
+        # Ordered queues consumed now, each on its own channel with prefetch 1 (``add``).
+        self._ordered: dict[str, aio_pika.abc.AbstractChannel] = {}
 
     def tags(self) -> dict[str, str]:
         """The consumer tag of each task queue consumed now."""
@@ -67,8 +76,7 @@ class QueueConsumers:
         With ``--children-consume`` the pool children consume; the worker only declares.
         """
         await declare_queue(self._channel, dead_letter_queue(queue))
-        queue_type = self._settings.queue_type(queue)
-        await declare_queue(self._channel, task_queue(queue, queue_type=queue_type))
+        await self._declare_task_queue(self._channel, queue)
         if queue not in self._fed:
             self._fed.append(queue)
 
@@ -91,13 +99,54 @@ class QueueConsumers:
         if not listed:
             self._unlisted.add(queue)
         await declare_queue(channel, dead_letter_queue(queue))
-        queue_type = self._settings.queue_type(queue)  # as the clients declare it
-        declared = await declare_queue(channel, task_queue(queue, queue_type=queue_type))
+        declared = await self._declare_task_queue(channel, queue)  # as the clients declare it
         async with self._consumers_lock:
+            if queue in self._settings.ordered_queues:
+                # Its own channel with prefetch 1: one of its tasks at a time in this worker
+                # (the broker picks one consumer of all workers), whatever the pool's prefetch.
+                ordered = await self._ordered_channel()
+                declared = await ordered.get_queue(queue, ensure=False)
+                self._ordered[queue] = ordered
             tag = await declared.consume(consumer.for_queue(queue))
             self._consuming[queue] = (declared, tag)
         log.info("consumer_added", queue=queue)
         return f"add consumer {queue}"
+
+    async def _declare_task_queue(
+        self, channel: aio_pika.abc.AbstractChannel, queue: str
+    ) -> aio_pika.abc.AbstractQueue:
+        spec = self._settings.task_queue(queue)
+        try:
+            return await declare_queue(channel, spec)
+        except aio_pika.exceptions.ChannelPreconditionFailed as exc:
+            # Never consume it as declared before: an ordered queue that is not would run its
+            # tasks on every worker at once.
+            raise ConfigurationError(declare_mismatch(queue, spec, str(exc))) from None
+
+    async def _ordered_channel(self) -> aio_pika.abc.AbstractChannel:
+        if self._connection is None:
+            raise ConfigurationError("an ordered queue needs the worker's connection for its own channel")
+        channel = await self._connection.channel(publisher_confirms=False)
+        await channel.set_qos(prefetch_count=1)
+        return channel
+
+    def ordered(self) -> list[str]:
+        """The ordered queues consumed now (each on its own channel)."""
+        return list(self._ordered)
+
+    async def close_ordered(self) -> None:
+        """Close the ordered queues' channels: the broker requeues what they hold, at the head,
+        and makes the next consumer active in the same step (a cancel would let it start on the
+        task behind first). Call once their running tasks are settled."""
+        async with self._consumers_lock:
+            for queue, channel in list(self._ordered.items()):
+                self._consuming.pop(queue, None)
+                del self._ordered[queue]
+                try:
+                    await channel.close()
+                except aio_pika.exceptions.AMQPError as exc:
+                    log.warning("ordered_channel_close_failed", queue=queue, error=str(exc))
+                log.info("consumer_cancelled", queue=queue, ordered=True)
 
     async def cancel(self, queue: str) -> str:
         """Stop consuming ``queue``; deliveries already taken still run."""
@@ -113,7 +162,7 @@ class QueueConsumers:
         log.info("consumer_cancelled", queue=queue)
         return f"no longer consuming from {queue}"
 
-    async def set_prefetch(self, count: int) -> None:
+    async def set_prefetch(self, count: int) -> None:  # ordered queues keep their prefetch of 1
         """Give every task-queue consumer a per-consumer prefetch of ``count`` (never a global QoS).
 
         basic.qos binds only consumers created after it, so each queue is consumed anew, then its
@@ -126,6 +175,8 @@ class QueueConsumers:
             try:
                 await channel.set_qos(prefetch_count=count)  # per consumer (global=False)
                 for queue, (declared, old_tag) in list(self._consuming.items()):
+                    if queue in self._ordered:
+                        continue
                     tag = await declared.consume(consumer.for_queue(queue))
                     self._consuming[queue] = (declared, tag)
                     await declared.cancel(old_tag)
@@ -142,3 +193,14 @@ class QueueConsumers:
     def listed(self) -> list[str]:
         """The task queues consumed now that a user asked for (``active_queues``), by us or our children."""
         return [*self._fed, *(queue for queue in self._consuming if queue not in self._unlisted)]
+
+
+def declare_mismatch(queue: str, spec: QueueSpec, error: str) -> str:
+    """What to say when the broker refused ``spec`` because ``queue`` exists with other arguments."""
+    wanted = spec.arguments or "none"
+    return (
+        f"task queue {queue!r} exists with other arguments than this worker declares ({wanted}); "
+        f"the broker said: {error}. An ordered queue (--ordered-queues, task_ordered_queues) or a "
+        "quorum queue must be declared so by every client and worker from its creation: delete "
+        f"the queue (rabbitmqctl delete_queue {queue}) once drained, or make the settings agree"
+    )

@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     from worker.consume.outcomes import OutcomeHandler
 
 __all__ = [
+    "UNKNOWN_TASK_HINT",
+    "expected_failure",
     "BROKER_COUNT_HEADER",
     "Admission",
     "DELIVERIES_HEADER",
@@ -51,6 +53,11 @@ DELIVERIES_HEADER: Final = "x-clockwork-deliveries"
 BROKER_COUNT_HEADER: Final = "x-delivery-count"
 # The dead-letter reason, as RabbitMQ names its own ``x-delivery-limit`` drop.
 DELIVERY_LIMIT_REASON: Final = "delivery_limit"
+# Why a task name is unknown, as a rule: two apps consume one queue (both on Celery's 'celery').
+UNKNOWN_TASK_HINT: Final = (
+    "this app registers no task of this name: if another app sends to or consumes this queue, give each "
+    "app a queue of its own (task_default_queue, -Q)"
+)
 
 
 def _count(value: Any) -> int | None:
@@ -167,7 +174,7 @@ class Admission:
         self._dedupe = dedupe
 
     async def admit(
-        self, message: aio_pika.abc.AbstractIncomingMessage, request: TaskMessage
+        self, message: aio_pika.abc.AbstractIncomingMessage, request: TaskMessage, *, ordered: bool = False
     ) -> Disposition | None:
         """None when ``request`` may go on to run; else what becomes of it.
 
@@ -188,7 +195,8 @@ class Admission:
             if count > self._delivery_limit:
                 why = f"{count} deliveries did not finish (delivery_limit={self._delivery_limit})"
                 return await self._outcomes.limit_reached(request, error=None, why=why)
-            if not carries_count(headers, redelivered=redelivered):
+            # An ordered queue's redelivery runs in place: a copy would go to the back of it.
+            if not ordered and not carries_count(headers, redelivered=redelivered):
                 log.info("task_redelivery_counted", deliveries=count)
                 return recount(count)
         if dedupe is not None:
@@ -209,3 +217,11 @@ class Admission:
 def recount(count: int, *, ran: bool = False) -> Disposition:
     """A copy back on its queue carrying ``count`` unfinished deliveries (the broker's count dropped)."""
     return Disposition.republish({DELIVERIES_HEADER: count}, drop=(BROKER_COUNT_HEADER,), ran=ran)
+
+
+def expected_failure(throws: tuple[type[BaseException], ...], error: Mapping[str, Any] | None) -> bool:
+    """Whether ``error`` (a wire exception) is one of a task's ``throws``: its contract, not an error."""
+    if not throws or not error:
+        return False
+    kind, module = error.get("exc_type"), error.get("exc_module")
+    return any(cls.__name__ == kind and module in (None, cls.__module__) for cls in throws)

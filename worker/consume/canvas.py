@@ -79,7 +79,7 @@ class Canvas:
         settings = self._app.settings
         for item in planned:
             wire, queue = canvas_plan.follow_up_wire(self._app, item)
-            await self._replies.publish_task(wire, queue=queue, queue_type=settings.queue_type(queue))
+            await self._replies.publish_task(wire, queue=settings.task_queue(queue))
             log.info(
                 "task_follow_up_sent", follow_up_id=item.message.id, follow_up=item.message.task, queue=queue,
                 why=why,

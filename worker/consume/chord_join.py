@@ -41,7 +41,7 @@ from aiormq import spec
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
 from broker_svc.follow_ups import FollowUp, as_list, follow_ups
-from broker_svc.topology import chord_join_queue, dead_letter_queue, task_queue
+from broker_svc.topology import chord_join_queue, dead_letter_queue
 from broker_svc.wire import codec
 from broker_svc.wire.chord_part import ChordPart, decode_part
 from broker_svc.wire.result_message import Outcome, wire_exception
@@ -50,6 +50,7 @@ from broker_svc.wire.task_message import CLOCK_HEADER, TaskMessage, encode_task
 from control.aio.declare import declare_queue
 from worker.consume.canvas_plan import follow_up_queue
 from worker.consume.publish import task_properties
+from worker.consume.resubscribe import resubscribing
 
 __all__ = ["STALE_AFTER_S", "ChordJoiner"]
 
@@ -61,7 +62,6 @@ _SETTLED_KEPT: Final = 100_000
 STALE_AFTER_S: Final = 3600.0
 # After the join channel is lost, how long to wait before subscribing again: doubling from the
 # first to the last while it keeps failing (a refused permission, say).
-_RESUBSCRIBE_S: Final = (1.0, 60.0)
 
 
 @dataclass(slots=True)
@@ -103,20 +103,12 @@ class ChordJoiner:
 
     async def run(self, connection: aio_pika.abc.AbstractRobustConnection) -> None:
         """Subscribe to the join queue, and again whenever the subscription is lost; until cancelled."""
-        pause, longest = _RESUBSCRIBE_S
-        while True:
-            subscribed = False
-            try:
-                subscribed = await self._serve(connection)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # the channel or connection failed: the broker requeued the parts
-                log.warning(
-                    "chord_joiner_resubscribing", error=f"{type(exc).__name__}: {exc}", retry_in_s=pause
-                )
-            self._forget_held()
-            await asyncio.sleep(pause)
-            pause = _RESUBSCRIBE_S[0] if subscribed else min(pause * 2, longest)
+        await resubscribing(
+            lambda: self._serve(connection),
+            forget=self._forget_held,
+            log=log,
+            event="chord_joiner_resubscribing",
+        )
 
     async def _serve(self, connection: aio_pika.abc.AbstractRobustConnection) -> bool:
         # Returns once the subscription is lost; True if it was made at all.
@@ -256,7 +248,7 @@ class ChordJoiner:
         message = item.message
         queue = follow_up_queue(self._app, item)
         if queue not in self._declared:
-            await self._declare(task_queue(queue, queue_type=self._app.settings.queue_type(queue)))
+            await self._declare(self._app.settings.task_queue(queue))
             self._declared.add(queue)
         serializer = "json" if message.content_type == codec.JSON else "msgpack"
         wire = encode_task(message, serializer=serializer)

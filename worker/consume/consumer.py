@@ -13,14 +13,14 @@ import aio_pika.abc
 import structlog
 from structlog.contextvars import bind_contextvars
 
-from broker_svc import signals
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
 from broker_svc.errors import MessageError
 from broker_svc.settings import Settings
-from broker_svc.topology import DELAY_HOLD_WINDOW_S, EXPIRED_QUEUE
+from broker_svc.topology import EXPIRED_QUEUE
 from broker_svc.wire import codec
-from broker_svc.wire.task_message import TaskMessage, decode_task, eta_and_expires, safe_repr
+from broker_svc.wire.states import State
+from broker_svc.wire.task_message import TaskMessage, decode_task
 from worker.consume.admission import Admission, DedupeWindow
 from worker.consume.canvas import Canvas
 from worker.consume.eta import EtaScheduler
@@ -28,10 +28,13 @@ from worker.consume.job_request import delivery_info, request_context, time_limi
 from worker.consume.outcomes import OutcomeHandler
 from worker.consume.publish import ReplyPublisher
 from worker.consume.rate_limits import RATE_RESERVED_HEADER, RateLimits
-from worker.consume.redelivery import Redeliveries, channel_gone
+from worker.consume.received import announce_received
+from worker.consume.redelivery import Redeliveries
 from worker.consume.rejections import Rejections, broker_dead_letter
 from worker.consume.settle import ACK, HAND_BACK, LEFT_TO_BROKER, Disposition, Fate, Settler
 from worker.consume.slots import FairSlots
+from worker.consume.states import TaskStates
+from worker.consume.waits import Waits
 from worker.events import EventDispatcher
 from worker.pool.pool import Job, JobOutcome, ProcessPool
 from worker.remote.revoked_set import RevokedSet
@@ -85,10 +88,8 @@ class TaskConsumer:
         self._accept = codec.accept_set(settings.accept_content)
         self._slots = FairSlots(concurrency)
         self._default_limits = default_time_limits
-        self._eta = eta
         self._events = events
         self._revoked = revoked
-        self._limits = limits
         # Per-task limits set by the ``time_limit`` command: (hard, soft).
         self.time_limits: dict[str, tuple[float | None, float | None]] = {}
         board = pool.feeding.running if pool.feeding is not None else None
@@ -98,9 +99,10 @@ class TaskConsumer:
         self.received = 0
         self._replies = replies
         self._metrics = metrics  # --metrics-port; None: nothing counted
+        self._task_states = TaskStates(replies, hostname=hostname, clock=clock, enabled=settings.task_states)
         self._outcomes = OutcomeHandler(
             app=app, replies=replies, eta=eta, events=events, delivery_limit=settings.delivery_limit,
-            namespace=namespace,
+            namespace=namespace, states=self._task_states,
         )  # fmt: skip
         self._admission = Admission(
             outcomes=self._outcomes,
@@ -111,8 +113,8 @@ class TaskConsumer:
         self._rejections = Rejections(replies=replies, events=events, outcomes=self._outcomes)
         # The one place a task delivery is acked or handed back (worker.consume.settle).
         self._settler = Settler(replies=replies, eta=eta)
-        # Deliveries waiting for a child: the handler task → its delivery.
-        self._reserved: dict[asyncio.Task[Any], aio_pika.abc.AbstractIncomingMessage] = {}
+        # ETA, rate limit, a free child: the waits before a run (worker.consume.waits).
+        self._waits = Waits(state=self._state, eta=eta, limits=limits, slots=self._slots)
         self._handlers: set[asyncio.Task[Any]] = set()
         self._stopping = False
         # Tasks running and done here, for a redelivered copy of one (worker.consume.redelivery).
@@ -125,13 +127,17 @@ class TaskConsumer:
 
     @property
     def totals(self) -> dict[str, int]:
-        """Finished jobs per task name (inspect ``stats``: ``total``)."""
-        return dict(self._outcomes.totals)
+        """Finished jobs per task name (inspect ``stats``: ``total``), consuming children's included."""
+        if self._pool.feeding is None:
+            return dict(self._outcomes.totals)
+        return dict(self._outcomes.totals + self._pool.feeding.totals)
 
     @property
     def unknown_tasks(self) -> dict[str, int]:
         """Deliveries of tasks this app does not register, per name (inspect ``stats``)."""
-        return dict(self._rejections.unknown)
+        if self._pool.feeding is None:
+            return dict(self._rejections.unknown)
+        return dict(self._rejections.unknown + self._pool.feeding.unknown)
 
     @property
     def running_count(self) -> int:
@@ -211,16 +217,12 @@ class TaskConsumer:
         The broker requeued them when the channel closed and delivers them again: run here as
         well, each would be a duplicate whose ack carries a stale tag.
         """
-        stale = [task for task, message in self._reserved.items() if channel_gone(message)]
-        for task in stale:
-            task.cancel()
-        return len(stale)
+        return self._waits.drop_stale_reserved()
 
     async def stop(self, *, timeout_s: float) -> None:
         """Hand back reserved deliveries and wait up to ``timeout_s`` for running ones."""
         self._stopping = True
-        for task in list(self._reserved):
-            task.cancel()
+        self._waits.hand_back_reserved()
         deadline = time.monotonic() + timeout_s
         while self._handlers and time.monotonic() < deadline:
             await asyncio.wait(set(self._handlers), timeout=max(0.0, deadline - time.monotonic()))
@@ -257,7 +259,9 @@ class TaskConsumer:
     ) -> TaskMessage | Disposition:
         # The decoded request, admitted to run (pair with ``Admission.release``), or its fate.
         if self._stopping:
-            return HAND_BACK
+            # An ordered queue's delivery stays unacked: closing its channel hands it back and
+            # moves the queue to the next consumer in one step (QueueConsumers.close_ordered).
+            return LEFT_TO_BROKER if queue in self._settings.ordered_queues else HAND_BACK
         raw_id = (message.headers or {}).get("id")
         # aio-pika runs each delivery in a task of its own, with a copy of the context: what is
         # bound here is seen by this delivery's log lines only and goes with its task, so there is
@@ -279,7 +283,11 @@ class TaskConsumer:
         self._clock.adjust(request.clock)
         bind_contextvars(task_name=request.display_name, attempt=request.retries + 1)
         # Delivery accounting (consume.admission): the delivery limit, classic redelivery counts, dedupe.
-        turned_away = await self._admission.admit(message, request)
+        ordered = queue in self._settings.ordered_queues
+        if ordered and message.redelivered:
+            bind_contextvars(ordered_redelivery=True)  # an ordered queue's failover: marked
+            log.warning("ordered_redelivery")
+        turned_away = await self._admission.admit(message, request, ordered=ordered)
         return request if turned_away is None else turned_away
 
     async def _handle_task(
@@ -307,29 +315,15 @@ class TaskConsumer:
         if request.expires is not None and request.expires <= dt.datetime.now(dt.UTC):
             return await self._skip_revoked(request, queue, expired=True)
         tracked = Tracked(request, delivery)
-        if request.eta is not None and (parked := await self._until_due(tracked, request.eta)) is not None:
+        if (
+            request.eta is not None
+            and (parked := await self._waits.until_due(tracked, request.eta)) is not None
+        ):
             return parked  # parked in a delay queue until nearly due
-        if (parked := await self._rate_limited(message, request)) is not None:
+        if (parked := await self._waits.rate_limited(message, request)) is not None:
             return parked  # parked until its turn under the task's rate limit
         self.received += 1
-        if self._metrics is not None:
-            self._metrics.received(request.task, queue)
-        if signals.task_received.has_receivers:
-            signals.task_received.send(sender=self, request=request)
-        # Task events are off unless asked for (-E): check before building one, as every task
-        # would pay for the reprs and a coroutine otherwise.
-        if self._events.task_events:
-            await self._events.send(
-                "task-received",
-                uuid=request.id,
-                name=request.task,
-                args=safe_repr(tuple(request.args)),  # Celery shows argsrepr, a tuple's repr
-                kwargs=safe_repr(request.kwargs),
-                root_id=request.root_id,
-                parent_id=request.parent_id,
-                retries=request.retries,
-                **eta_and_expires(request),
-            )
+        await announce_received(request, queue, sender=self, events=self._events, metrics=self._metrics)
         outcome = await self._run(tracked, message, queue)
         if isinstance(outcome, Disposition):
             return outcome  # handed back (shutdown), revoked while it waited, or joined
@@ -337,35 +331,6 @@ class TaskConsumer:
             self._metrics.finished(request.task, queue, outcome)
         signum = self._signums.pop(request.id, None)
         return await self._outcomes.finish(message, request, outcome, stopping=self._stopping, signum=signum)
-
-    async def _until_due(self, tracked: Tracked, eta: dt.datetime) -> Disposition | None:
-        # Scheduled while it waits in memory for its ETA; parked when that is further off.
-        task_id = tracked.request.id
-        self._state.scheduled_tasks[task_id] = tracked
-        try:
-            bucket_ms = await self._eta.defer(eta)
-        finally:
-            self._state.scheduled_tasks.pop(task_id, None)
-        return None if bucket_ms is None else Disposition.republish({}, delay_ms=bucket_ms)
-
-    async def _rate_limited(
-        self, message: aio_pika.abc.AbstractIncomingMessage, request: TaskMessage
-    ) -> Disposition | None:
-        # A token is taken once per task: a copy parked for its turn comes back marked, due.
-        if (message.headers or {}).get(RATE_RESERVED_HEADER) is True:
-            return None
-        delay_s = self._limits.reserve(request.task)
-        if delay_s <= 0:
-            return None
-        if delay_s <= DELAY_HOLD_WINDOW_S:
-            await asyncio.sleep(delay_s)  # holds the delivery, never a child
-            return None
-        # Its turn is later: wait in the broker, not in our prefetch, so other tasks go on.
-        due = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=delay_s)
-        log.debug("task_rate_limited", delay_s=round(delay_s, 3))
-        return Disposition.republish(
-            {"eta": due.isoformat(), RATE_RESERVED_HEADER: True}, delay_ms=self._eta.bucket_for(due)
-        )
 
     async def _run(
         self, tracked: Tracked, message: aio_pika.abc.AbstractIncomingMessage, queue: str
@@ -378,22 +343,8 @@ class TaskConsumer:
             # second one, then settle this copy with its outcome (cut short: hand it back).
             joined = await self._redeliveries.join(run)
             return HAND_BACK if joined is None else joined
-        task = asyncio.current_task()
-        assert task is not None
-        self._reserved[task] = message
-        self._state.reserved_tasks[request.id] = tracked
-        try:
-            await self._slots.acquire(queue)
-        except asyncio.CancelledError:
-            # Reserved but never started: the broker gets it back for another worker.
-            if channel_gone(message):
-                log.info("task_dropped_channel_gone")  # requeued by the broker already
-                return LEFT_TO_BROKER
-            log.info("task_requeued_on_shutdown")
-            return HAND_BACK
-        finally:
-            self._reserved.pop(task, None)
-            self._state.reserved_tasks.pop(request.id, None)
+        if (unstarted := await self._waits.for_child(tracked, message, queue)) is not None:
+            return unstarted  # cancelled while reserved: shutdown, or its channel gone
         try:
             if request.id in self._revoked:  # revoked while it waited for a child
                 return await self._skip_revoked(request, queue, expired=False)
@@ -420,6 +371,7 @@ class TaskConsumer:
                 self._metrics.started(request.task, queue)
             if self._events.task_events:
                 await self._events.send("task-started", uuid=request.id)
+            await self._task_states.record(request, State.STARTED)
             run = self._redeliveries.start(request.id, message)
             try:
                 outcome = await self._pool.run(job)

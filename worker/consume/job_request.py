@@ -17,7 +17,14 @@ from broker_svc.task import Task
 from broker_svc.wire.task_message import RESENT_HEADER, TaskMessage, eta_and_expires
 from worker.consume.admission import delivery_count
 
-__all__ = ["DeliveryFacts", "custom_headers", "delivery_info", "request_context", "time_limits"]
+__all__ = [
+    "DeliveryFacts",
+    "custom_headers",
+    "delivery_info",
+    "reply_wanted",
+    "request_context",
+    "time_limits",
+]
 
 
 class DeliveryFacts(Protocol):
@@ -61,6 +68,17 @@ def time_limits(
     hard = hard if hard is not None else task.time_limit or defaults[0]
     soft = soft if soft is not None else task.soft_time_limit or defaults[1]
     return hard, soft
+
+
+def reply_wanted(request: TaskMessage, task: Task | None, *, failed: bool = False) -> bool:
+    """Whether a state of ``request`` goes to its ``reply_to``: not when results are ignored.
+
+    ``failed``: a final failure, which ``store_errors_even_if_ignored`` sends all the same.
+    """
+    if request.reply_to is None:
+        return False
+    ignored = request.ignore_result or (task is not None and task.ignore_result)
+    return not ignored or (failed and task is not None and task.store_errors_even_if_ignored)
 
 
 def request_context(request: TaskMessage, delivery: dict[str, Any], *, hostname: str) -> dict[str, Any]:

@@ -15,12 +15,15 @@ from broker_svc.wire.codec import reply_type
 from broker_svc.wire.result_message import CELERY_EXCEPTIONS_MODULE, Outcome, wire_exception
 from broker_svc.wire.states import State
 from broker_svc.wire.task_message import TaskMessage, safe_repr
-from worker.consume.admission import DELIVERY_LIMIT_REASON, delivery_count, recount
+from broker_svc.wire.task_state import WORKER_STATES, result_expiration
+from worker.consume.admission import DELIVERY_LIMIT_REASON, delivery_count, expected_failure, recount
 from worker.consume.canvas import Canvas
 from worker.consume.disposition import retry_copy, retry_eta
 from worker.consume.eta import EtaScheduler
+from worker.consume.job_request import reply_wanted
 from worker.consume.publish import ReplyPublisher
 from worker.consume.settle import HAND_BACK, LEFT_TO_BROKER, Disposition, Fate
+from worker.consume.states import TaskStates
 from worker.event_fields import describe_repr
 from worker.events import EventDispatcher
 from worker.pool.pool import JobOutcome, JobStatus
@@ -53,6 +56,7 @@ class OutcomeHandler:
         delivery_limit: how many deliveries of one message may end without finishing (its child or
             worker died) before the next is dead-lettered (``worker.consume.admission``).
         namespace: the control namespace, which names the chord join queue.
+        states: writes each outcome to the task-state stream (``task_states``).
     """
 
     def __init__(
@@ -64,8 +68,10 @@ class OutcomeHandler:
         events: EventDispatcher,
         delivery_limit: int,
         namespace: str = "celery",
+        states: TaskStates | None = None,
     ) -> None:
         self._app = app
+        self._states = states
         self._replies = replies
         self._eta = eta
         self._events = events
@@ -267,10 +273,7 @@ class OutcomeHandler:
     def _expected(self, name: str, error: dict[str, Any] | None) -> bool:
         # A failure with one of the task's ``throws`` classes is part of its contract, not an error.
         task = self._app.tasks.get(name)
-        if task is None or not task.throws or not error:
-            return False
-        kind, module = error.get("exc_type"), error.get("exc_module")
-        return any(cls.__name__ == kind and module in (None, cls.__module__) for cls in task.throws)
+        return task is not None and expected_failure(task.throws, error)
 
     async def chord_part(self, request: TaskMessage, state: State, result: Any) -> None:
         """A chord header task ended for good: its part goes to the chord's joiner (confirmed)."""
@@ -282,17 +285,17 @@ class OutcomeHandler:
 
         ``failed``: a final failure, which ``store_errors_even_if_ignored`` sends all the same.
         """
-        if request.reply_to is None:
-            return
-        task = self._app.tasks.get(request.task)
-        ignored = request.ignore_result or (task is not None and task.ignore_result)
-        if ignored and not (failed and task is not None and task.store_errors_even_if_ignored):
+        if self._states is not None and outcome.status in WORKER_STATES:
+            await self._states.record(request, outcome.status, outcome.result)
+        reply_to = request.reply_to
+        if reply_to is None or not reply_wanted(request, self._app.tasks.get(request.task), failed=failed):
             return
         await self._replies.publish_result(
             outcome,
-            reply_to=request.reply_to,
+            reply_to=reply_to,
             correlation_id=request.correlation_id,
             content_type=reply_type(request.content_type),
+            expiration=result_expiration(request.extra_headers),
         )
 
 

@@ -22,9 +22,7 @@ from broker_svc.topology import (
     DEAD_LETTER_QUEUE_HEADER,
     DEAD_LETTER_REASON_HEADER,
     QueueSpec,
-    QueueType,
     dead_letter_queue,
-    task_queue,
 )
 from broker_svc.wire import codec
 from broker_svc.wire.result_message import Outcome, wire_exception
@@ -87,9 +85,16 @@ class ReplyPublisher:
         return True
 
     async def publish_result(
-        self, outcome: Outcome, *, reply_to: str, correlation_id: str | None, content_type: str
+        self,
+        outcome: Outcome,
+        *,
+        reply_to: str,
+        correlation_id: str | None,
+        content_type: str,
+        expiration: str | None = None,
     ) -> None:
-        """Send a result in the request's content type (Celery's rpc format).
+        """Send a result in the request's content type (Celery's rpc format); ``expiration``: its TTL
+        in ms (``result_ttl``).
 
         A result nobody can receive (its client and queue are gone) is logged and dropped.
         """
@@ -110,6 +115,7 @@ class ReplyPublisher:
             delivery_mode=self._delivery_mode,
             priority=0,
             headers={CLOCK_HEADER: self._clock.forward()},
+            expiration=expiration,
         )
         try:
             await self._send(payload, properties, reply_to, kind="result")
@@ -169,7 +175,7 @@ class ReplyPublisher:
         merged.update(headers)
         await self._publish(copy_message(message, merged, body=body), queue, kind="republish")
 
-    async def publish_task(self, wire: WireMessage, *, queue: str, queue_type: QueueType) -> None:
+    async def publish_task(self, wire: WireMessage, *, queue: QueueSpec) -> None:
         """Send a task a finished task asked for (a chain's next step, a callback); confirmed.
 
         A queue nobody declared yet is declared as Celery's client would, and the task sent again.
@@ -179,10 +185,10 @@ class ReplyPublisher:
         """
         properties = task_properties(wire, self._clock)
         try:
-            await self._send(wire.body, properties, queue, kind="task")
+            await self._send(wire.body, properties, queue.name, kind="task")
         except Unroutable:
-            await declare_queue(self._channel, task_queue(queue, queue_type=queue_type))
-            await self._send(wire.body, properties, queue, kind="task")
+            await declare_queue(self._channel, queue)  # as the worker's settings declare it
+            await self._send(wire.body, properties, queue.name, kind="task")
 
     async def publish_to(self, body: bytes, *, content_type: str, encoding: str, queue: QueueSpec) -> None:
         """Send a persistent message to one of Clockwork's own queues, declaring it if missing; confirmed.

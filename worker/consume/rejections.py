@@ -23,6 +23,7 @@ from broker_svc.wire.codec import reply_type
 from broker_svc.wire.result_message import Outcome, wire_exception
 from broker_svc.wire.states import State
 from broker_svc.wire.task_message import TaskMessage
+from worker.consume.admission import UNKNOWN_TASK_HINT
 from worker.consume.outcomes import OutcomeHandler
 from worker.consume.publish import ReplyPublisher
 from worker.consume.settle import ACK, Disposition, Owed
@@ -80,11 +81,7 @@ class Rejections:
         self.unknown[request.task] += 1
         if self.unknown[request.task] == 1:
             # The usual cause: two apps consume one queue (both on Celery's default 'celery').
-            log.error(
-                "task_unknown", task_name=request.task,
-                hint="this app registers no task of this name: if another app sends to or consumes "
-                "this queue, give each app a queue of its own (task_default_queue, -Q)",
-            )  # fmt: skip
+            log.error("task_unknown", task_name=request.task, hint=UNKNOWN_TASK_HINT)
         else:
             log.error("task_unknown", task_name=request.task, seen=self.unknown[request.task])
         error = wire_exception("NotRegistered", request.task)

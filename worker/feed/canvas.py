@@ -61,7 +61,7 @@ class FeedCanvas:
         settings = self._app.settings
         for item in planned:
             wire, queue = canvas_plan.follow_up_wire(self._app, item)
-            self._replies.task(wire, queue=queue, queue_type=settings.queue_type(queue))
+            self._replies.task(wire, queue=settings.task_queue(queue))
             log.info(
                 "task_follow_up_sent", follow_up_id=item.message.id, follow_up=item.message.task, queue=queue,
                 why=why,

@@ -2,15 +2,14 @@
 
 The child's counterpart of ``worker/consume/consumer.py`` and ``outcomes.py``, on the blocking side:
 every step decides a :class:`~worker.consume.disposition.Disposition` and the child's settle point
-(``worker/feed/settle.py``) carries it out. What a consuming child cannot do yet (task events, the
-autoscaler, runtime changes) is refused when the worker starts or by the control command, never
-silently skipped.
+(``worker/feed/settle.py``) carries it out. A canvas field the child cannot honour is refused
+(dead-lettered, its caller answered), never silently skipped. What a task's caller, chord and
+watchers are told on the way is ``worker/feed/answers.py``'s.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import threading
 import time
 from collections.abc import Callable, Mapping, Set
 from pathlib import Path
@@ -19,36 +18,42 @@ from typing import Any, Final
 import structlog
 from structlog.contextvars import bind_contextvars, clear_contextvars
 
+from broker_svc import signals
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
 from broker_svc.connection.feed_connection import TaskDelivery
 from broker_svc.errors import MessageError
 from broker_svc.topology import DELAY_HOLD_WINDOW_S, delay_bucket_ms
 from broker_svc.wire import codec
-from broker_svc.wire.codec import reply_type
 from broker_svc.wire.result_message import CELERY_EXCEPTIONS_MODULE, Outcome, wire_exception
 from broker_svc.wire.states import State
 from broker_svc.wire.task_message import TaskMessage, decode_task, eta_and_expires, safe_repr
 from worker.consume import canvas_plan
-from worker.consume.admission import DELIVERY_LIMIT_REASON, carries_count, delivery_count, recount
+from worker.consume.admission import (
+    DELIVERY_LIMIT_REASON,
+    UNKNOWN_TASK_HINT,
+    carries_count,
+    delivery_count,
+    expected_failure,
+    recount,
+)
 from worker.consume.disposition import ACK, HAND_BACK, Disposition, retry_copy, retry_eta
 from worker.consume.job_request import delivery_info, request_context, time_limits
 from worker.consume.rate_limits import RATE_RESERVED_HEADER
 from worker.event_fields import describe_repr
+from worker.feed.answers import FeedAnswers, Handled
 from worker.feed.canvas import FeedCanvas
 from worker.feed.events import FeedEvents
+from worker.feed.ledger import FeedLedger
 from worker.feed.rates import SharedRates
 from worker.feed.replies import FeedReplies
 from worker.feed.spec import FeedSpec
-from worker.pool import ipc
+from worker.feed.states import FeedStates
 from worker.pool.ipc import Job, JobStatus
 
-__all__ = ["FeedHandler", "FeedUpdates", "Handled"]
+__all__ = ["FeedHandler", "Handled"]
 
 log = structlog.get_logger(__name__)
-
-# A delivery's disposition, and what it owes once its copy is confirmed (before the ack).
-Handled = tuple[Disposition, Callable[[], None] | None]
 
 
 class FeedHandler:
@@ -71,6 +76,7 @@ class FeedHandler:
         spec: FeedSpec,
         replies: FeedReplies,
         revoked: Set[str],
+        terminated: Mapping[str, int] | None = None,
         clock: LamportClock,
         run: Callable[[Job], dict[str, Any]],
         events: FeedEvents,
@@ -79,25 +85,51 @@ class FeedHandler:
         self._spec = spec
         self._settings = spec.settings
         self._accept = codec.accept_set(spec.settings.accept_content)
-        self._replies = replies
         self._revoked = revoked
+        self._unknown: set[str] = set()  # names logged with the hint once already
         self._clock = clock
-        self._run = run
+        self.ledger = FeedLedger.for_child(spec)  # --dedupe-window, and the counts for stats and metrics
+        self._run = self.ledger.timed(run)
         self.events = events  # task-* events while enabled (-E, enable_events)
         self._rates = (
             SharedRates(Path(spec.rates_path), spec.task_names, owner=False) if spec.rates_path else None
         )
         self._canvas = FeedCanvas(app=app, replies=replies, namespace=spec.namespace)
+        self._terminated: Mapping[str, int] = terminated if terminated is not None else {}
+        self._states = FeedStates(
+            replies, hostname=spec.hostname, clock=clock, enabled=spec.settings.task_states
+        )
+        self._answers = FeedAnswers(
+            app=app,
+            replies=replies,
+            canvas=self._canvas,
+            events=events,
+            ledger=self.ledger,
+            terminated=self._terminated,
+            states=self._states,
+        )
         self.processed = 0
         self.current: TaskMessage | None = None  # the request running now (the hard time limit's)
+        # A success's runtime, logged after its ack: the line then overlaps the broker's next delivery.
+        self.succeeded_ms: float | None = None
         # Per-task limits the time_limit command set: (hard, soft), kept by the worker's control thread.
         self.time_limits: dict[str, tuple[float | None, float | None]] = {}
+        # The run just ended, until the next delivery: (request, done frame, runtime ms).
+        self.concluding: tuple[TaskMessage, dict[str, Any], float] | None = None
 
     def handle(self, delivery: TaskDelivery) -> Handled:
         """The fate of one delivery (its task run here if it may run)."""
+        self.succeeded_ms = None
+        self.concluding = None
         clear_contextvars()
         raw_id = delivery.headers.get("id")
         bind_contextvars(queue=delivery.queue, task_id=raw_id if isinstance(raw_id, str) else None)
+        ordered = delivery.queue in self._settings.ordered_queues
+        if ordered and delivery.redelivered:
+            # An ordered queue's failover: the one task its last consumer held comes first here,
+            # and may have run (in part) there. Every line of its run carries the mark.
+            bind_contextvars(ordered_redelivery=True)
+            log.warning("ordered_redelivery")
         try:
             request = decode_task(
                 delivery.body,
@@ -110,58 +142,80 @@ class FeedHandler:
                 priority=delivery.priority,
             )
         except MessageError as exc:
-            rejected = self._rejected(raw_id) if isinstance(raw_id, str) else None
-            return self._refuse(delivery, reason=type(exc).__name__, error=str(exc)), rejected
+            rejected = self._answers.rejected(raw_id) if isinstance(raw_id, str) else None
+            return self.ledger.decided(
+                (self._answers.refuse(delivery, reason=type(exc).__name__, error=str(exc)), rejected)
+            )
         self._clock.adjust(request.clock)
         bind_contextvars(task_name=request.display_name, attempt=request.retries + 1)
-        return self._guarded(delivery, request)
+        if self.ledger.duplicate(request, redelivered=delivery.redelivered):
+            return ACK, None  # running or finished in this worker within --dedupe-window
+        return self.ledger.decided(self._guarded(delivery, request))
+
+    def log_success(self) -> None:
+        """The ``task_succeeded`` line of the delivery just settled, if its task succeeded."""
+        if self.succeeded_ms is not None:
+            log.info("task_succeeded", runtime_ms=self.succeeded_ms)
+            self.succeeded_ms = None
 
     def _guarded(self, delivery: TaskDelivery, request: TaskMessage) -> Handled:
         # The guards, in the worker consumer's order; one that passes them all runs.
         task = self._app.tasks.get(request.task)
         if task is None:
-            log.error("task_unknown", task_name=request.task)
-            return self._fail(request, "NotRegistered", f"task {request.task!r} is not registered", exc=(
-                "NotRegistered", request.task, CELERY_EXCEPTIONS_MODULE,
-            ))  # fmt: skip
+            if request.task in self._unknown:
+                log.error("task_unknown", task_name=request.task)
+            else:
+                self._unknown.add(request.task)
+                log.error("task_unknown", task_name=request.task, hint=UNKNOWN_TASK_HINT)
+            self.ledger.unknown(request.task)
+            not_registered = ("NotRegistered", request.task, CELERY_EXCEPTIONS_MODULE)
+            return self._answers.fail(
+                request, "NotRegistered", f"task {request.task!r} is not registered", exc=not_registered
+            )
         if (why := canvas_plan.refusal(request)) is not None:
-            return self._cannot_honour(request, why), self._rejected(request.id)
+            return self._answers.cannot_honour(request, why), self._answers.rejected(request.id)
         count = delivery_count(delivery.headers, redelivered=delivery.redelivered)
         if count > self._settings.delivery_limit:
             why = f"{count} deliveries did not finish (delivery_limit={self._settings.delivery_limit})"
             log.error("task_delivery_limit", deliveries=count)
-            return self._fail(
+            return self._answers.fail(
                 request, DELIVERY_LIMIT_REASON, why, exc=("WorkerLostError", why, "billiard.exceptions")
             )
-        if not carries_count(delivery.headers, redelivered=delivery.redelivered):
+        # Not on an ordered queue: its copy would go to the back of the queue. There the broker's
+        # x-delivery-count (quorum queues) counts; a classic queue counts only ``redelivered``.
+        ordered = delivery.queue in self._settings.ordered_queues
+        if not ordered and not carries_count(delivery.headers, redelivered=delivery.redelivered):
             # A classic queue keeps no count: a copy carries it, so a child that dies running
             # this task still brings it nearer the limit (the copy runs; this delivery is acked).
             log.info("task_redelivery_counted", deliveries=count)
             return recount(count), None
         if request.id in self._revoked:
-            return self._skip_revoked(request, expired=False), None
+            return self._answers.skip_revoked(request, expired=False), None
         now = dt.datetime.now(dt.UTC)
         if request.expires is not None and request.expires <= now:
-            return self._skip_revoked(request, expired=True), None
+            return self._answers.skip_revoked(request, expired=True), None
         if request.eta is not None and request.eta > now:
             left_s = (request.eta - now).total_seconds()
             bucket_ms = delay_bucket_ms(left_s, hold_window_s=DELAY_HOLD_WINDOW_S)
             if bucket_ms is not None:
                 return Disposition.republish({}, delay_ms=bucket_ms), None  # back when nearly due
             time.sleep(left_s)  # due within the hold window: this child waits for it
-        if (parked := self._rate_limited(delivery, request)) is not None:
+        if (parked := self._rate_limited(delivery, request, in_place=ordered)) is not None:
             return parked, None  # parked until its turn under the task's rate limit
         return self._execute(delivery, request)
 
-    def _rate_limited(self, delivery: TaskDelivery, request: TaskMessage) -> Disposition | None:
+    def _rate_limited(
+        self, delivery: TaskDelivery, request: TaskMessage, *, in_place: bool
+    ) -> Disposition | None:
         # A token is taken once per task: a copy parked for its turn comes back marked, due.
+        # ``in_place`` (an ordered queue): it waits here, as the tasks behind it must.
         rates = self._rates
         if rates is None or delivery.headers.get(RATE_RESERVED_HEADER) is True:
             return None
         delay_s = rates.reserve(request.task)
         if delay_s <= 0:
             return None
-        if delay_s <= DELAY_HOLD_WINDOW_S:
+        if delay_s <= DELAY_HOLD_WINDOW_S or in_place:
             time.sleep(delay_s)  # due within the hold window: this child waits for it
             return None
         # Its turn is later: it waits in the broker, not in this child, so other tasks go on.
@@ -188,6 +242,8 @@ class FeedHandler:
             soft_time_limit_s=soft,
         )
         events = self.events
+        if signals.task_received.has_receivers:
+            signals.task_received.send(sender=self, request=request)
         if events.enabled:  # off by default: skip the reprs
             events.send(
                 "task-received", uuid=request.id, name=request.task, args=safe_repr(tuple(request.args)),
@@ -195,6 +251,7 @@ class FeedHandler:
                 retries=request.retries, **eta_and_expires(request),
             )  # fmt: skip
             events.send("task-started", uuid=request.id)
+        self._states.record(request, State.STARTED)
         started = time.monotonic()
         self.current = request
         try:
@@ -203,16 +260,38 @@ class FeedHandler:
             self.current = None
         runtime_ms = round((time.monotonic() - started) * 1000, 3)
         self.processed += 1
+        # From here the run's outcome is owed even if the connection fails while it goes out.
+        self.concluding = (request, done, runtime_ms)
+        return self._conclude(request, done, runtime_ms)
+
+    def conclude_again(self) -> Handled | None:
+        """The last run's outcome once more (its connection failed while it went out); None if none ran.
+
+        The child connects again first. Results, chord parts and events may go out twice; the
+        caller keeps the first result and the chord joiner counts a part once.
+        """
+        if self.concluding is None:
+            return None
+        request, done, runtime_ms = self.concluding
+        return self.ledger.decided(self._conclude(request, done, runtime_ms))
+
+    def _conclude(self, request: TaskMessage, done: dict[str, Any], runtime_ms: float) -> Handled:
+        # A run's outcome: to its caller, its chord and its callbacks; the delivery's disposition.
+        if _terminated_here(done) and request.id in self._terminated:
+            # An async def task the worker terminated under --threads, cancelled in its thread
+            # (worker/pool/task_loop.py): answered as a terminated task, as when its child dies.
+            return self._answers.skip_revoked(request, expired=False), None
+        events = self.events
         status = JobStatus(done["status"])
         if status is JobStatus.SUCCESS:
-            log.info("task_succeeded", runtime_ms=runtime_ms)
+            self.succeeded_ms = runtime_ms  # logged once acked (``log_success``)
             canvas = canvas_plan.wants_anything(request)
             planned = canvas_plan.after_success(request, done["value"]) if canvas else []
             # Celery's result.children: what the body sent, then the callbacks and the next step.
             sent = [*(done.get("children") or ()), *(item.message.id for item in planned)]
             children = [[[child, None], None] for child in sent]
             value = done["value"]
-            self._reply(
+            self._answers.reply(
                 request, Outcome(task_id=request.id, status=State.SUCCESS, result=value, children=children)
             )
             self._canvas.chord_part(request, State.SUCCESS, value)
@@ -235,13 +314,18 @@ class FeedHandler:
                 events.send("task-rejected", uuid=request.id, requeue=True)
                 return HAND_BACK, None
             log.warning("task_rejected", error=_describe(error))
-            self._reply(request, Outcome(task_id=request.id, status=State.FAILURE, result=error), failed=True)
-            self._canvas.chord_part(request, State.FAILURE, error)
-            return Disposition.dead_letter("rejected", _describe(error), finished=True), self._rejected(
-                request.id
+            self._answers.reply(
+                request, Outcome(task_id=request.id, status=State.FAILURE, result=error), failed=True
             )
-        log.warning("task_failed", runtime_ms=runtime_ms, error=error, traceback=done.get("traceback"))
-        self._failed(request, error, done.get("traceback"))
+            self._canvas.chord_part(request, State.FAILURE, error)
+            rejected = Disposition.dead_letter("rejected", _describe(error), finished=True)
+            return rejected, self._answers.rejected(request.id)
+        task = self._app.tasks.get(request.task)
+        if task is not None and expected_failure(task.throws, error):  # part of its contract: no traceback
+            log.info("task_failed_expected", runtime_ms=runtime_ms, error=_describe(error))
+        else:
+            log.warning("task_failed", runtime_ms=runtime_ms, error=error, traceback=done.get("traceback"))
+        self._answers.failed(request, error, done.get("traceback"))
         if done.get("retries_exhausted"):
             why = f"failed after {request.retries} retries: {_describe(error)}"
             return Disposition.dead_letter("max_retries_exceeded", why, ran=True, finished=True), None
@@ -264,7 +348,7 @@ class FeedHandler:
                 exception=describe_repr(error),
                 traceback=done.get("traceback") or "",
             )
-            self._reply(
+            self._answers.reply(
                 request,
                 Outcome(
                     task_id=request.id, status=State.RETRY, result=error, traceback=done.get("traceback")
@@ -280,121 +364,16 @@ class FeedHandler:
             log.warning("task_update_ignored", state=state)
             return
         try:
-            self._reply(request, Outcome(task_id=request.id, status=state, result=payload.get("meta")))
+            self._answers.reply(
+                request, Outcome(task_id=request.id, status=state, result=payload.get("meta"))
+            )
         except Exception as exc:  # a lost progress update must not fail the task
             log.warning("task_update_not_sent", state=state, error=str(exc))
 
     def time_limit_exceeded(self, request: TaskMessage, limit_s: float | None) -> None:
         """Answer a task past its hard time limit as failed (its child is about to end)."""
-        self._failed(request, wire_exception("TimeLimitExceeded", limit_s), None)
-
-    def _failed(self, request: TaskMessage, error: dict[str, Any], traceback: str | None) -> None:
-        # A failure for good: the caller, the chord and the errbacks learn of it.
-        self._reply(
-            request,
-            Outcome(task_id=request.id, status=State.FAILURE, result=error, traceback=traceback),
-            failed=True,
-        )
-        self._canvas.chord_part(request, State.FAILURE, error)
-        if canvas_plan.wants_anything(request):
-            self._canvas.after_failure(request)
-        self.events.send(
-            "task-failed", uuid=request.id, exception=describe_repr(error), traceback=traceback or ""
-        )
-
-    def _rejected(self, task_id: str) -> Callable[[], None]:
-        # Sent once the dead letter is confirmed: the task is rejected only if it is kept there.
-        return lambda: self.events.send("task-rejected", uuid=task_id, requeue=False)
-
-    def _skip_revoked(self, request: TaskMessage, *, expired: bool) -> Disposition:
-        reason = "expired" if expired else "revoked"
-        log.info("task_revoked_skipped", reason=reason)
-        error = wire_exception("TaskRevokedError", reason)
-        self._reply(request, Outcome(task_id=request.id, status=State.REVOKED, result=error))
-        self._canvas.chord_part(request, State.REVOKED, error)
-        self.events.send("task-revoked", uuid=request.id, terminated=False, signum=None, expired=expired)
-        return ACK
-
-    def _cannot_honour(self, request: TaskMessage, why: str) -> Disposition:
-        # Refused before it runs, as a whole: running part of a canvas and dropping the rest
-        # would lose work silently. Its caller (and a chord body's) learns why.
-        log.error("task_canvas_refused", why=why)
-        error = wire_exception("NotImplementedError", why, module="builtins")
-        self._reply(request, Outcome(task_id=request.id, status=State.FAILURE, result=error), failed=True)
-        body = request.embed.get("chord")
-        options = body.get("options") if isinstance(body, Mapping) else None
-        reply_to = (options or {}).get("reply_to") or request.reply_to
-        if isinstance(options, Mapping) and isinstance(options.get("task_id"), str) and reply_to:
-            refused = wire_exception("ChordError", f"chord refused: {why}")
-            self._replies.result(
-                Outcome(task_id=options["task_id"], status=State.FAILURE, result=refused),
-                reply_to=reply_to,
-                correlation_id=options["task_id"],
-                content_type=reply_type(request.content_type),
-            )
-        return Disposition.dead_letter("unsupported_canvas", why)
-
-    def _fail(self, request: TaskMessage, reason: str, why: str, *, exc: tuple[str, str, str]) -> Handled:
-        # A task that will never run here: its caller learns why, the message is kept.
-        exc_type, message, module = exc
-        error = wire_exception(exc_type, message, module=module)
-        self._reply(request, Outcome(task_id=request.id, status=State.FAILURE, result=error), failed=True)
-        self._canvas.chord_part(request, State.FAILURE, error)
-        return Disposition.dead_letter(reason, why), self._rejected(request.id)
-
-    def _refuse(self, delivery: TaskDelivery, *, reason: str, error: str) -> Disposition:
-        # Poison input: dead-lettered; a caller we can name gets a FAILURE.
-        log.error(
-            "task_refused",
-            reason=reason,
-            error=error,
-            size=len(delivery.body),
-            content_type=delivery.content_type,
-        )
-        task_id = delivery.headers.get("id")
-        if isinstance(task_id, str) and delivery.reply_to:
-            exc_type = "ContentDisallowed" if reason == "ContentDisallowed" else "InvalidTaskError"
-            self._replies.result(
-                Outcome(task_id=task_id, status=State.FAILURE, result=wire_exception(exc_type, error)),
-                reply_to=delivery.reply_to,
-                correlation_id=delivery.correlation_id,
-                content_type=reply_type(delivery.content_type),
-            )
-        return Disposition.dead_letter(reason, error)
-
-    def _reply(self, request: TaskMessage, outcome: Outcome, *, failed: bool = False) -> None:
-        # To ``reply_to``, unless results are ignored (a final failure goes when errors are stored).
-        if request.reply_to is None:
-            return
-        task = self._app.tasks.get(request.task)
-        ignored = request.ignore_result or (task is not None and task.ignore_result)
-        if ignored and not (failed and task is not None and task.store_errors_even_if_ignored):
-            return
-        self._replies.result(
-            outcome,
-            reply_to=request.reply_to,
-            correlation_id=request.correlation_id,
-            content_type=reply_type(request.content_type),
-        )
-
-
-class FeedUpdates:
-    """Where a running task's updates go in a consuming child: published by the child itself.
-
-    Stands where a job-taking child has the worker's socket (``worker.pool.child.UpdateSink``).
-    """
-
-    def __init__(self, handler: FeedHandler) -> None:
-        self.lock = threading.Lock()
-        self._handler = handler
-
-    def send(self, data: bytes, *, context: Any = None) -> None:
-        with self.lock:
-            if context is not None and not context.open:
-                raise RuntimeError("the task has already finished; its updates are closed")
-            frame = ipc.decode_frame(data[ipc.HEADER.size :])
-            payload = frame.get("payload")
-            self._handler.update(payload if isinstance(payload, dict) else {})
+        self._answers.failed(request, wire_exception("TimeLimitExceeded", limit_s), None)
+        self.ledger.time_limit_exceeded(request, limit_s or 0.0)
 
 
 # A run that ended in a final outcome: its delivery is simply acked.
@@ -405,3 +384,12 @@ def _describe(error: dict[str, Any]) -> str:
     message = error.get("exc_message")
     text = ", ".join(map(str, message)) if isinstance(message, list) else str(message)
     return f"{error.get('exc_type')}: {text}"
+
+
+def _terminated_here(done: Mapping[str, Any]) -> bool:
+    error = done.get("error")
+    return (
+        done.get("status") == str(JobStatus.FAILURE)
+        and isinstance(error, Mapping)
+        and error.get("exc_type") == "TaskRevokedError"
+    )

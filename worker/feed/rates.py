@@ -10,16 +10,13 @@ changes a rate (the ``rate_limit`` command) the same way, and every child sees i
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import mmap
-import os
 import struct
-import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Final
+
+from worker.feed.shared_file import SharedFile
 
 __all__ = ["SharedRates"]
 
@@ -39,18 +36,16 @@ class SharedRates:
     def __init__(self, path: Path, names: Sequence[str], *, owner: bool) -> None:
         self.path = path
         self._index = {name: i for i, name in enumerate(names)}
-        self._owner = owner
-        self._fd = os.open(path, os.O_RDWR)
-        self._map = mmap.mmap(self._fd, max(len(names), 1) * _SLOT.size)
+        self._file = SharedFile(path, owner=owner)
+        self._map = self._file.map
+        self._locked = self._file.locked
 
     @classmethod
     def create(cls, names: Sequence[str], rates: Mapping[str, float]) -> SharedRates:
         """Full buckets for ``names`` with the limits ``rates`` (per second), in shared memory."""
-        folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        fd, path = tempfile.mkstemp(prefix="clockwork-rates-", dir=folder)
-        with os.fdopen(fd, "wb") as file:
-            file.truncate(max(len(names), 1) * _SLOT.size)  # zero: no limit, every token free now
-        shared = cls(Path(path), names, owner=True)
+        # Zeroed: no limit, every token free now.
+        path = SharedFile.create("clockwork-rates-", max(len(names), 1) * _SLOT.size)
+        shared = cls(path, names, owner=True)
         for name, per_second in rates.items():
             shared.set(name, per_second)
         return shared
@@ -85,20 +80,6 @@ class SharedRates:
             _SLOT.pack_into(self._map, index * _SLOT.size, per_second, start + 1.0 / per_second)
         return start - now
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-
     def close(self) -> None:
         """Unmap; the worker also removes the file."""
-        with contextlib.suppress(ValueError, BufferError):
-            self._map.close()
-        with contextlib.suppress(OSError):
-            os.close(self._fd)
-        if self._owner:
-            with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
+        self._file.close()

@@ -8,7 +8,8 @@ connection fails first, the delivery is the broker's again and runs again (at-le
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import structlog
@@ -21,9 +22,7 @@ from broker_svc.topology import (
     DEAD_LETTER_QUEUE_HEADER,
     DEAD_LETTER_REASON_HEADER,
     QueueSpec,
-    QueueType,
     dead_letter_queue,
-    task_queue,
 )
 from broker_svc.wire import codec
 from broker_svc.wire.result_message import Outcome, wire_exception
@@ -48,11 +47,21 @@ class FeedReplies:
         self._connection = connection
         self._clock = self.clock = clock
         self._delivery_mode = 2 if persistent else 1
+        # Told of each confirmed publish: its kind and seconds (clockwork_publish_confirm_seconds).
+        self.on_confirmed: Callable[[str, float], None] | None = None
 
     def result(
-        self, outcome: Outcome, *, reply_to: str, correlation_id: str | None, content_type: str
+        self,
+        outcome: Outcome,
+        *,
+        reply_to: str,
+        correlation_id: str | None,
+        content_type: str,
+        expiration: str | None = None,
     ) -> None:
         """Send a result (Celery's rpc format); a result whose caller is gone is logged and dropped.
+
+        ``expiration``: the message's TTL in ms (``result_ttl``), else none.
 
         Raises:
             BrokerSvcError: the broker did not take it (the delivery must not be acked).
@@ -71,9 +80,10 @@ class FeedReplies:
             correlation_id=correlation_id or outcome.task_id,
             priority=0,
             delivery_mode=self._delivery_mode,
+            expiration=expiration,
         )
         try:
-            self._publish(message, reply_to)
+            self._publish(message, reply_to, kind="result")
         except Unroutable:
             log.info("result_unroutable", reply_to=reply_to, task_id=outcome.task_id)
 
@@ -91,7 +101,7 @@ class FeedReplies:
             "x-clockwork-dead-at": dt.datetime.now(dt.UTC).isoformat(),
         }
         spec = dead_letter_queue(delivery.queue)
-        self._publish(copy_of(delivery, headers), spec.name, declare=(spec,))
+        self._publish(copy_of(delivery, headers), spec.name, kind="dead_letter", declare=(spec,))
         log.warning("task_dead_lettered", reason=reason, error=error[:200], queue=delivery.queue)
 
     def copy(
@@ -111,9 +121,9 @@ class FeedReplies:
         """
         merged = {key: value for key, value in delivery.headers.items() if key not in drop}
         merged.update(headers)
-        self._publish(copy_of(delivery, merged, body=body), to, declare=declare)
+        self._publish(copy_of(delivery, merged, body=body), to, kind="republish", declare=declare)
 
-    def task(self, wire: WireMessage, *, queue: str, queue_type: QueueType) -> None:
+    def task(self, wire: WireMessage, *, queue: QueueSpec) -> None:
         """Send a task a finished task asked for (a chain's next step, a callback); confirmed.
 
         A queue nobody declared yet is declared as Celery's client would, and the task sent again.
@@ -128,9 +138,9 @@ class FeedReplies:
             expiration=wire.expiration,
         )  # fmt: skip
         try:
-            self._publish(message, queue)
-        except Unroutable:
-            self._publish(message, queue, declare=(task_queue(queue, queue_type=queue_type),))
+            self._publish(message, queue.name, kind="task")
+        except Unroutable:  # declared as the worker's settings declare it (type, ordered)
+            self._publish(message, queue.name, kind="task", declare=(queue,))
 
     def internal(self, body: bytes, *, content_type: str, encoding: str, queue: QueueSpec) -> None:
         """Send a persistent message to one of Clockwork's own queues (declared first); confirmed.
@@ -142,10 +152,15 @@ class FeedReplies:
             body=body, content_type=content_type, content_encoding=encoding,
             headers={CLOCK_HEADER: self._clock.forward()}, delivery_mode=2,
         )  # fmt: skip
-        self._publish(message, queue.name, declare=(queue,))
+        self._publish(message, queue.name, kind="internal", declare=(queue,))
 
-    def _publish(self, message: WireMessage, routing_key: str, *, declare: Sequence[QueueSpec] = ()) -> None:
+    def _publish(
+        self, message: WireMessage, routing_key: str, *, kind: str, declare: Sequence[QueueSpec] = ()
+    ) -> None:
+        started = time.monotonic()
         self._connection.publish(message, routing_key, declare=declare)
+        if self.on_confirmed is not None:
+            self.on_confirmed(kind, time.monotonic() - started)
 
 
 def copy_of(delivery: TaskDelivery, headers: dict[str, Any], *, body: bytes | None = None) -> WireMessage:

@@ -1,24 +1,38 @@
 """Pool autoscaling: more children while deliveries wait for one, fewer once a child sat unneeded.
 
 ``--autoscale MAX,MIN`` starts the pool at MIN children (at least one). Every ``TICK_S`` the
-autoscaler looks at the consumer's slots (one per child):
+autoscaler looks at the pool's load (``worker/pool/demand.py``: how many children are busy, how
+much work waits):
 
-- deliveries waiting for a child → grow at once by as many as wait, up to MAX;
-- no delivery waiting, and not every child busy at any look for ``--autoscale-keepalive``
-  seconds → retire one child per look, down to MIN (idle children exit at once; a busy one
-  after its task: a running task is never killed).
+- work waiting → grow at once by as many as wait, up to MAX;
+- nothing waiting, and not every child busy at any look for ``--autoscale-keepalive`` seconds →
+  retire one child per look, down to MIN (idle children exit at once; a busy one after its task:
+  a running task is never killed).
 
-The per-consumer prefetch follows the size (never a global QoS: quorum queues and RabbitMQ 4
-refuse it). Below MAX it is one delivery more than the children can run
-(``worker.config.prefetch_for``): with prefetch multiplier 1, a worker that holds only what it
-can start would never see a backlog, so it could never decide to grow. That one delivery is the
-price: below MAX, a busy worker holds one task another worker might have started. At MAX there
-is no headroom, as without autoscale.
+What waits depends on who consumes. With the worker's consumer (the default), deliveries it holds
+that no child is free to run. With ``--children-consume`` no delivery waits in the worker: the
+messages ready in the worker's queues while every child is busy, read with a passive declare
+only then (``worker/amqp/queue_depth.py``). A retired consuming child stops consuming first, hands
+back what it holds and has not started, ends its task and exits; its slot is not refilled.
+
+**Prefetch with the worker's consumer.** The per-consumer prefetch follows the size (never a
+global QoS: quorum queues and RabbitMQ 4 refuse it). Below MAX it is one delivery more than the
+children can run (``worker.config.prefetch_for``): with prefetch multiplier 1, a worker that
+holds only what it can start would never see a backlog, so it could never decide to grow. That
+one delivery is the price: below MAX, a busy worker holds one task another worker might have
+started. At MAX there is no headroom, as without autoscale.
 
 basic.qos only binds consumers created after it, so a new prefetch means re-subscribing each
 queue (``QueueConsumers.set_prefetch``). The broker counts the new consumer's deliveries afresh:
 for a moment the worker may hold the old consumer's unacked deliveries on top of the new
 prefetch; they drain as those tasks finish.
+
+**Prefetch with consuming children.** Each child (each of its ``--threads``) is a consumer of its
+own, with the spec's prefetch (``--prefetch-multiplier``) from start to exit, so nothing is
+re-subscribed: a new child brings its consumers, a retired one takes its consumers away, and the
+worker's total follows the size by itself. No headroom is needed either: a backlog shows in the
+queues' ready count, not as a delivery the worker holds, so a worker at prefetch 1 per child
+still sees it.
 """
 
 from __future__ import annotations
@@ -31,6 +45,7 @@ import structlog
 
 from worker.config import prefetch_for
 from worker.consume.slots import FairSlots
+from worker.pool.demand import Demand
 from worker.pool.pool import ProcessPool
 
 __all__ = ["TICK_S", "Autoscaler", "PoolSizer", "decide"]
@@ -48,8 +63,9 @@ def decide(
 
     Args:
         size: children the pool keeps now.
-        waiting: deliveries waiting for a child.
-        spare_for_s: seconds since every child was last needed (all busy, or deliveries waiting).
+        waiting: work one more child would start now: deliveries waiting for a child, or with
+            consuming children the messages ready in the queues while every child is busy.
+        spare_for_s: seconds since every child was last needed (all busy, or work waiting).
         minimum: the least children (the pool keeps at least one even when it is 0).
         maximum: the most children.
         keepalive_s: how long a child may be spare before it is retired.
@@ -78,10 +94,12 @@ class PoolSizer:
     Args:
         pool: the process pool.
         slots: the consumer's slots; their capacity is always the pool's target size.
-        set_prefetch: applies a per-consumer prefetch (``QueueConsumers.set_prefetch``).
+        set_prefetch: applies a per-consumer prefetch (``QueueConsumers.set_prefetch``); None with
+            consuming children, whose prefetch is their own and fixed (see the module doc).
         multiplier: deliveries per child (``--prefetch-multiplier``).
         autoscale_max: the autoscaler's maximum (below it the prefetch has one delivery of
             headroom); None without autoscale.
+        threads: consumers per consuming child (``--threads``), each at ``multiplier``.
     """
 
     def __init__(
@@ -89,11 +107,13 @@ class PoolSizer:
         pool: ProcessPool,
         slots: FairSlots,
         *,
-        set_prefetch: Callable[[int], Awaitable[None]],
+        set_prefetch: Callable[[int], Awaitable[None]] | None,
         multiplier: int,
         autoscale_max: int | None = None,
+        threads: int = 1,
     ) -> None:
         self._pool = pool
+        self._threads = threads
         self._slots = slots
         self._set_prefetch = set_prefetch
         self._multiplier = multiplier
@@ -108,7 +128,7 @@ class PoolSizer:
 
     @property
     def prefetch_count(self) -> int:
-        """The per-consumer prefetch applied last."""
+        """The per-consumer prefetch applied last; with consuming children, all of theirs together."""
         return self._prefetch
 
     async def resize(self, size: int) -> int:
@@ -132,10 +152,13 @@ class PoolSizer:
             prefetch = self._prefetch_for(self._pool.target)
             if prefetch != self._prefetch:
                 self._prefetch = prefetch
-                await self._set_prefetch(prefetch)
+                if self._set_prefetch is not None:
+                    await self._set_prefetch(prefetch)
             return self._pool.target
 
     def _prefetch_for(self, size: int) -> int:
+        if self._set_prefetch is None:  # consuming children: each thread its own, no headroom
+            return prefetch_for(size * self._threads, multiplier=self._multiplier)
         return prefetch_for(size, multiplier=self._multiplier, autoscale_max=self.autoscale_max)
 
 
@@ -144,7 +167,7 @@ class Autoscaler:
 
     Args:
         sizer: resizes the pool.
-        slots: the consumer's slots: how many children are busy and how many deliveries wait.
+        demand: how many children are busy and how much work waits (``worker/pool/demand.py``).
         maximum: the most children.
         minimum: the least children (the pool keeps at least one).
         keepalive_s: how long a child may be spare before it is retired.
@@ -157,7 +180,7 @@ class Autoscaler:
     def __init__(
         self,
         sizer: PoolSizer,
-        slots: FairSlots,
+        demand: Demand,
         *,
         maximum: int,
         minimum: int,
@@ -168,7 +191,7 @@ class Autoscaler:
         if not (keepalive_s > 0 and tick_s > 0):
             raise ValueError(f"keepalive_s and tick_s must be positive, got {keepalive_s} and {tick_s}")
         self._sizer = sizer
-        self._slots = slots
+        self._demand = demand
         self._maximum, self._minimum = maximum, minimum
         self._keepalive_s, self._tick_s = keepalive_s, tick_s
         self._last_needed = 0.0  # loop time when every child was last needed
@@ -178,13 +201,13 @@ class Autoscaler:
         """Celery's ``stats["autoscaler"]``: ``max``, ``min``, ``current`` (children) and ``qty``.
 
         ``qty`` counts the tasks received and not finished (running or waiting for a child), as
-        Celery's ``len(reserved_requests)``.
+        Celery's ``len(reserved_requests)``; with consuming children, the tasks they run.
         """
         return {
             "max": self._maximum,
             "min": self._minimum,
             "current": self._sizer.size,
-            "qty": self._slots.in_use + self._slots.waiting,
+            "qty": self._demand.held(),
         }
 
     async def run(self) -> None:
@@ -200,8 +223,10 @@ class Autoscaler:
     async def scale(self) -> int:
         """Look once and resize the pool if it should; returns the size."""
         async with self._lock:
+            size = self._sizer.size
+            load = await self._demand.look(size)
             now = asyncio.get_running_loop().time()
-            size, waiting, busy = self._sizer.size, self._slots.waiting, self._slots.in_use
+            waiting, busy = load.waiting, load.busy
             if waiting or busy >= size:
                 self._last_needed = now
             new_size = decide(

@@ -17,7 +17,6 @@ import contextlib
 import mmap
 import os
 import struct
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ import msgpack
 from broker_svc.errors import DecodeError
 from broker_svc.wire.codec import refuse_ext
 from broker_svc.wire.task_message import safe_repr
+from worker.feed.shared_file import SharedFile
 
 __all__ = ["Board", "Running"]
 
@@ -60,22 +60,40 @@ class Board:
         self.slots = slots
         self._owner = owner
         self._ended = 0  # a child's count of its tasks that ended
+        self._pid = os.getpid()  # the child's, once attached (a system call per read otherwise)
         with path.open("r+b") as file:
             self._map = mmap.mmap(file.fileno(), slots * SLOT_SIZE)
 
     @classmethod
     def create(cls, slots: int) -> Board:
         """A zeroed board in shared memory (``/dev/shm`` where there is one)."""
-        folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        fd, name = tempfile.mkstemp(prefix="clockwork-board-", dir=folder)
-        with os.fdopen(fd, "wb") as file:
-            file.truncate(slots * SLOT_SIZE)
-        return cls(Path(name), slots, owner=True)
+        return cls(SharedFile.create("clockwork-board-", slots * SLOT_SIZE), slots, owner=True)
 
     @classmethod
     def attach(cls, path: str, slots: int) -> Board:
         """The worker's board, in a child."""
         return cls(Path(path), slots, owner=False)
+
+    def grow(self, slots: int) -> None:
+        """Make room for ``slots`` slots (the worker's side; a no-op when there is room already).
+
+        The pool grows past its start-up size (``pool_grow``, the autoscaler), and a retiring child
+        keeps its slot until it exits, so the slots alive at once are not known up front. The file
+        grows (zero-filled) and the worker maps it anew; children attached before keep their
+        shorter map, which still holds their own slot.
+
+        Raises:
+            RuntimeError: called in a child, which only attaches.
+        """
+        if not self._owner:
+            raise RuntimeError("only the worker's board grows")
+        if slots <= self.slots or self._map.closed:
+            return
+        os.truncate(self.path, slots * SLOT_SIZE)
+        with self.path.open("r+b") as file:
+            grown = mmap.mmap(file.fileno(), slots * SLOT_SIZE)
+        old, self._map, self.slots = self._map, grown, slots
+        old.close()
 
     # -- a child's slot --------------------------------------------------------------------------
 
@@ -89,12 +107,12 @@ class Board:
                 "kwargs": safe_repr(info.get("kwargs"))[:1000],
             }
             payload = msgpack.packb(small, default=repr)[:_MAX_PAYLOAD]
-        self._write(slot, os.getpid(), time.time(), payload)
+        self._write(slot, self._pid, time.time(), payload)
 
     def end(self, slot: int) -> None:
         """Nothing runs in ``slot`` any more: one more task ended there."""
         self._ended += 1
-        self._write(slot, os.getpid(), 0.0, b"")
+        self._write(slot, self._pid, 0.0, b"")
 
     def _write(self, slot: int, pid: int, started: float, payload: bytes) -> None:
         base = slot * SLOT_SIZE

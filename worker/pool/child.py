@@ -1,13 +1,14 @@
-"""A pool child: the blocking loop that runs one job at a time, and how the worker starts and reaps one.
+"""A pool child: the blocking loop that runs one job at a time (``worker/pool/spawn.py`` starts one).
 
-Task code may call :func:`send_update` (progress, custom states) and :func:`current_request`. The worker
-calls :func:`spawn` and :func:`reap` in a thread (both block on the forkserver or the process).
+Task code may call :func:`send_update` (progress, custom states) and :func:`current_request`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import gc
+import inspect
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -17,23 +18,20 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from multiprocessing.context import ForkServerContext
-from multiprocessing.process import BaseProcess
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
 from broker_svc import signals
 from broker_svc.app import App
 from broker_svc.errors import (
-    BrokerSvcError,
-    DecodeError,
     MessageTooLarge,
     Reject,
     SoftTimeLimitExceeded,
+    TaskRevokedError,
 )
 from broker_svc.follow_ups import runs_in_process
 from broker_svc.logging import configure_logging
@@ -43,6 +41,7 @@ from broker_svc.wire.result_message import exception_to_wire, wire_exception
 from worker.loader import SAFE_PATH_ADDED_ENV, extend_path_from_environment, load_app
 from worker.pool import ipc
 from worker.pool.ipc import Job, JobStatus
+from worker.pool.task_loop import TaskLoop
 
 if TYPE_CHECKING:
     from worker.feed.spec import FeedSpec
@@ -51,15 +50,12 @@ log = structlog.get_logger(__name__)
 
 __all__ = [
     "ChildChannel",
-    "PoolStartError",
     "SoftLimit",
     "UpdateSink",
     "current_request",
     "main",
-    "reap",
     "run_job",
     "send_update",
-    "spawn",
 ]
 
 # Imported first in the forkserver (its preload): the user's modules are found from here on, after
@@ -67,16 +63,6 @@ __all__ = [
 extend_path_from_environment()
 if os.environ.pop(SAFE_PATH_ADDED_ENV, None):
     os.environ.pop("PYTHONSAFEPATH", None)
-
-
-# multiprocessing's table of children is process-wide, and Process.start() polls every child in
-# it. Reading a forkserver child's exit status consumes it from its sentinel pipe, so two threads
-# polling the same child at once would make one of them see 255; this lock keeps them apart.
-_PROCESS_TABLE: Final = threading.Lock()
-
-
-class PoolStartError(BrokerSvcError, RuntimeError):
-    """A pool child could not start: the app did not load in it, or it did not report ready in time."""
 
 
 class ChildChannel:
@@ -170,6 +156,7 @@ class SoftLimit:
     def __init__(self) -> None:
         self.armed = False
         self.limit_s: float | None = None
+        self._interrupt: Callable[[BaseException], None] | None = None
 
     def arm(self, limit_s: float | None) -> None:
         self.limit_s, self.armed = limit_s, True
@@ -186,12 +173,27 @@ class SoftLimit:
         finally:
             self.disarm()
 
+    @contextlib.contextmanager
+    def redirected(self, interrupt: Callable[[BaseException], None]) -> Iterator[None]:
+        """While an ``async def`` body runs on its loop: give the exception to ``interrupt`` (which
+        cancels the coroutine from the loop) rather than raise it where the thread is, which may
+        be the loop's own code (``worker/pool/task_loop.py``)."""
+        self._interrupt = interrupt
+        try:
+            yield
+        finally:
+            self._interrupt = None
+
     def on_signal(self, signum: int, frame: FrameType | None) -> None:
         # A signal that lands after the task ended is moot: the worker sent it at the deadline
         # while the done frame was on its way. Disarm first so a second signal cannot raise twice.
         if self.armed:
             self.armed = False
-            raise SoftTimeLimitExceeded(f"soft time limit ({self.limit_s:g} s) exceeded")
+            exc = SoftTimeLimitExceeded(f"soft time limit ({self.limit_s:g} s) exceeded")
+            if self._interrupt is not None:
+                self._interrupt(exc)  # only schedules the cancel: safe from a signal handler
+                return
+            raise exc
 
 
 def main(app_spec: str, sock: socket.socket, feed: FeedSpec | None = None) -> None:
@@ -202,6 +204,9 @@ def main(app_spec: str, sock: socket.socket, feed: FeedSpec | None = None) -> No
         sock: this child's end of the socket pair.
         feed: consume these queues here instead of taking jobs from the worker (``worker/feed``).
     """
+    # What the forkserver imported is shared with it until written: keep the collector from walking
+    # (and so writing to) those objects, which would copy their pages into every child.
+    gc.freeze()
     # Ctrl-C reaches the whole process group; the worker alone decides when children stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # A child is an entry point of its own: hook failures and task logs use the worker's level.
@@ -210,6 +215,7 @@ def main(app_spec: str, sock: socket.socket, feed: FeedSpec | None = None) -> No
     signal.signal(signal.SIGUSR1, soft_limit.on_signal)
     sock.setblocking(True)
     channel = ChildChannel(sock)
+    task_loop = TaskLoop()  # for async def tasks, made on the first
     try:
         try:
             app = load_app(app_spec)
@@ -231,7 +237,7 @@ def main(app_spec: str, sock: socket.socket, feed: FeedSpec | None = None) -> No
             job = Job.from_frame(frame)
             started = time.monotonic()
             try:
-                done = run_job(app, job, channel, soft_limit)
+                done = run_job(app, job, channel, soft_limit, task_loop)
             except SoftTimeLimitExceeded as exc:  # landed between the task's end and disarming
                 done = _failure(exc, "")
             done["runtime_s"] = time.monotonic() - started
@@ -239,61 +245,14 @@ def main(app_spec: str, sock: socket.socket, feed: FeedSpec | None = None) -> No
     except (BrokenPipeError, ConnectionResetError):
         pass  # the worker is gone; so are we
     finally:
+        task_loop.close()
         sock.close()
 
 
-def spawn(
-    context: ForkServerContext, app_spec: str, *, timeout_s: float, feed: FeedSpec | None = None
-) -> tuple[BaseProcess, socket.socket]:
-    """Start a child and wait until it has loaded the app (blocking).
-
-    Returns:
-        The process and the worker's end of its socket.
-
-    Raises:
-        PoolStartError: the forkserver failed, or the child could not load the app or did not
-            report ready within ``timeout_s`` (the child is reaped).
-    """
-    parent_sock, child_sock = socket.socketpair()
-    process = context.Process(
-        target=main, args=(app_spec, child_sock, feed), name="clockwork-pool", daemon=True
-    )
-    frame: dict[str, Any] | None
-    try:
-        with child_sock, _PROCESS_TABLE:  # the child holds its own copy of the socket once started
-            process.start()
-        parent_sock.settimeout(timeout_s)
-        frame = ChildChannel(parent_sock).receive()
-        parent_sock.settimeout(None)
-    except TimeoutError:
-        frame = {"op": "error", "message": f"no ready report within {timeout_s:g} s"}
-    except (OSError, EOFError, DecodeError, MessageTooLarge) as exc:  # EOFError: the forkserver died
-        frame = {"op": "error", "message": f"{type(exc).__name__}: {exc}"}
-    if frame is not None and frame["op"] == "ready":
-        return process, parent_sock
-    parent_sock.close()
-    exitcode = reap(process, grace_s=1.0) if process.pid is not None else None
-    reason = f"it exited ({ipc.describe_exit(exitcode)})" if frame is None else frame.get("message")
-    detail = f"\n{frame['traceback']}" if frame and frame.get("traceback") else ""
-    raise PoolStartError(f"a pool child could not load app {app_spec!r}: {reason}{detail}")
-
-
-def reap(process: BaseProcess, *, grace_s: float) -> int | None:
-    """Wait up to ``grace_s`` for a child to exit, then SIGKILL it; return its exit code (blocking)."""
-    # Wait on the sentinel without reading it: only the exitcode read below does, under the lock.
-    if not multiprocessing.connection.wait([process.sentinel], grace_s):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(process.pid or 0, signal.SIGKILL)
-        # SIGKILL needs no grace, only the kernel's time to tear the process down.
-        multiprocessing.connection.wait([process.sentinel], 5.0)
-    with _PROCESS_TABLE:
-        exitcode = process.exitcode
-        if exitcode is not None:
-            process.close()  # frees the sentinel pipe now instead of at garbage collection
-    return exitcode
-
-
-def run_job(app: App, job: Job, channel: UpdateSink, soft_limit: SoftLimit) -> dict[str, Any]:
+def run_job(
+    app: App, job: Job, channel: UpdateSink, soft_limit: SoftLimit, task_loop: TaskLoop
+) -> dict[str, Any]:
+    """Run ``job`` here, in this thread (an ``async def`` task on ``task_loop``); its done frame."""
     task = app.tasks.get(job.task_name)
     if task is None:
         return _frame(JobStatus.FAILURE, error=wire_exception("NotRegistered", job.task_name))
@@ -304,21 +263,25 @@ def run_job(app: App, job: Job, channel: UpdateSink, soft_limit: SoftLimit) -> d
     )
     try:
         with executing(request):
-            return _call(task, request, job, soft_limit)
+            return _call(task, request, job, soft_limit, task_loop)
     finally:
         with channel.lock:  # no update may follow the outcome
             context.open = False
         _current_job.reset(token)
 
 
-def _call(task: Task, request: Request, job: Job, soft_limit: SoftLimit) -> dict[str, Any]:
+def _call(
+    task: Task, request: Request, job: Job, soft_limit: SoftLimit, task_loop: TaskLoop
+) -> dict[str, Any]:
     def started() -> None:
         if task.track_started:
             send_update({"state": "STARTED", "meta": {"pid": os.getpid(), "hostname": request.hostname}})
 
     traced = trace(
-        task, request, job.args, job.kwargs, started=started, guard=soft_limit.guarding(job.soft_time_limit_s)
-    )
+        task, request, job.args, job.kwargs, started=started,
+        guard=soft_limit.guarding(job.soft_time_limit_s),
+        await_body=lambda coroutine: task_loop.run(coroutine, soft_limit, task_id=job.task_id),
+    )  # fmt: skip
     if traced.state == SUCCESS:
         done = _frame(JobStatus.SUCCESS, value=traced.value)
         if request.children:
@@ -338,14 +301,22 @@ def _call(task: Task, request: Request, job: Job, soft_limit: SoftLimit) -> dict
     if traced.state == REJECTED:
         requeue = isinstance(traced.exception, Reject) and traced.exception.requeue
         return _frame(JobStatus.REJECTED, value={"requeue": requeue}, error=error, tb=traced.traceback)
-    if request.errbacks and traced.exception is not None:
-        _errbacks_here(task.app, request, traced.exception, traced.traceback or "")
+    # Not for an async def task cancelled by terminate (--threads): its copy's answer, as when the
+    # child dies, sends none either.
+    if (
+        request.errbacks
+        and traced.exception is not None
+        and not isinstance(traced.exception, TaskRevokedError)
+    ):
+        _errbacks_here(task.app, request, traced.exception, traced.traceback or "", task_loop, soft_limit)
     done = _frame(JobStatus.FAILURE, error=error, tb=traced.traceback)
     done["retries_exhausted"] = traced.retries_exhausted
     return done
 
 
-def _errbacks_here(app: App, request: Request, exc: BaseException, tb: str) -> None:
+def _errbacks_here(
+    app: App, request: Request, exc: BaseException, tb: str, task_loop: TaskLoop, soft_limit: SoftLimit
+) -> None:
     # New-style errbacks run here, in the failed task's process, with (request, exc, traceback)
     # before their own arguments, as Celery calls them; the worker sends the others as tasks.
     for errback in request.errbacks or ():
@@ -353,7 +324,9 @@ def _errbacks_here(app: App, request: Request, exc: BaseException, tb: str) -> N
             continue
         task = app.tasks[str(errback["task"])]
         try:
-            task(request, exc, tb, *(errback.get("args") or ()), **(errback.get("kwargs") or {}))
+            called = task(request, exc, tb, *(errback.get("args") or ()), **(errback.get("kwargs") or {}))
+            if inspect.iscoroutine(called):  # an async def errback: awaited on this thread's loop
+                task_loop.run(called, soft_limit)
         except Exception:
             log.exception("task_errback_failed", errback=task.name)
 

@@ -2,26 +2,39 @@
 
 Each child consumes for itself (``worker/feed``); the pool tells it the revoked ids and when to
 start, and reads what it runs from the shared board (``worker/pool/board.py``) for ``inspect``,
-the heartbeat's counts and ``revoke --terminate``.
+the heartbeat's counts and ``revoke --terminate``. The children's counts come in ``tally`` frames
+(``worker/feed/tally.py``), at most one a second from each, for ``stats`` and the metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import os
 import signal
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Final
 
 import structlog
 
+from broker_svc.errors import DecodeError
+from worker.feed.dedupe import SharedDedupe
 from worker.feed.rates import SharedRates
+from worker.feed.redeliveries import DONE_MAX_IDS, DONE_REMEMBERED_S
+from worker.feed.shared_file import sweep_stale
 from worker.feed.spec import FeedSpec
+from worker.feed.tally import Tally
 from worker.pool import ipc
 from worker.pool.board import Board, Running
 
 __all__ = ["Feeding"]
+
+_TERMINATED_REMEMBERED = 1000  # terminated ids told to each new child
+# Under --threads, how long an async def task cancelled by terminate has to end before its child
+# is signalled after all (a body that ignores the cancel, or blocks its loop).
+CANCEL_GRACE_S: Final = 5.0
 
 log = structlog.get_logger(__name__)
 
@@ -30,16 +43,31 @@ class Feeding:
     """Consuming children's start-up orders, revokes and running tasks.
 
     Args:
-        spec: what every child is told; each gets its own board slot.
-        slots: how many children there can be at once (the board's size).
+        spec: what every child is told; each gets its own board slots, one per thread.
+        slots: how many children there are at start (the board holds ``slots * spec.threads``,
+            and grows with the pool).
     """
 
     def __init__(self, spec: FeedSpec, *, slots: int) -> None:
-        self.board = Board.create(slots)
+        self._threads = spec.threads
+        self._async_tasks = frozenset(spec.async_task_names)
+        if stale := sweep_stale():  # left by workers killed before they could remove them
+            log.info("stale_shared_files_removed", count=len(stale))
+        self.board = Board.create(slots * spec.threads)
         # One bucket per rate-limited task, shared by every child (a limit is per worker).
         self.rates = SharedRates.create(spec.task_names, spec.rate_limits)
+        # One dedupe window for every child (--dedupe-window): a copy may reach any of them.
+        window_s = spec.dedupe_window_s
+        self.dedupe = SharedDedupe.create(ttl_s=window_s) if window_s else None
+        # Outcomes sent after their ack was lost: a copy the broker sends back is acked unrun.
+        self.done = SharedDedupe.create(ttl_s=DONE_REMEMBERED_S, max_ids=DONE_MAX_IDS, kind="redeliveries")
         self._spec = dataclasses.replace(
-            spec, board_path=str(self.board.path), board_slots=slots, rates_path=str(self.rates.path)
+            spec,
+            board_path=str(self.board.path),
+            board_slots=self.board.slots,
+            rates_path=str(self.rates.path),
+            dedupe_path=str(self.dedupe.path) if self.dedupe is not None else None,
+            done_path=str(self.done.path),
         )
         self._revoked: Callable[[], Iterable[str]] | None = None  # set by start()
         self.task_events = spec.task_events  # what each child is told (-E, enable_events)
@@ -47,21 +75,30 @@ class Feeding:
         self._queues: list[str] | None = None  # add_consumer/cancel_consumer; None: the spec's
         self._writers: dict[int, asyncio.StreamWriter] = {}  # slot -> its child's socket
         self._ended_before = 0  # tasks ended by children that exited
+        self.totals: collections.Counter[str] = collections.Counter()  # runs per task name (stats total)
+        self.unknown: collections.Counter[str] = collections.Counter()  # unregistered names (stats)
+        # Tasks whose child the worker ended (terminate) -> the signal: a copy is answered terminated.
+        self._terminated: dict[str, int] = {}
+        self.on_tally: Callable[[Tally], None] | None = None  # the metrics' share of each report
 
     def spec_for(self, slot: int) -> FeedSpec:
-        """The start-up order of the child in ``slot``."""
-        return dataclasses.replace(self._spec, slot=slot)
+        """The start-up order of the child in ``slot``; the board grows to hold its slots first."""
+        self.board.grow((slot + 1) * self._threads)  # one board slot per thread
+        return dataclasses.replace(self._spec, slot=slot, board_slots=self.board.slots)
 
     def joined(self, slot: int, writer: asyncio.StreamWriter) -> None:
         """A child is up in ``slot``: it consumes at once if the worker said so already."""
         self._writers[slot] = writer
         self._let_consume(writer)
 
-    def left(self, slot: int) -> None:
-        """The child of ``slot`` exited: what it showed as running is not any more."""
+    def left(self, slot: int) -> list[Running]:
+        """The child of ``slot`` exited: what it showed as running is not any more; those tasks."""
         self._writers.pop(slot, None)
-        self._ended_before += self.board.ended(slot)
-        self.board.clear(slot)
+        lost = [entry for entry in self.board.running() if entry.slot // self._threads == slot]
+        for shown in range(slot * self._threads, (slot + 1) * self._threads):  # one per thread
+            self._ended_before += self.board.ended(shown)
+            self.board.clear(shown)
+        return lost
 
     def start(self, revoked: Callable[[], Iterable[str]]) -> None:
         """Let every child consume, now and each new one, knowing ``revoked()`` first."""
@@ -69,22 +106,28 @@ class Feeding:
         for writer in self._writers.values():
             self._let_consume(writer)
 
+    def retire(self, slot: int) -> None:
+        """Tell the child of ``slot`` to stop consuming, finish the task it runs and exit.
+
+        Its socket stays open, unlike a stop, so it takes the time its task needs (no exit grace
+        applies) and the pool learns it exited when the socket closes.
+        """
+        writer = self._writers.get(slot)
+        if writer is not None and not writer.is_closing():
+            writer.write(ipc.encode_frame({"op": "retire"}))
+
     def send_revoked(self, task_ids: Sequence[str]) -> None:
         """Tell every child of newly revoked ids; they skip those tasks."""
         if not task_ids:
             return
         frame = ipc.encode_frame({"op": "revoke", "ids": list(task_ids)})
-        for writer in self._writers.values():
-            if not writer.is_closing():
-                writer.write(frame)
+        self._broadcast(frame)
 
     def set_task_events(self, on: bool) -> None:
         """Turn task events on or off in every child (``enable_events``/``disable_events``)."""
         self.task_events = on
         frame = ipc.encode_frame({"op": "events", "on": on})
-        for writer in self._writers.values():
-            if not writer.is_closing():
-                writer.write(frame)
+        self._broadcast(frame)
 
     def set_time_limit(self, task_name: str, *, hard: float | None, soft: float | None) -> None:
         """The ``time_limit`` command: every child uses these limits for ``task_name`` from now on."""
@@ -101,6 +144,23 @@ class Feeding:
             if not writer.is_closing():
                 writer.write(frame)
 
+    def tallied(self, frame: dict[str, Any]) -> None:
+        """A child reported its counts since its last report (a malformed report is logged and dropped)."""
+        try:
+            tally = Tally.from_frame(frame)
+        except DecodeError as exc:  # a count lost, not a reason to stop serving the child
+            log.error("feed_tally_malformed", error=str(exc))
+            return
+        for (name,), n in tally.of("total").items():
+            self.totals[name] += n
+        for (name,), n in tally.of("unknown").items():
+            self.unknown[name] += n
+        if self.on_tally is not None:
+            try:
+                self.on_tally(tally)
+            except Exception:  # the metrics must not take a child's socket down with them
+                log.exception("feed_tally_not_counted")
+
     def running(self) -> list[Running]:
         """What every child runs now."""
         return self.board.running()
@@ -110,30 +170,68 @@ class Feeding:
         """Tasks the children have ended since the worker started (the heartbeat's ``processed``)."""
         return self._ended_before + sum(self.board.ended(slot) for slot in range(self.board.slots))
 
+    def was_terminated(self, task_id: str) -> bool:
+        """Whether the worker ended the child running ``task_id`` (terminate), recently."""
+        return task_id in self._terminated
+
     def terminate(self, task_id: str, sig: int) -> bool:
-        """Signal the child running ``task_id``; whether one was."""
+        """Signal the child running ``task_id``; whether one was.
+
+        Under ``--threads``, an ``async def`` task is cancelled in its thread instead, so the
+        child's other threads' tasks go on; its child is signalled only if it still runs it
+        ``CANCEL_GRACE_S`` later. Call it on the worker's loop.
+        """
         for entry in self.board.running():
             if entry.info.get("id") == task_id and entry.pid:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(entry.pid, signal.Signals(sig))
-                    log.info(
-                        "feed_child_signalled",
-                        pid=entry.pid,
-                        task_id=task_id,
-                        signal=signal.Signals(sig).name,
-                    )
-                    return True
+                # First, so a child that gets the copy of the task answers it as terminated.
+                self._terminated[task_id] = int(sig)
+                if len(self._terminated) > _TERMINATED_REMEMBERED:
+                    del self._terminated[next(iter(self._terminated))]
+                frame = ipc.encode_frame({"op": "terminated", "id": task_id, "signum": int(sig)})
+                self._broadcast(frame)
+                if self._threads > 1 and entry.info.get("name") in self._async_tasks:
+                    return self._cancel(entry, task_id, sig)
+                return self._signal(entry.pid, task_id, sig)
+        return False
+
+    def _cancel(self, entry: Running, task_id: str, sig: int) -> bool:
+        writer = self._writers.get(entry.slot // self._threads)
+        if writer is None or writer.is_closing():
+            return self._signal(entry.pid, task_id, sig)
+        writer.write(ipc.encode_frame({"op": "cancel", "id": task_id}))
+        log.info("feed_task_cancel_sent", pid=entry.pid, task_id=task_id)
+
+        def unless_ended() -> None:
+            if any(e.info.get("id") == task_id and e.pid == entry.pid for e in self.board.running()):
+                log.warning(
+                    "feed_task_cancel_ignored", pid=entry.pid, task_id=task_id, grace_s=CANCEL_GRACE_S
+                )
+                self._signal(entry.pid, task_id, sig)
+
+        asyncio.get_running_loop().call_later(CANCEL_GRACE_S, unless_ended)
+        return True
+
+    def _signal(self, pid: int, task_id: str, sig: int) -> bool:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.Signals(sig))
+            log.info("feed_child_signalled", pid=pid, task_id=task_id, signal=signal.Signals(sig).name)
+            return True
         return False
 
     def close(self) -> None:
-        """Remove the board and the rate buckets."""
+        """Remove the board, the rate buckets, the dedupe window and the lost acks' table."""
         self.board.close()
         self.rates.close()
+        self.done.close()
+        if self.dedupe is not None:
+            self.dedupe.close()
 
     def _let_consume(self, writer: asyncio.StreamWriter) -> None:
         if self._revoked is None or writer.is_closing():
             return
         writer.write(ipc.encode_frame({"op": "revoke", "ids": list(self._revoked())}))
+        for task_id, signum in self._terminated.items():  # a child started since (the one replaced)
+            writer.write(ipc.encode_frame({"op": "terminated", "id": task_id, "signum": signum}))
         writer.write(ipc.encode_frame({"op": "events", "on": self.task_events}))
         if self._queues is not None:
             writer.write(ipc.encode_frame({"op": "queues", "queues": self._queues}))

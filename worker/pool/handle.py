@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from typing import Any, Final
 
-from worker.pool import child as child_module
 from worker.pool import ipc
+from worker.pool import spawn as spawn_module
 from worker.pool.ipc import Job, JobOutcome, JobStatus
 
 __all__ = ["EXIT_GRACE_S", "ChildHandle"]
@@ -28,6 +28,7 @@ class ChildHandle:
     pid: int
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
+    slot: int = 0  # the pool's slot that keeps it (a consuming child's place on the board)
     job: Job | None = None
     outcome: asyncio.Future[JobOutcome] | None = None
     started_at: float = 0.0
@@ -72,7 +73,7 @@ class ChildHandle:
     async def reap(self, *, grace_s: float = EXIT_GRACE_S) -> int | None:
         """Close our end, wait for the child to exit (SIGKILL after ``grace_s``); its exit code."""
         self.writer.close()
-        exitcode = await asyncio.to_thread(child_module.reap, self.process, grace_s=grace_s)
+        exitcode = await asyncio.to_thread(spawn_module.reap, self.process, grace_s=grace_s)
         with contextlib.suppress(ConnectionError):
             await self.writer.wait_closed()
         return exitcode

@@ -9,18 +9,19 @@ import multiprocessing
 import os
 import signal
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from broker_svc.errors import BrokerSvcError, DecodeError, MessageTooLarge
+from broker_svc.errors import BrokerSvcError, MessageTooLarge
 from worker.loader import SAFE_PATH_ADDED_ENV, load_app, split_spec
 from worker.pool import child as child_module
 from worker.pool import ipc
-from worker.pool.child import PoolStartError
 from worker.pool.feeding import Feeding
 from worker.pool.handle import EXIT_GRACE_S, ChildHandle
 from worker.pool.ipc import Job, JobOutcome, JobStatus
+from worker.pool.spawn import PoolStartError, go_without_resource_tracker
+from worker.pool.supervisor import ChildSupervisor
 
 if TYPE_CHECKING:
     from worker.feed.spec import FeedSpec
@@ -29,21 +30,19 @@ __all__ = ["Job", "JobOutcome", "JobStatus", "PoolClosedError", "PoolStartError"
 
 log = structlog.get_logger(__name__)
 
-# Back-off between failed attempts to replace a child (the app stopped importing, no memory, ...).
-_RESPAWN_DELAY_S: Final = (0.5, 30.0)
-
 
 class PoolClosedError(BrokerSvcError, RuntimeError):
     """The pool is closing or closed and takes no more jobs."""
 
 
-class ProcessPool:
+class ProcessPool(ChildSupervisor):
     """``concurrency`` child processes that run task bodies for an asyncio worker.
 
     A job goes only to an idle child, so a long task never holds short ones hostage. A child that
     dies, passes its hard time limit or is terminated is replaced at once. ``grow()`` and
     ``shrink()`` change how many children it keeps (``target``); shrinking retires idle children
-    at once and busy ones when their job ends, never a running task.
+    at once and busy ones when their job ends, never a running task. Each child's slot (start,
+    serve, reap, replace) is ``worker.pool.supervisor.ChildSupervisor``.
 
     Args:
         app_spec: ``package.module:attr`` of the app (``package.module`` means attribute ``app``).
@@ -90,6 +89,7 @@ class ProcessPool:
         self._idle: collections.deque[ChildHandle] = collections.deque()
         self._waiters: collections.deque[asyncio.Future[ChildHandle]] = collections.deque()
         self._slots: list[asyncio.Task[None]] = []
+        self._slot_indexes: set[int] = set()  # held by live slots: a consuming child's board slot
         self._closing = asyncio.Event()  # also wakes slots backing off between failed restarts
         # Each slot keeps one child alive: live slots == target + children still due to retire.
         self._target = concurrency
@@ -112,8 +112,12 @@ class ProcessPool:
 
     @property
     def busy_count(self) -> int:
-        """Children running a job."""
-        return len(self.running())
+        """Jobs running, retiring children's not counted (as ``size`` counts them).
+
+        One per busy child, but a consuming child with ``--threads`` runs one per thread.
+        """
+        kept = {pid for pid, c in self._children.items() if not c.retired}
+        return sum(1 for pid in self.running().values() if pid in kept)
 
     def pids(self) -> list[int]:
         """Process ids of the ready children (for inspect ``stats``: ``pool.processes``)."""
@@ -143,7 +147,11 @@ class ProcessPool:
         # Children fork from a server that already imported the app, so replacements start fast and
         # never inherit this process's event loop or sockets. There is one forkserver per process:
         # if it is already running, its preload list stays as it was.
-        self._context.set_forkserver_preload([child_module.__name__, split_spec(self._app_spec)[0]])
+        # Consuming children also share their loop's modules with the server (copy-on-write), instead
+        # of each importing its own copy after the fork.
+        feed = ["worker.feed.child"] if self.feeding is not None else []
+        go_without_resource_tracker()
+        self._context.set_forkserver_preload([child_module.__name__, *feed, split_spec(self._app_spec)[0]])
         loop = asyncio.get_running_loop()
         first_starts: list[asyncio.Future[None]] = [loop.create_future() for _ in range(self._concurrency)]
         # The forkserver runs ``python -c``, which puts the current directory first on its path,
@@ -196,6 +204,9 @@ class ProcessPool:
     def shrink(self, n: int = 1) -> int:
         """Keep ``n`` fewer children, never fewer than one: idle ones exit now, busy ones after their job.
 
+        Consuming children (``feed``) are told to retire at once, idle ones first: each stops
+        consuming, hands back what it holds and has not started, ends its task and exits.
+
         Returns:
             How many children go (``n``, or fewer to keep one).
 
@@ -210,6 +221,8 @@ class ProcessPool:
         n = min(n, self._target - 1)
         self._target -= n
         self._to_retire += n
+        if self.feeding is not None:
+            self._retire_consuming()
         while self._to_retire and self._idle:
             self._retire(self._idle.popleft())
         log.debug("pool_shrink", n=n, target=self._target)
@@ -340,6 +353,23 @@ class ProcessPool:
         child.retired = True
         child.writer.close()
 
+    def _retire_consuming(self) -> None:
+        """Pick consuming children to retire: one leaving anyway (past its limits), then idle, then busy.
+
+        A child still starting is not picked: its slot retires it when it joins (``_serve``).
+        """
+        assert self.feeding is not None
+        busy = {entry.pid for entry in self.feeding.running()}
+        kept = [c for c in self._children.values() if not c.retired]
+        for child in sorted(kept, key=lambda c: (not c.recycled, c.pid in busy)):
+            if not self._to_retire:
+                return
+            self._to_retire -= 1
+            child.retired = True  # its slot ends with it: no replacement
+            if not child.recycled:  # one past its limits is on its way out already
+                self.feeding.retire(child.slot)
+            log.info("pool_child_retiring", pid=child.pid, busy=child.pid in busy)
+
     def _signal(self, child: ChildHandle, sig: int, status: JobStatus | None = None) -> None:
         if self._children.get(child.pid) is not child:
             return  # gone already: never signal a pid that may have been reused
@@ -347,109 +377,3 @@ class ProcessPool:
         child.doomed = child.doomed or sig == signal.SIGKILL
         with contextlib.suppress(ProcessLookupError):
             os.kill(child.pid, sig)
-
-    # -- children ---------------------------------------------------------------------------------
-
-    def _add_slot(self, first_start: asyncio.Future[None] | None) -> None:
-        slot = asyncio.create_task(self._keep_slot(first_start, index=len(self._slots)))
-        slot.add_done_callback(_report_crash)
-        self._slots.append(slot)
-
-    async def _keep_slot(self, first_start: asyncio.Future[None] | None, *, index: int) -> None:
-        """Keep one child alive: start it, serve it until it exits, replace it; until close() or shrink().
-
-        Args:
-            first_start: resolved when the first child is ready, or failed if it cannot start
-                (``start()`` waits for it); None for a slot added by ``grow()``, which retries.
-        """
-        delay_s = _RESPAWN_DELAY_S[0]
-        while not self._closing.is_set():
-            if self._to_retire and (first_start is None or first_start.done()):
-                self._to_retire -= 1  # the pool shrank while this slot had no child: end it
-                return
-            begun = asyncio.get_running_loop().time()
-            try:
-                process, sock = await asyncio.to_thread(
-                    child_module.spawn,
-                    self._context,
-                    self._app_spec,
-                    timeout_s=self._start_timeout_s,
-                    feed=self.feeding.spec_for(index) if self.feeding is not None else None,
-                )
-            except PoolStartError as exc:
-                if first_start is not None and not first_start.done():
-                    first_start.set_exception(exc)
-                    return
-                log.error("pool_child_start_failed", error=str(exc), retry_in_s=delay_s)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._closing.wait(), delay_s)
-                delay_s = min(delay_s * 2, _RESPAWN_DELAY_S[1])
-                continue
-            reader, writer = await asyncio.open_connection(sock=sock)
-            start_ms = round((asyncio.get_running_loop().time() - begun) * 1000, 1)
-            log.debug("pool_child_started", pid=process.pid, start_ms=start_ms)
-            if first_start is not None and not first_start.done():
-                first_start.set_result(None)
-            delay_s = _RESPAWN_DELAY_S[0]
-            child = ChildHandle(process=process, pid=process.pid or 0, reader=reader, writer=writer)
-            await self._serve(child, index)
-            if child.retired:
-                return
-
-    async def _serve(self, child: ChildHandle, index: int) -> None:
-        """Hand the child out for jobs and relay its frames until it exits; then settle its job."""
-        self._children[child.pid] = child
-        if self._closing.is_set():
-            child.writer.close()
-        elif self.feeding is None:
-            self._release(child)
-        else:
-            self.feeding.joined(index, child.writer)
-        try:
-            while (frame := await child.next_frame()) is not None:
-                self._on_frame(child, frame)
-        except (DecodeError, MessageTooLarge) as exc:
-            log.error("pool_child_protocol_error", pid=child.pid, error=str(exc))
-        finally:
-            with contextlib.suppress(ValueError):
-                self._idle.remove(child)
-            exitcode = await child.reap(grace_s=self._exit_grace_s)
-            if self.feeding is not None:
-                self.feeding.left(index)
-            if self._children.get(child.pid) is child:
-                del self._children[child.pid]
-            if child.job is not None:
-                runtime_s = asyncio.get_running_loop().time() - child.started_at
-                outcome = JobOutcome.for_dead_child(
-                    child.job, child.kill_status, exitcode=exitcode, runtime_s=runtime_s, pid=child.pid
-                )
-                child.settle(outcome)
-            elif child.retired or child.recycled:
-                log.debug("pool_child_retired", pid=child.pid, exit=ipc.describe_exit(exitcode))
-            elif not self._closing.is_set():
-                log.warning("pool_child_died_idle", pid=child.pid, exit=ipc.describe_exit(exitcode))
-
-    def _on_frame(self, child: ChildHandle, frame: dict[str, Any]) -> None:
-        job, op = child.job, frame["op"]
-        if op == "update":
-            payload = frame.get("payload")
-            matches = job is not None and frame.get("task_id") == job.task_id
-            if matches and self._on_update is not None and isinstance(payload, dict):
-                try:
-                    self._on_update(frame["task_id"], payload)
-                except Exception:  # a broken hook must not take the child's job down with it
-                    log.exception("pool_on_update_failed", task_id=frame["task_id"])
-        elif op == "retiring" and self.feeding is not None:
-            child.recycled = True  # a consuming child past its limits: its slot starts another
-        elif op == "done" and job is not None:
-            child.jobs_done += 1
-            child.settle(JobOutcome.from_frame(frame, pid=child.pid))
-            self._release(child)
-        else:
-            raise DecodeError(f"unexpected {op!r} frame from pool child {child.pid}")
-
-
-def _report_crash(slot: asyncio.Task[None]) -> None:
-    # A slot ends only at close(); one that crashed (a bug) no longer replaces its children.
-    if not slot.cancelled() and slot.exception() is not None:
-        log.error("pool_slot_crashed", exc_info=slot.exception())

@@ -112,14 +112,6 @@ class WorkerCommands:
         if (feeding := self._feeding) is not None:
             feeding.set_task_events(on)
 
-    def _not_in_children(self, command: str) -> dict[str, Any] | None:
-        # With --children-consume, runtime changes do not reach the children yet: say so.
-        if not getattr(self._config, "children_consume", False):  # unit tests build us without a config
-            return None
-        return nok(
-            f"{command} does not reach consuming children yet; this worker runs with --children-consume"
-        )
-
     async def active(self, safe: bool) -> list[dict[str, Any]]:
         return self._consumer.state.active(safe=safe)
 
@@ -309,12 +301,12 @@ class WorkerCommands:
         return ok("task events disabled")
 
     # -- the pool: its size and the autoscaler --------------------------------------------------------
+    # The same in both consuming designs: consuming children retire one by one, each finishing its
+    # task after handing back what it holds (worker.pool.pool.ProcessPool.shrink).
     # Errors read as Celery's (kombu replies ``repr(exc)`` for a handler's exception), e.g.
     # ``autoscale`` on a worker without it gives ``{"error": "ValueError('Autoscale not enabled')"}``.
 
     async def pool_grow(self, n: int) -> dict[str, Any]:
-        if (refused := self._not_in_children("pool_grow")) is not None:
-            return refused
         sizer = self._sizer
         if self._autoscaler is not None:
             return nok(_NOT_WITH_AUTOSCALE.format("pool_grow"))
@@ -325,8 +317,6 @@ class WorkerCommands:
         return ok("pool will grow")
 
     async def pool_shrink(self, n: int) -> dict[str, Any]:
-        if (refused := self._not_in_children("pool_shrink")) is not None:
-            return refused
         sizer = self._sizer
         if self._autoscaler is not None:
             return nok(_NOT_WITH_AUTOSCALE.format("pool_shrink"))

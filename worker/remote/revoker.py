@@ -150,15 +150,19 @@ class Revoker:
 
     async def _terminated_here(self, task_id: str, sig: signal.Signals) -> bool:
         # Signal the child running it; or it was already, by the other copy of the same revoke.
+        # The copy that comes second must not signal again: the child may still show the task
+        # while the first signal takes effect, and a second one would be logged (and sent) twice.
         now = time.monotonic()
+        at = self._terminated.get(task_id)
+        if at is not None and now - at < _TERMINATED_MEMORY_S:
+            return True
         if await self._terminate(task_id, sig):
             log.info("tasks_terminated", task_ids=[task_id], signal=sig.name)
             self._terminated[task_id] = now
             while len(self._terminated) > _TERMINATED_MAX:
                 del self._terminated[next(iter(self._terminated))]
             return True
-        at = self._terminated.get(task_id)
-        return at is not None and now - at < _TERMINATED_MEMORY_S
+        return False
 
 
 def _set_repr(task_ids: list[str]) -> str:

@@ -1,0 +1,34 @@
+"""Our worker in Dramatiq's drain shape: ``-c 2 --threads 8`` (two processes, 16 consumers).
+
+Dramatiq's benchmark worker is ``-p 2 -t 8``: 16 tasks run at once, with 32 prefetched. Ours with
+``--threads 8`` runs 16 at once too, each thread consuming on a connection of its own with prefetch
+1, so the load-balancing guarantee holds (a worker holds no task it is not running). The default
+``-c 2`` runs 2 at once. Only the task-path scenarios where the shape matters are run.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from bench import driver
+from bench.ours import WORKER_ARGS, Clockwork
+from bench.systems import THREADS
+from broker_svc.logging import configure_logging
+
+DRAIN_THREADS = 8  # per child, as Dramatiq's -t 8
+
+
+def main() -> int:
+    configure_logging("warning")
+    os.environ["BENCH_WORKER_ARGS"] = WORKER_ARGS
+    return driver.main(
+        THREADS,
+        lambda job: Clockwork(
+            job.broker_url, wide=job.wide, extra_worker_args=["--threads", str(DRAIN_THREADS)]
+        ),
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""``TaskRegistry``: the App's registry of tasks: ``@app.task``, their names, ``get_task``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Concatenate, Literal, cast, overload
+
+from typing_extensions import ParamSpec, TypeVar
+
+from broker_svc.errors import NotRegistered
+from broker_svc.task import Task as TaskBase
+from broker_svc.task import build_task_class
+
+if TYPE_CHECKING:
+    from broker_svc.app import App
+
+__all__ = ["TaskRegistry"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+class TaskRegistry:
+    """The tasks of an app by name, and the ``task`` decorator that registers them (``App``'s base)."""
+
+    main: str | None
+    tasks: dict[str, TaskBase]
+
+    # The overloads give type checkers the function's parameters and result (``Task[P, R]``), so
+    # ``add.delay(1, "x")`` is an error for ``def add(x: int, y: int)``; with ``bind=True`` the
+    # first parameter (the task itself) is not one the caller passes.
+    @overload
+    def task(self, fn: Callable[_P, _R], /) -> TaskBase[_P, _R]: ...
+
+    @overload
+    def task(
+        self, fn: None = None, /, *, bind: Literal[True], base: type[TaskBase] = TaskBase, **options: Any
+    ) -> Callable[[Callable[Concatenate[Any, _P], _R]], TaskBase[_P, _R]]: ...
+
+    @overload
+    def task(
+        self, fn: None = None, /, *, base: type[TaskBase] = TaskBase, **options: Any
+    ) -> Callable[[Callable[_P, _R]], TaskBase[_P, _R]]: ...
+
+    def task(
+        self, fn: Callable[..., Any] | None = None, /, *, base: type[TaskBase] = TaskBase, **options: Any
+    ) -> TaskBase | Callable[[Callable[..., Any]], TaskBase]:
+        """Register a function as a task: ``@app.task`` or ``@app.task(name=..., bind=True, ...)``.
+
+        Raises:
+            TypeError: an unknown option or a bad ``base``.
+            ValueError: another task already has this name.
+        """
+
+        def register(func: Callable[..., Any]) -> TaskBase:
+            return self._register(func, base=base, options=dict(options))
+
+        return register(fn) if fn is not None else register
+
+    def _register(
+        self,
+        func: Callable[..., Any],
+        *,
+        base: type[TaskBase],
+        options: dict[str, Any],
+        shared_name: str | None = None,
+    ) -> TaskBase:
+        name = options.pop("name", None) or shared_name or self._default_name(func)
+        existing = self.tasks.get(name)
+        if existing is not None and shared_name is not None:
+            if getattr(type(existing), "__wrapped__", None) is func:
+                return existing  # the same shared task, offered again
+        cls = build_task_class(cast("App", self), func, name=name, base=base, options=options)
+        if existing is not None:
+            raise ValueError(f"a task named {name!r} is already registered; pass name= to rename")
+        instance = cls()
+        self.tasks[name] = instance
+        return instance
+
+    def _default_name(self, fn: Callable[..., Any]) -> str:
+        module = fn.__module__
+        if module == "__main__" and self.main:
+            module = self.main
+        return f"{module}.{fn.__name__}"
+
+    def get_task(self, name: str) -> TaskBase:
+        """The registered task of this name.
+
+        Raises:
+            NotRegistered: no such task.
+        """
+        try:
+            return self.tasks[name]
+        except KeyError:
+            raise NotRegistered(name) from None

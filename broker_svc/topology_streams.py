@@ -1,0 +1,132 @@
+"""Clockwork's own queues and streams: members, revocations, task states, dependents, chords, leaders.
+
+Import these from ``broker_svc.topology``, which re-exports them: this module needs the specs
+defined there, and ``broker_svc.topology`` imports it once they are.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from broker_svc.topology import DEFAULT_NAMESPACE, MEMBERS_ROUTING_KEY, QueueSpec, event_exchange
+
+__all__ = [
+    "EXPIRED_QUEUE",
+    "chord_join_queue",
+    "dependents_queue",
+    "leader_queue",
+    "members_stream",
+    "revocation_log",
+    "task_states_stream",
+]
+
+
+# -- Clockwork's own durable streams (RabbitMQ streams; see docs/design.md, "Control plane") ------
+
+
+def members_stream(namespace: str = DEFAULT_NAMESPACE) -> QueueSpec:
+    """A stream holding the last minute of worker events, bound to ``celeryev`` by ``worker.#``.
+
+    A control client that has just started reads it from a minute ago to learn which workers are
+    alive, so it can stop waiting once they have all answered. Small segments, because a stream
+    drops old data a whole segment at a time.
+    """
+    return QueueSpec(
+        name=f"clockwork.members.{namespace}",
+        durable=True,
+        arguments={
+            "x-queue-type": "stream",
+            "x-max-age": "60s",
+            "x-stream-max-segment-size-bytes": 1_000_000,
+            "x-max-length-bytes": 20_000_000,
+        },
+        exchange=event_exchange(),
+        routing_key=MEMBERS_ROUTING_KEY,
+    )
+
+
+def revocation_log(namespace: str = DEFAULT_NAMESPACE) -> QueueSpec:
+    """The durable log of revokes: every worker reads it from the start, so a revoke issued while
+    no worker was running still holds. Entries live as long as a revoked id does (10,800 s).
+    """
+    return QueueSpec(
+        name=f"clockwork.revoked.{namespace}",
+        durable=True,
+        arguments={
+            "x-queue-type": "stream",
+            "x-max-age": "10800s",
+            "x-stream-max-segment-size-bytes": 4_000_000,
+            "x-max-length-bytes": 200_000_000,
+        },
+    )
+
+
+def task_states_stream(namespace: str = DEFAULT_NAMESPACE) -> QueueSpec:
+    """The stream of task states (QUEUED from clients, the rest from workers; ``wire/task_state.py``).
+
+    Bounded like a result: records live a day (Celery's ``result_expires``) and the stream holds at
+    most 256 MB (about a million records), dropped a segment at a time, so a reader that starts from
+    the beginning reads at most that much. A task older than both is UNKNOWN again.
+    """
+    return QueueSpec(
+        name=f"clockwork.states.{namespace}",
+        durable=True,
+        arguments={
+            "x-queue-type": "stream",
+            "x-max-age": "86400s",
+            "x-stream-max-segment-size-bytes": 8_000_000,
+            "x-max-length-bytes": 256_000_000,
+        },
+    )
+
+
+def dependents_queue(namespace: str = DEFAULT_NAMESPACE) -> QueueSpec:
+    """Where tasks sent with ``depends_on`` wait until their dependencies finish.
+
+    As the chord join queue: a quorum queue (waiting tasks survive the loss of a node) with a
+    single active consumer, the one worker of the cluster that holds them unacked, follows the
+    task-state stream, and releases each (publish and ack in one transaction) once its
+    dependencies are done; if it dies, the broker hands them to the next worker.
+    """
+    return QueueSpec(
+        name=f"clockwork.dependents.{namespace}",
+        durable=True,
+        arguments={"x-queue-type": "quorum", "x-single-active-consumer": True},
+    )
+
+
+def chord_join_queue(namespace: str = DEFAULT_NAMESPACE) -> QueueSpec:
+    """Where finished chord header tasks leave their parts for the joiner.
+
+    A quorum queue, so the parts of a chord in progress survive the loss of a node, with a single
+    active consumer: one worker of the cluster joins at a time, holding the parts of each chord
+    unacked until it sends the body; if it dies they go to the next worker, which joins again.
+    """
+    return QueueSpec(
+        name=f"clockwork.chords.{namespace}",
+        durable=True,
+        arguments={"x-queue-type": "quorum", "x-single-active-consumer": True},
+    )
+
+
+# Where RabbitMQ dead-letters tasks that expire in their queue (a Celery client sets the AMQP
+# ``expiration`` of a task with ``expires``), given the operator's policy on the task queues:
+#   rabbitmqctl set_policy clockwork-expired '^celery$' \
+#     '{"dead-letter-exchange":"","dead-letter-routing-key":"clockwork.expired"}' --apply-to queues
+# Every worker consumes it and answers each such task REVOKED "expired" (docs/guide.md, "Expiry").
+EXPIRED_QUEUE: Final = "clockwork.expired"
+
+
+def leader_queue(name: str) -> QueueSpec:
+    """The election queue of the leader role ``name`` (``broker_svc/leader/``).
+
+    A quorum queue, so the term's token survives the loss of a node, with a single active consumer:
+    every candidate consumes it, the broker delivers only to the one active consumer, and moves
+    activeness (with the unacked token) to the next candidate when that consumer's channel closes.
+    Declared alike by every candidate (a different argument is a 406).
+    """
+    return QueueSpec(
+        name=f"clockwork.leader.{name}",
+        durable=True,
+        arguments={"x-queue-type": "quorum", "x-single-active-consumer": True},
+    )

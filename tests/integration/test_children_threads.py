@@ -1,0 +1,104 @@
+"""``--threads N`` with ``--children-consume``: N consumers per child, each in a thread of its own.
+
+The behaviours every consuming child has (results, retries, limits, revokes, runtime changes) are
+run with threads too by ``test_children_consume.py`` and ``test_task_semantics.py``; this module
+covers what threads change: they run at once, the soft time limit reaches a thread, and a hard
+time limit ends the child with its other threads' tasks redelivered, not lost.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from broker_svc import App, Settings, TaskError
+from tests.support.amqp import delete_queues
+from tests.support.pidbox import call
+from tests.support.waiting import wait_for
+from tests.support.workers import WorkerProcess, unique_queue
+
+TASKS = "tests.integration.thread_tasks"
+THREADS = 4
+
+
+@pytest.fixture(scope="module")
+def threads_queue(test_vhost_url: str) -> Iterator[str]:
+    name = unique_queue("threads")
+    yield name
+    delete_queues(test_vhost_url, name, f"{name}.dead")
+
+
+@pytest.fixture(scope="module")
+def threads_worker(test_vhost_url: str, threads_queue: str) -> Iterator[WorkerProcess]:
+    with WorkerProcess(
+        test_vhost_url,
+        app=f"{TASKS}:app",
+        queues=[threads_queue],
+        concurrency=1,
+        extra_args=["--children-consume", "--threads", str(THREADS), "--without-mingle"],
+    ) as proc:
+        yield proc.wait_ready()
+
+
+@pytest.fixture
+def app(test_vhost_url: str) -> Iterator[App]:
+    client = App("threads-client", settings=Settings(broker_url=test_vhost_url))
+    yield client
+    client.close(timeout=10)
+
+
+def _active(url: str, worker: WorkerProcess) -> list[dict]:
+    replies = call(url, "active", destination=[worker.name], expect=1)
+    return list(replies[0][1][worker.name]) if replies else []
+
+
+def test_one_child_runs_a_task_in_each_thread_at_once(
+    test_vhost_url: str, threads_queue: str, threads_worker: WorkerProcess, app: App
+):
+    started = time.monotonic()
+    results = [app.send_task(f"{TASKS}.where", (1.0,), queue=threads_queue) for _ in range(THREADS)]
+
+    def all_running() -> list[dict]:
+        active = _active(test_vhost_url, threads_worker)
+        return active if len(active) == THREADS else []
+
+    seen = wait_for(all_running, timeout_s=20, message="every thread's task in inspect active")
+    assert len({task["worker_pid"] for task in seen}) == 1  # one child runs them all
+    ran = [r.get(timeout=30) for r in results]
+    assert time.monotonic() - started < 3.5  # one after another would take 4 s
+    assert len({pid for pid, _ in ran}) == 1
+    assert len({thread for _, thread in ran}) == THREADS
+
+
+def test_the_soft_time_limit_reaches_a_task_in_a_thread(
+    threads_queue: str, threads_worker: WorkerProcess, app: App
+):
+    assert app.send_task(f"{TASKS}.spin_caught", queue=threads_queue).get(timeout=30) == "soft limit caught"
+    started = time.monotonic()
+    with pytest.raises(TaskError) as info:
+        app.send_task(f"{TASKS}.spin", queue=threads_queue).get(timeout=30)
+    assert info.value.exc_type == "SoftTimeLimitExceeded"
+    assert "soft time limit (0.3 s) exceeded" in str(info.value)
+    assert time.monotonic() - started < 3  # not the 5 s the body would spin
+    # Tasks that end within their limit are never reached by a stray one, in any thread.
+    quick = [app.send_task(f"{TASKS}.quick", queue=threads_queue) for _ in range(200)]
+    assert [r.get(timeout=60) for r in quick] == ["done"] * 200
+
+
+def test_a_hard_time_limit_ends_the_child_and_its_other_threads_tasks_run_again(
+    test_vhost_url: str, threads_queue: str, threads_worker: WorkerProcess, app: App
+):
+    long = app.send_task(f"{TASKS}.where", (2.0,), queue=threads_queue)
+    wait_for(
+        lambda: any(t["id"] == long.id for t in _active(test_vhost_url, threads_worker)),
+        timeout_s=20, message="the long task running",
+    )  # fmt: skip
+    with pytest.raises(TaskError) as info:
+        app.send_task(f"{TASKS}.hard_limited", queue=threads_queue).get(timeout=30)
+    assert info.value.exc_type == "TimeLimitExceeded"
+    # Its neighbour went back to the queue with the child's connection, and runs in the new child.
+    pid, _ = long.get(timeout=60)
+    assert pid != threads_worker.pid
+    assert threads_worker.count("task_time_limit_exceeded") >= 1

@@ -1,0 +1,159 @@
+"""What the worker service builds from its ``WorkerConfig``: the task consumer, the feed spec."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import aio_pika.abc
+import structlog
+
+from broker_svc.app import App
+from broker_svc.clock import LamportClock
+from broker_svc.topology import dead_letter_queue
+from worker.config import WorkerConfig, time_limits_over_consumer_timeout
+from worker.consume.consumer import TaskConsumer
+from worker.consume.eta import EtaScheduler
+from worker.consume.publish import ReplyPublisher
+from worker.consume.rate_limits import RateLimits, parse_rate
+from worker.events import EventDispatcher
+from worker.feed.spec import FeedSpec
+from worker.metrics import WorkerMetrics
+from worker.pool.pool import ProcessPool
+from worker.remote.revoked_set import RevokedSet
+
+__all__ = ["feed_spec", "task_consumer", "warn_time_limits"]
+
+log = structlog.get_logger(__name__)
+
+
+def feed_spec(config: WorkerConfig, app: App) -> FeedSpec:
+    """What each consuming child is told (--children-consume): one delivery per child at a time.
+
+    Args:
+        config: worker options.
+        app: the application whose tasks the children run.
+
+    Returns:
+        The spec the pool hands each consuming child at start.
+    """
+    settings = config.settings
+    if config.broker_heartbeat_s is not None:
+        settings = dataclasses.replace(settings, heartbeat_s=config.broker_heartbeat_s)
+    return FeedSpec(
+        settings=settings,
+        queues=config.queues,
+        # As QueueConsumers.declare declares them: a 406 otherwise, and a queue deleted under
+        # a child must come back the same (durable, its type, its dead-letter queue, its binding).
+        queue_specs=tuple(
+            spec
+            for queue in config.queues
+            for spec in (
+                dead_letter_queue(queue),
+                config.settings.task_queue(queue),
+            )
+        ),
+        prefetch=config.prefetch_multiplier,
+        hostname=config.hostname,
+        default_time_limits=(config.time_limit_s, config.soft_time_limit_s),
+        namespace=config.namespace,
+        task_events=config.task_events,
+        task_names=tuple(sorted(app.tasks)),
+        async_task_names=tuple(sorted(n for n, t in app.tasks.items() if inspect.iscoroutinefunction(t.run))),
+        max_tasks_per_child=config.max_tasks_per_child,
+        max_memory_per_child_kib=config.max_memory_per_child_kib,
+        threads=config.threads,
+        dedupe_window_s=config.dedupe_window_s,
+        rate_limits={
+            name: per_second
+            for name, task in app.tasks.items()
+            if (per_second := parse_rate(task.rate_limit)) is not None
+        },
+    )
+
+
+def warn_time_limits(config: WorkerConfig, app: App) -> None:
+    """Warn of each task whose time limit outlasts the broker's ``consumer_timeout``.
+
+    Args:
+        config: worker options.
+        app: the application whose tasks the children run.
+    """
+    # The worker cannot read the broker's consumer_timeout: it is told it (--consumer-timeout).
+    limits = {
+        name: task.time_limit or config.time_limit_s
+        for name, task in app.tasks.items()
+        if not name.startswith("celery.")
+    }
+    over = time_limits_over_consumer_timeout(limits, consumer_timeout_s=config.consumer_timeout_s)
+    for name, limit in over.items():
+        log.warning(
+            "time_limit_over_consumer_timeout",
+            task_name=name,
+            time_limit_s=limit,
+            consumer_timeout_s=config.consumer_timeout_s,
+            hint="the broker closes the channel of a delivery held past consumer_timeout "
+            "(checked every 60 s) and redelivers it: lower the limit or raise consumer_timeout",
+        )
+
+
+def task_consumer(
+    config: WorkerConfig,
+    app: App,
+    *,
+    pool: ProcessPool,
+    publish_channel: aio_pika.abc.AbstractChannel,
+    events: EventDispatcher,
+    clock: LamportClock,
+    revoked: RevokedSet,
+    limits: RateLimits,
+) -> tuple[TaskConsumer, WorkerMetrics | None]:
+    """Build the task consumer and, with ``--metrics-port``, the metrics it counts into.
+
+    Args:
+        config: worker options.
+        app: the application whose tasks the children run.
+        pool: the process pool the consumer runs tasks in.
+        publish_channel: the confirming channel results and ETA copies go out on.
+        events: the worker's event dispatcher.
+        clock: the worker process's Lamport clock.
+        revoked: the revoked task ids.
+        limits: the per-task rate limits.
+
+    Returns:
+        The consumer, and the metrics already serving (None without ``--metrics-port``).
+    """
+    metrics = None
+    if config.metrics_port is not None:
+        # Read at each scrape, so the figures are now's; the consumer exists once this returns.
+        metrics = WorkerMetrics(
+            config.hostname, pool_size=lambda: pool.target, busy=lambda: consumer.running_count
+        )
+        if pool.feeding is not None:
+            pool.feeding.on_tally = metrics.add  # consuming children count their own tasks
+        metrics.serve(config.metrics_port, config.metrics_address)
+        log.info("metrics_serving", port=config.metrics_port, address=config.metrics_address)
+    consumer = TaskConsumer(
+        app=app,
+        pool=pool,
+        replies=ReplyPublisher(
+            publish_channel,
+            clock=clock,
+            persistent=config.settings.result_persistent,
+            observe=metrics.confirmed if metrics is not None else None,
+        ),
+        clock=clock,
+        settings=config.settings,
+        hostname=config.hostname,
+        concurrency=config.concurrency,
+        dedupe_window_s=config.dedupe_window_s,
+        # Held ETA deliveries count against the prefetch: leave one per child for due tasks.
+        eta=EtaScheduler(publish_channel, max_held=max(1, config.prefetch_count - config.concurrency)),
+        events=events,
+        revoked=revoked,
+        limits=limits,
+        default_time_limits=(config.time_limit_s, config.soft_time_limit_s),
+        namespace=config.namespace,
+        metrics=metrics,
+    )
+    return consumer, metrics
