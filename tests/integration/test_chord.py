@@ -206,7 +206,10 @@ def test_the_body_is_sent_once_when_parts_come_twice_and_the_joiner_fails_over(
 def test_the_body_runs_once_when_a_worker_dies_mid_chord(session_broker: SessionBroker, notes_path: Path):
     """The first worker runs header tasks and joins; it is killed with a task running and parts held.
 
-    The second reruns what the first had not acked, becomes the joiner, and sends the body once.
+    The second, started after the kill, reruns what the first had not acked, becomes the joiner,
+    and sends the body once. The kill comes right after the first part, with seconds of header
+    work left, so the first cannot have finished the chord (starting the second first let a slow
+    machine finish it before the kill).
     """
     name = unique_queue("chord-kill")
     env = {"CANVAS_NOTES": str(notes_path)}
@@ -216,14 +219,15 @@ def test_the_body_runs_once_when_a_worker_dies_mid_chord(session_broker: Session
             with WorkerProcess(url, app=APP, queues=[name], concurrency=1, env=env) as first:
                 first.wait_ready()
                 first.first("chord_joiner_subscribed")
-                header = [_sig(app, name, "slow_add", i, 0, 0.4) for i in range(6)]
+                header = [_sig(app, name, "slow_add", i, 0, 0.8) for i in range(6)]
                 result = chord(header)(_sig(app, name, "collect", label=name))
-                first.first("chord_part_sent", timeout_s=30)  # a part is in; more tasks are running
-                with WorkerProcess(url, app=APP, queues=[name], concurrency=1, env=env) as second:
-                    second.wait_ready()
-                    first.kill()
-                    assert result.get(timeout=60) == [0, 1, 2, 3, 4, 5]
-                    assert second.count("chord_body_sent") == 1
+                first.first("chord_part_sent", timeout_s=30)  # a part is in; 4 s of tasks are left
+                first.kill()
+                assert first.count("chord_body_sent") == 0
+            with WorkerProcess(url, app=APP, queues=[name], concurrency=1, env=env) as second:
+                second.wait_ready()
+                assert result.get(timeout=60) == [0, 1, 2, 3, 4, 5]
+                assert second.count("chord_body_sent") == 1
             assert _body_runs(notes_path, name) == [[0, 1, 2, 3, 4, 5]]
         finally:
             app.close()
