@@ -73,7 +73,7 @@ def test_imports_flow_worker_to_control_to_broker_svc_only():
 # which: these rules name folders, never files, so a new module is checked by where it is put.
 BLOCKING_FOLDERS = ("broker_svc/connection/", "control/blocking/")
 ASYNC_FOLDERS = ("worker/", "control/aio/", "broker_svc/aio/")
-PURE_FOLDERS = ("broker_svc/wire/", "control/protocol/")
+PURE_FOLDERS = ("broker_svc/wire/", "control/protocol/", "broker_svc/schedules/")
 IO_LIBRARIES = {"pika", "aio_pika", "aiormq", "pamqp", "socket", "asyncio", "selectors"}
 
 

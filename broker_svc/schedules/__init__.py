@@ -1,0 +1,17 @@
+"""Periodic schedules, pure: when an entry fires, which missed times it fires, and each fire's id.
+
+No I/O and no clock reads: every function takes the time (UTC epoch seconds, as ``time.time()``).
+The scheduler runtime (leader, journal, publishing) builds on these.
+"""
+
+from __future__ import annotations
+
+from broker_svc.schedules.cron_fields import Cronspec
+from broker_svc.schedules.crontab import Crontab, crontab
+
+__all__ = [
+    # schedules: when an entry fires
+    "Crontab",
+    "Cronspec",
+    "crontab",
+]
