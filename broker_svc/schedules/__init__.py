@@ -8,10 +8,15 @@ from __future__ import annotations
 
 from broker_svc.schedules.cron_fields import Cronspec
 from broker_svc.schedules.crontab import Crontab, crontab
+from broker_svc.schedules.interval import Every
+from broker_svc.schedules.schedule import Schedule, schedule_from_json
 
 __all__ = [
     # schedules: when an entry fires
     "Crontab",
     "Cronspec",
+    "Every",
+    "Schedule",
     "crontab",
+    "schedule_from_json",
 ]
