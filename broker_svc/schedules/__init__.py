@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from broker_svc.schedules.cron_fields import Cronspec
 from broker_svc.schedules.crontab import Crontab, crontab
+from broker_svc.schedules.entry import DEFAULT_CATCH_UP_WINDOW_S, CatchUp, Entry, Overlap, parse_beat_schedule
 from broker_svc.schedules.interval import Every
 from broker_svc.schedules.schedule import Schedule, schedule_from_json
 
@@ -19,4 +20,10 @@ __all__ = [
     "Schedule",
     "crontab",
     "schedule_from_json",
+    # entries: what fires, and Celery's beat_schedule
+    "CatchUp",
+    "DEFAULT_CATCH_UP_WINDOW_S",
+    "Entry",
+    "Overlap",
+    "parse_beat_schedule",
 ]
