@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from broker_svc.schedules.cron_fields import Cronspec
 from broker_svc.schedules.crontab import Crontab, crontab
+from broker_svc.schedules.due import FIRE_ID_NAMESPACE, MAX_CATCH_UP, due_times, fire_id, next_due
 from broker_svc.schedules.entry import DEFAULT_CATCH_UP_WINDOW_S, CatchUp, Entry, Overlap, parse_beat_schedule
 from broker_svc.schedules.interval import Every
 from broker_svc.schedules.schedule import Schedule, schedule_from_json
@@ -26,4 +27,10 @@ __all__ = [
     "Entry",
     "Overlap",
     "parse_beat_schedule",
+    # firing: what is due now, when next, under which task id
+    "FIRE_ID_NAMESPACE",
+    "MAX_CATCH_UP",
+    "due_times",
+    "fire_id",
+    "next_due",
 ]

@@ -132,6 +132,20 @@ def test_broker_svc_leader_exports_exactly_the_election_its_hooks_and_its_error(
         assert getattr(broker_svc.leader, name) is not None
 
 
+def test_broker_svc_schedules_exports_exactly_the_schedules_entries_and_firing():
+    import broker_svc.schedules
+
+    assert sorted(broker_svc.schedules.__all__) == sorted(
+        [
+            "Crontab", "Cronspec", "Every", "Schedule", "crontab", "schedule_from_json",
+            "CatchUp", "DEFAULT_CATCH_UP_WINDOW_S", "Entry", "Overlap", "parse_beat_schedule",
+            "FIRE_ID_NAMESPACE", "MAX_CATCH_UP", "due_times", "fire_id", "next_due",
+        ]
+    )  # fmt: skip
+    for name in broker_svc.schedules.__all__:
+        assert getattr(broker_svc.schedules, name) is not None
+
+
 # broker_svc/leader/ is blocking (threads) but opens no socket of its own: its one connection is
 # broker_svc/connection/lease_connection.py, a FrameSocket (no pika), so the folder imports no
 # AMQP library, no socket and no asyncio; an embedding worker runs it on threads.
