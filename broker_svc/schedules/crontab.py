@@ -89,9 +89,8 @@ class Crontab:
             object.__setattr__(self, name, parse_field(name, value))
             spec[name] = value
         if not any(day <= _LONGEST_MONTH[m] for m in self.month_of_year for day in self.day_of_month):
-            raise ValueError(
-                f"crontab: day_of_month {day_of_month!r} never occurs in month_of_year {month_of_year!r}"
-            )
+            dom, moy = spec["day_of_month"], spec["month_of_year"]
+            raise ValueError(f"crontab: day_of_month {dom!r} never occurs in month_of_year {moy!r}")
         object.__setattr__(self, "_spec", spec)
         object.__setattr__(self, "timezone", timezone)
         object.__setattr__(self, "_zone", load_zone(timezone))
@@ -217,6 +216,10 @@ class Crontab:
 
     def _key(self) -> tuple[Any, ...]:
         return (*(getattr(self, name) for name in _FIELD_NAMES), self.timezone)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt from its JSON: pickle and copy would otherwise set the slots one by one.
+        return (Crontab.from_json, (self.to_json(),))
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"Crontab is immutable; make a new one (or use with_timezone) to change {name}")

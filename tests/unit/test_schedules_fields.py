@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 
 from broker_svc.schedules import Crontab, crontab
@@ -132,3 +135,11 @@ def test_a_crontab_is_immutable():
     c = Crontab(minute=0)
     with pytest.raises(AttributeError, match="immutable"):
         c.minute = frozenset({1})
+
+
+def test_a_crontab_pickles_and_copies_as_an_equal_one():
+    c = Crontab(minute="*/15", hour=[1, 2], day_of_week="mon-fri", timezone="Europe/Berlin")
+    for again in (pickle.loads(pickle.dumps(c)), copy.copy(c), copy.deepcopy(c)):
+        assert again == c
+        assert again.to_json() == c.to_json()
+        assert again.next_after(1_767_225_600) == c.next_after(1_767_225_600)
