@@ -29,6 +29,8 @@ __all__ = [
     "EVENT_EXCHANGE",
     "MEMBERS_ROUTING_KEY",
     "EXPIRED_QUEUE",
+    "beat_journal_stream",
+    "beat_snapshot_queue",
     "chord_join_queue",
     "control_reply_queue",
     "dead_letter_queue",
@@ -335,6 +337,8 @@ def event_queue(routing_key: str = "#") -> QueueSpec:
 # imported here, after everything they use is defined, so every name stays importable from here.
 from broker_svc.topology_streams import (  # noqa: E402
     EXPIRED_QUEUE,
+    beat_journal_stream,
+    beat_snapshot_queue,
     chord_join_queue,
     dependents_queue,
     leader_queue,

@@ -12,6 +12,8 @@ from broker_svc.topology import DEFAULT_NAMESPACE, MEMBERS_ROUTING_KEY, QueueSpe
 
 __all__ = [
     "EXPIRED_QUEUE",
+    "beat_journal_stream",
+    "beat_snapshot_queue",
     "chord_join_queue",
     "dependents_queue",
     "leader_queue",
@@ -129,4 +131,38 @@ def leader_queue(name: str) -> QueueSpec:
         name=f"clockwork.leader.{name}",
         durable=True,
         arguments={"x-queue-type": "quorum", "x-single-active-consumer": True},
+    )
+
+
+def beat_journal_stream(name: str) -> QueueSpec:
+    """The journal of the scheduler ``name`` (``broker_svc/beat/``): what it fired, what finished,
+    and the schedule changes made at runtime.
+
+    Each fire reaches its task queue and this stream in one publish (the stream is the message's
+    ``BCC``), and fired tasks answer to it (their ``reply_to``), so a new leader reads here what
+    the last one did. Records live a week, at most 256 MB; the leader saves its state every minute
+    (``beat_snapshot_queue``), so only the records after the latest snapshot are ever read back.
+    """
+    return QueueSpec(
+        name=f"clockwork.beat.{name}.journal",
+        durable=True,
+        arguments={
+            "x-queue-type": "stream",
+            "x-max-age": "604800s",
+            "x-stream-max-segment-size-bytes": 8_000_000,
+            "x-max-length-bytes": 256_000_000,
+        },
+    )
+
+
+def beat_snapshot_queue(name: str) -> QueueSpec:
+    """The scheduler ``name``'s latest state and the journal offset it covers: one message.
+
+    A quorum queue (it survives the loss of a node) holding at most one message: a new snapshot
+    pushes the old one out (``drop-head``). Readers peek at it (get, then requeue).
+    """
+    return QueueSpec(
+        name=f"clockwork.beat.{name}.snapshot",
+        durable=True,
+        arguments={"x-queue-type": "quorum", "x-max-length": 1, "x-overflow": "drop-head"},
     )

@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 from broker_svc.errors import BrokerUnavailable, ConfigurationError
 from broker_svc.logging import configure_logging
 from broker_svc.settings import split_names
+from worker.beat import add_beat_options, beat_for
 from worker.config import (
     DEFAULT_CONSUMER_TIMEOUT_S,
     DEFAULT_HOSTNAME,
@@ -112,7 +113,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="prefork",
         help="prefork only (the default); other pools are not built yet",
     )
-    parser.add_argument("-B", "--beat", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "-B", "--beat", action="store_true",
+        help="also run the periodic scheduler (any number of workers may: one leads and fires)",
+    )  # fmt: skip
+    add_beat_options(parser)
     parser.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish tasks")
     parser.add_argument("--time-limit", type=float, default=None, help="default hard time limit (s)")
     parser.add_argument("--soft-time-limit", type=float, default=None, help="default soft time limit (s)")
@@ -197,11 +202,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(
             f"-P {args.pool}: Clockwork runs tasks in a process pool (prefork); solo, threads, gevent and "
             "eventlet pools are not built yet"
-        )
-    if args.beat:
-        parser.error(
-            "-B: Clockwork has no embedded scheduler yet; run `celery beat` beside the worker: it sends "
-            "Celery task messages, which Clockwork workers run"
         )
     if args.concurrency is not None and args.concurrency < 1:
         parser.error(f"-c/--concurrency must be at least 1, got {args.concurrency}")
@@ -298,6 +298,15 @@ def _start(args: argparse.Namespace) -> int:
         children_consume=args.children_consume,
         threads=args.threads,
     )
+    beat = None
+    if args.beat:
+        if args.broker:
+            app.conf["broker_url"] = args.broker  # the scheduler sends through the app
+        try:
+            beat = beat_for(app, args)
+        except ValueError as exc:  # an invalid beat_schedule
+            return _say(str(exc), status=2)
+        beat.start()
     try:
         return _run(WorkerService(config, app).run())
     except ConfigurationError as exc:  # a queue declared otherwise before (an ordered one, say)
@@ -306,6 +315,9 @@ def _start(args: argparse.Namespace) -> int:
         if args.loglevel.lower() == "debug":
             traceback.print_exc()
         return _say(str(exc))
+    finally:
+        if beat is not None:
+            beat.stop()  # hands over (saving the schedule's state) before the worker exits
 
 
 def _say(message: str, *, status: int = 1) -> int:

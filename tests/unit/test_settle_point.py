@@ -25,6 +25,8 @@ ALLOWED = {
     "control/blocking/members_feed.py",
     # Task-state records read by a client's state feed, not task deliveries.
     "broker_svc/connection/state_feed.py",
+    # A scheduler's journal records (acked as read) and its snapshot (peeked: got, then requeued).
+    "broker_svc/connection/beat_journal.py",
     # Chord parts, not task deliveries: acked in the transaction that sends their chord's body.
     "worker/consume/chord_join.py",
     # Tasks waiting for their dependencies (in the dependents queue, not a task queue): each acked

@@ -1,0 +1,293 @@
+"""The periodic scheduler: any number of instances stand for election, and only the leader fires.
+
+``Beat(app)`` fires the entries of ``app.conf.beat_schedule`` (and those added at runtime) for as
+long as it leads the role ``beat.<name>`` (``broker_svc/leader/``). Why a fire is never doubled
+nor lost across a failover:
+
+- **One publish.** A fire goes to its task queue and to the scheduler's journal stream in one
+  publish (the journal is the message's ``BCC``), so a fire the broker took is in the journal.
+- **A new leader reads the journal** (``inaugurate``): the latest snapshot, then every record
+  after it, up to now; it fires only scheduled times after the last one fired (``due_times``,
+  with the entry's catch-up policy for times missed while no one led).
+- **Deterministic ids** (``fire_id``: entry and scheduled instant): should two leaders ever fire
+  the same time (a leader frozen between its lease check and its publish), both copies carry the
+  same task id.
+- **Fenced:** every publish comes right after ``term.guard()``.
+
+Fired tasks answer to the journal (``reply_to``), which is how ``overlap="skip"`` learns that a
+run finished. See docs/guide.md, "Periodic tasks".
+"""
+
+from __future__ import annotations
+
+import heapq
+import queue
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Final
+
+from broker_svc.beat.state import BeatState
+from broker_svc.errors import BrokerSvcError
+from broker_svc.library_log import get_logger
+from broker_svc.schedules import Entry, due_times, fire_id, next_due, parse_beat_schedule
+from broker_svc.signature import Signature
+from broker_svc.wire.beat_record import Change, Fire, FireMark
+
+if TYPE_CHECKING:
+    from broker_svc.app import App
+    from broker_svc.connection.beat_journal import Journal, JournalFollower
+    from broker_svc.leader import Election, Term
+
+__all__ = ["Beat"]
+
+log = get_logger("broker_svc.beat")
+
+_Prepared = tuple[Signature, str, FireMark]  # a fire ready to send: its message, task id, mark
+
+_POLL_S: Final = 0.25  # how soon a change or an answer read from the journal takes effect
+_RETRY_S: Final = 1.0  # after a failed publish
+
+
+class Beat:
+    """A scheduler instance. Start as many as you like (in workers with ``-B``, or
+    ``clockwork-beat``); the one elected leader fires.
+
+    Args:
+        app: sends the tasks (its routes and settings apply), and gives ``beat_schedule`` and
+            ``timezone`` from ``app.conf``.
+        name: the scheduler; instances of one name share a leader, a journal and a schedule.
+        entries: the configured entries (default: ``app.conf.beat_schedule``).
+        lease_s: the leader's lease (failover is about the broker noticing a dead leader plus this).
+        grace_s: how late a fire may be and still count as on time (``catch_up="skip"``).
+        overlap_timeout_s: an ``overlap="skip"`` entry's run that has not answered after this long
+            counts as over (it may ignore its result, or its answer may be lost).
+        snapshot_interval_s: how often the leader saves its state.
+
+    Raises:
+        ValueError: ``beat_schedule`` or an entry is invalid.
+    """
+
+    def __init__(
+        self,
+        app: App,
+        *,
+        name: str = "default",
+        entries: Sequence[Entry] | None = None,
+        lease_s: float = 10.0,
+        grace_s: float = 1.0,
+        overlap_timeout_s: float = 3600.0,
+        snapshot_interval_s: float = 60.0,
+    ) -> None:
+        from broker_svc.connection.beat_journal import Journal
+        from broker_svc.leader import Election
+
+        self.app = app
+        self.name = name
+        if entries is None:
+            schedule = app.conf.get("beat_schedule") or {}
+            entries = parse_beat_schedule(schedule, timezone=app.conf.get("timezone"))
+        self.configured: list[Entry] = list(entries)
+        self._grace_s = grace_s
+        self._overlap_timeout_s = overlap_timeout_s
+        self._snapshot_interval_s = snapshot_interval_s
+        self.journal: Journal = Journal(app.settings, name)
+        self.election: Election = Election(app.settings, name=f"beat.{name}", hooks=self, lease_s=lease_s)
+        self.state = BeatState()
+        self._offset = -1
+        self._follower: JournalFollower | None = None
+        self._bound: set[str] = set()
+        self.fired = 0  # fires this instance sent (for stats and tests)
+
+    # -- running -----------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Stand for election and fire while leading, until :meth:`stop`; blocks."""
+        self.election.run()
+
+    def start(self) -> None:
+        """:meth:`run` on a thread of its own (a worker with ``-B``)."""
+        self.election.start()
+
+    def request_stop(self) -> None:
+        """Ask to hand over and leave; safe in a signal handler."""
+        self.election.request_stop()
+
+    def stop(self, timeout_s: float | None = 30.0) -> None:
+        """Hand over (saving the state) and leave; waits for :meth:`start`'s thread."""
+        self.election.stop(timeout_s)
+
+    def is_leader(self) -> bool:
+        return self.election.is_leader()
+
+    # -- the hooks ---------------------------------------------------------------------------------
+
+    def inaugurate(self, term: Term) -> None:
+        from broker_svc.connection.beat_journal import JournalFollower
+
+        self.state, self._offset = self.journal.read_state()
+        self._follower = JournalFollower(self.app.settings, self.name, start=self._offset + 1)
+        log.info(
+            "beat_leading", scheduler=self.name, epoch=term.epoch, entries=len(self.configured),
+            offset=self._offset, handed_over=term.previous_handed_over,
+        )  # fmt: skip
+
+    def execute(self, term: Term) -> None:
+        self.state.configured = {entry.name: entry.to_json() for entry in self.configured}
+        self._save(term)  # so ``ctl schedule list`` shows this leader's entries at once
+        entries = self.state.entries(self.configured)
+        heap = self._plan(entries, time.time())
+        next_snapshot = time.monotonic() + self._snapshot_interval_s
+        wait_s = 0.0
+        while term.wait(wait_s):
+            if self._read_journal():
+                entries = self.state.entries(self.configured)
+                heap = self._plan(entries, time.time())
+            now = time.time()
+            fires: list[tuple[Entry, float, str | None]] = []
+            while heap and heap[0][0] <= now:
+                _, name = heapq.heappop(heap)
+                entry = entries.get(name)
+                if entry is None:
+                    continue
+                fires.extend((entry, at, None) for at in self._due(entry, now))
+                heapq.heappush(heap, (next_due(entry, now), name))
+            for change_id, name in list(self.state.run_now.items()):
+                if name in entries:
+                    fires.append((entries[name], now, change_id))
+                else:
+                    log.warning("beat_run_now_unknown_entry", scheduler=self.name, entry=name)
+                    self.state.run_now.pop(change_id)
+            wait_s = _POLL_S
+            if fires and not self._fire(term, fires):
+                wait_s = _RETRY_S
+                heap = self._plan(entries, now)  # the ones not sent are due again
+            if time.monotonic() >= next_snapshot:
+                self._save(term)
+                next_snapshot = time.monotonic() + self._snapshot_interval_s
+            if heap:
+                wait_s = max(0.0, min(wait_s, heap[0][0] - time.time()))
+
+    def hand_over(self, term: Term) -> Any:
+        if term.still_leader():
+            self._read_journal()
+            self._save(term)
+        if self._follower is not None:
+            self._follower.close()
+            self._follower = None
+        log.info("beat_stepped_down", scheduler=self.name, epoch=term.epoch, graceful=term.still_leader())
+        return None
+
+    # -- the leader's work -------------------------------------------------------------------------
+
+    def _plan(self, entries: dict[str, Entry], now: float) -> list[tuple[float, str]]:
+        heap = []
+        for name, entry in entries.items():
+            last = self.state.last_fired.get(name)
+            # Due now if a time was missed; otherwise at the entry's next time.
+            due = next_due(entry, last if last is not None else now - self._grace_s)
+            heap.append((due, name))
+        heapq.heapify(heap)
+        return heap
+
+    def _due(self, entry: Entry, now: float) -> list[float]:
+        times = due_times(
+            entry, last_fired=self.state.last_fired.get(entry.name), now=now, grace_s=self._grace_s
+        )
+        if times and entry.overlap == "skip":
+            if self.state.running(entry.name, now=now, timeout_s=self._overlap_timeout_s):
+                log.info("beat_fire_skipped", scheduler=self.name, entry=entry.name, reason="still running")
+                self.state.last_fired[entry.name] = times[-1]
+                return []
+            times = times[-1:]  # one run at a time: the latest
+        return times
+
+    def _fire(self, term: Term, fires: list[tuple[Entry, float, str | None]]) -> bool:
+        """Send the fires, confirmed; apply each to the state. False: none was sent (retry)."""
+        prepared = [self._prepare(term, entry, at, run_now) for entry, at, run_now in fires]
+        try:
+            term.guard()
+            self.app.send_many([signature for signature, _, _ in prepared], wait=True)
+        except (TypeError, ValueError) as exc:  # an entry the app cannot send (bad options, too large)
+            if len(prepared) == 1:
+                self._drop(prepared[0][2], exc)
+                return True
+            sent = [item for item in prepared if self._send_one(term, item)]
+            self._sent(sent)
+            return True
+        except BrokerSvcError as exc:
+            log.warning("beat_fire_failed", scheduler=self.name, error=str(exc), fires=len(fires))
+            return False
+        self._sent(prepared)
+        return True
+
+    def _prepare(self, term: Term, entry: Entry, at: float, run_now: str | None) -> _Prepared:
+        mark = FireMark(entry=entry.name, scheduled=at, epoch=term.epoch, run_now=run_now)
+        task_id = fire_id(
+            entry.name if run_now is None else f"{entry.name}/run-now/{run_now}", mark.scheduled
+        )
+        options = {**entry.options, "task_id": task_id, "reply_to": self.journal.stream.name}
+        # The BCC puts the same message in the journal; RabbitMQ removes the header on delivery.
+        options["headers"] = {
+            **(options.get("headers") or {}),
+            **mark.headers(),
+            "BCC": [self.journal.stream.name],
+        }
+        self._bind_exchange(options.get("exchange"))
+        return Signature(entry.task, entry.args, dict(entry.kwargs), options), task_id, mark
+
+    def _send_one(self, term: Term, item: _Prepared) -> bool:
+        try:
+            term.guard()
+            self.app.send_many([item[0]], wait=True)
+        except (TypeError, ValueError) as exc:
+            self._drop(item[2], exc)
+            return False
+        return True
+
+    def _drop(self, mark: FireMark, exc: Exception) -> None:
+        # Retrying cannot help: the time counts as fired, and the error is logged each time.
+        log.error("beat_fire_invalid", scheduler=self.name, entry=mark.entry, error=str(exc))
+        if mark.run_now is not None:
+            self.state.run_now.pop(mark.run_now, None)
+        else:
+            self.state.last_fired[mark.entry] = mark.scheduled
+
+    def _sent(self, sent: list[_Prepared]) -> None:
+        now = time.time()
+        for _, task_id, mark in sent:
+            self.state.apply(Fire(task_id, mark), fired_at=now)
+            log.info(
+                "beat_fired", scheduler=self.name, entry=mark.entry, task_id=task_id,
+                scheduled=mark.scheduled, late_s=round(now - mark.scheduled, 3),
+            )  # fmt: skip
+        self.fired += len(sent)
+
+    def _bind_exchange(self, exchange: Any) -> None:
+        # The BCC is a routing key on the exchange the task goes to: on a named one, the journal
+        # needs a binding by its own name there.
+        if isinstance(exchange, str) and exchange and exchange not in self._bound:
+            self.journal.bind(exchange)
+            self._bound.add(exchange)
+
+    def _read_journal(self) -> bool:
+        """Apply what the follower read; True when the entries changed."""
+        follower = self._follower
+        changed = False
+        if follower is None:
+            return False
+        while True:
+            try:
+                offset, item = follower.records.get_nowait()
+            except queue.Empty:
+                return changed
+            self._offset = max(self._offset, offset)
+            changed = self.state.apply(item) or changed
+            if isinstance(item, Change):
+                log.info("beat_schedule_changed", scheduler=self.name, op=item.op, entry=item.name)
+
+    def _save(self, term: Term) -> None:
+        try:
+            term.guard()
+            self.journal.save_snapshot(self.state, self._offset)
+        except BrokerSvcError as exc:
+            log.warning("beat_snapshot_failed", scheduler=self.name, error=str(exc))
