@@ -16,6 +16,7 @@ from broker_svc.errors import ConfigurationError
 
 if TYPE_CHECKING:
     from broker_svc.app import App
+    from broker_svc.beat.schedule_client import ScheduleClient
 
 __all__ = ["CONTROL_ENTRY_POINT_GROUP", "ControlPlane", "Destination", "Inspector", "Replies", "load_control"]
 
@@ -120,6 +121,7 @@ class ControlPlane(Protocol):
         self, max: int | None, min: int | None, destination: Destination = None, **kwargs: Any
     ) -> Replies: ...
 
+    def schedules(self, scheduler: str = "default") -> ScheduleClient: ...
     def close(self) -> None: ...
 
 

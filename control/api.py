@@ -6,6 +6,7 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from broker_svc.beat.schedule_client import ScheduleClient
 from broker_svc.clock import LamportClock
 from broker_svc.control_plane import Destination
 from broker_svc.errors import BrokerSvcError
@@ -246,6 +247,11 @@ class Control:
     ) -> list[dict[str, Any]] | None:
         """Change the autoscale range of workers started with ``--autoscale`` (None keeps a bound)."""
         return self.broadcast("autoscale", {"max": max, "min": min}, destination=destination, **kwargs)
+
+    def schedules(self, scheduler: str = "default") -> ScheduleClient:
+        """The periodic schedule of ``scheduler``: ``list()``, and ``add``, ``remove``, ``pause``,
+        ``resume``, ``run_now`` at runtime (durable; applied by the leading scheduler instance)."""
+        return ScheduleClient(self.settings, scheduler)
 
 
 class Inspect:

@@ -33,6 +33,7 @@ from control.cli.render import (
     show,
     summarize,
 )
+from control.cli.schedule import add_schedule_parser, schedule_command
 from control.cli.task_history import task_command
 from control.cli.watch import queues_command, top_command
 from control.protocol.commands import COMMANDS, CommandKind, Param
@@ -148,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     events = commands.add_parser("events", parents=[common], help="follow live events")
     events.add_argument("--count", type=int, default=None, metavar="N", help="stop after N events")
     events.add_argument("--duration", type=float, default=None, metavar="S", help="stop after S seconds")
+    add_schedule_parser(commands, common)
     return parser
 
 
@@ -352,6 +354,7 @@ _COMMANDS: Final[dict[str, Command]] = {
     "shutdown": _shutdown,
     "events": _events,
     "task": task_command,
+    "schedule": schedule_command,
 }
 
 

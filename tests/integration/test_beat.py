@@ -7,6 +7,8 @@ shared by the module; each test has a scheduler name and a runs journal of its o
 
 from __future__ import annotations
 
+import io
+import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,10 +16,12 @@ from typing import Any
 
 import pytest
 
+from broker_svc import App, Settings
 from broker_svc.schedules import fire_id
+from control.cli.main import main as ctl_main
 from tests.infra.session_broker import SessionBroker
 from tests.support.beats import BeatProcess, new_journal, runs, schedule_env
-from tests.support.waiting import wait_for
+from tests.support.waiting import poll, wait_for
 from tests.support.workers import WorkerProcess, unique_queue
 
 APP = "tests.integration.beat_tasks:app"
@@ -133,6 +137,100 @@ def test_overlap_skip_never_starts_a_run_while_the_last_one_runs(url: str, queue
     done = sorted(runs(journal), key=lambda run: run["start"])
     assert all(later["start"] >= earlier["end"] for earlier, later in zip(done, done[1:], strict=False)), done
     assert skipped >= 2  # a 1 s entry with 2.2 s runs skips at least one time per run
+
+
+def test_schedule_changes_at_runtime_add_pause_run_now_resume_and_remove_and_last(
+    url: str, queue: str, tmp_path: Path
+):
+    journal = new_journal(tmp_path)
+    scheduler = f"s-{uuid.uuid4().hex[:8]}"
+    app = App("beat-changes", settings=Settings(broker_url=url))
+    schedules = app.control.schedules(scheduler)
+    try:
+        with BeatProcess(url, scheduler=scheduler, env=schedule_env({})) as beat:
+            beat.first("beat_leading")
+            schedules.add("added", "beat.tick", 1.0, args=[str(journal), 0.0], options={"queue": queue})
+            _wait_runs(journal, 2)
+            schedules.pause("added")
+            wait_for(lambda: beat.count("beat_schedule_changed") >= 2, timeout_s=10, message="pause applied")
+            paused_at = len(runs(journal))
+            change_id = schedules.run_now("added")
+            _wait_runs(journal, paused_at + 1)
+            # Paused: in 2.5 s nothing fires but the run-now.
+            assert poll(lambda: len(runs(journal)) > paused_at + 1, timeout_s=2.5) is None
+            assert [run["run_now"] for run in runs(journal)[paused_at:]] == [change_id]
+        # The changes are durable: a new scheduler of the name has the entry, still paused.
+        [listed] = schedules.list()
+        assert (listed.entry.name, listed.entry.paused, listed.source, listed.next_fire) == (
+            "added",
+            True,
+            "added",
+            None,
+        )
+        with BeatProcess(url, scheduler=scheduler, env=schedule_env({})) as again:
+            again.first("beat_leading")
+            schedules.resume("added")
+            count = len(runs(journal))
+            _wait_runs(journal, count + 2)
+            schedules.remove("added")
+            wait_for(
+                lambda: again.count("beat_schedule_changed") >= 2, timeout_s=10, message="remove applied"
+            )
+            count = len(runs(journal)) + 1  # one fire may have been on its way
+            assert poll(lambda: len(runs(journal)) > count, timeout_s=2.5) is None  # removed: none fires
+        assert schedules.list() == []
+        with pytest.raises(KeyError, match="no entry 'added'"):
+            schedules.pause("added")
+    finally:
+        app.close()
+    scheduled = [run for run in runs(journal) if run["run_now"] is None]
+    assert len({run["scheduled"] for run in scheduled}) == len(scheduled)
+
+
+def test_ctl_schedule_lists_the_configured_entries_and_changes_them(
+    url: str, queue: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    journal = new_journal(tmp_path)
+    scheduler = f"s-{uuid.uuid4().hex[:8]}"
+    env = schedule_env({"tick": _tick(journal, queue, catch_up="skip")})
+
+    def ctl(*argv: str) -> tuple[int, str, str]:
+        out, err = io.StringIO(), io.StringIO()
+        status = ctl_main(["schedule", *argv, "--scheduler", scheduler, "-b", url], out=out, err=err)
+        return status, out.getvalue(), err.getvalue()
+
+    with BeatProcess(url, scheduler=scheduler, env=env) as beat:
+        beat.first("beat_leading")
+        _wait_runs(journal, 1)
+        status, listed, _ = ctl("list")
+        assert status == 0
+        [header, row] = listed.splitlines()
+        assert header.split()[:4] == ["NAME", "TASK", "SCHEDULE", "STATE"]
+        assert row.split()[:5] == ["tick", "beat.tick", "every", "1s", "active"]
+        args = json.dumps([str(journal), 0.0])
+        cron = ["--cron", "* * * * *", "--timezone", "Europe/Berlin"]
+        assert ctl("add", "minutely", "beat.tick", *cron, "--args", args, "--queue", queue)[0] == 0
+        assert ctl("pause", "tick")[0] == 0
+        wait_for(
+            lambda: beat.count("beat_schedule_changed") >= 2, timeout_s=10, message="the changes applied"
+        )
+        status, shown, _ = ctl("list", "--json")
+        entries = {entry["name"]: entry for entry in json.loads(shown)}
+        assert entries["tick"]["paused"] is True and entries["tick"]["source"] == "configured"
+        assert entries["minutely"]["schedule"]["timezone"] == "Europe/Berlin"
+        assert entries["minutely"]["next_fire"].endswith(":00.000+00:00")
+        assert ctl("run-now", "minutely")[0] == 0
+        wait_for(
+            lambda: any(run["entry"] == "minutely" and run["run_now"] for run in runs(journal)),
+            timeout_s=20,
+            message="the run-now ran",
+        )
+        status, _, err = ctl("remove", "nosuch")
+        assert status == 1 and "no entry 'nosuch'" in err
+    with pytest.raises(SystemExit) as exited:  # a usage error, as argparse reports one
+        ctl("add", "bad", "beat.tick", "--cron", "61 * * * *")
+    assert exited.value.code == 2
+    assert "crontab minute: 61" in capsys.readouterr().err
 
 
 def test_workers_with_dash_b_run_one_scheduler_between_them(url: str, queue: str, tmp_path: Path):
