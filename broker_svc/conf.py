@@ -109,7 +109,7 @@ READ_BY_CLOCKWORK: Final = frozenset(
         "task_default_priority", "task_time_limit", "task_soft_time_limit", "worker_concurrency",
         "worker_prefetch_multiplier", "result_accept_content", "task_track_started",
         "worker_max_tasks_per_child", "worker_max_memory_per_child", "task_always_eager",
-        "task_eager_propagates", "task_queues",
+        "task_eager_propagates", "task_queues", "timezone",
     }
 )  # fmt: skip
 
@@ -119,7 +119,6 @@ ACCEPTED_AS_DESIGNED: Final[Mapping[str, str]] = {
     "task_reject_on_worker_lost": "a task whose child died is redelivered up to delivery_limit times",
     "task_acks_on_failure_or_timeout": "a failed task is acked after its FAILURE result is confirmed",
     "enable_utc": "Clockwork's timestamps are UTC",
-    "timezone": "Clockwork's timestamps are UTC",
     "broker_connection_retry_on_startup": "Clockwork's connections retry within reconnect_window_s",
     "broker_connection_retry": "Clockwork's connections retry within reconnect_window_s",
     "task_create_missing_queues": "a task queue is declared by whoever uses it first",
