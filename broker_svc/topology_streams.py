@@ -8,12 +8,20 @@ from __future__ import annotations
 
 from typing import Final
 
-from broker_svc.topology import DEFAULT_NAMESPACE, MEMBERS_ROUTING_KEY, QueueSpec, event_exchange
+from broker_svc.topology import (
+    DEFAULT_NAMESPACE,
+    MEMBERS_ROUTING_KEY,
+    ExchangeSpec,
+    QueueSpec,
+    event_exchange,
+)
 
 __all__ = [
     "EXPIRED_QUEUE",
     "beat_journal_stream",
+    "beat_router_exchange",
     "beat_snapshot_queue",
+    "beat_term_exchange",
     "chord_join_queue",
     "dependents_queue",
     "leader_queue",
@@ -166,3 +174,19 @@ def beat_snapshot_queue(name: str) -> QueueSpec:
         durable=True,
         arguments={"x-queue-type": "quorum", "x-max-length": 1, "x-overflow": "drop-head"},
     )
+
+
+def beat_router_exchange(name: str) -> ExchangeSpec:
+    """Where the scheduler ``name``'s fires are routed: each task queue is bound here by its
+    name (and a named exchange by its routing key), the journal by its own name (the ``BCC``)."""
+    return ExchangeSpec(name=f"clockwork.beat.{name}.router", type="direct", durable=True)
+
+
+def beat_term_exchange(name: str, epoch: int) -> ExchangeSpec:
+    """The one exchange the leader of term ``epoch`` fires through (bound to the router).
+
+    The broker's fence: the next leader deletes it before reading the journal, so a publish from
+    a leader that lost its term (frozen between its lease check and its publish) is refused (404)
+    instead of firing a time the next leader fires too.
+    """
+    return ExchangeSpec(name=f"clockwork.beat.{name}.term.{epoch}", type="fanout", durable=True)

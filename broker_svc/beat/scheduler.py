@@ -30,7 +30,9 @@ from broker_svc.beat.state import BeatState
 from broker_svc.errors import BrokerSvcError
 from broker_svc.library_log import get_logger
 from broker_svc.schedules import Entry, due_times, fire_id, next_due, parse_beat_schedule
+from broker_svc.send_message import build_message
 from broker_svc.signature import Signature
+from broker_svc.topology import beat_term_exchange
 from broker_svc.wire.beat_record import Change, Fire, FireMark
 
 if TYPE_CHECKING:
@@ -95,7 +97,8 @@ class Beat:
         self.state = BeatState()
         self._offset = -1
         self._follower: JournalFollower | None = None
-        self._bound: set[str] = set()
+        self._term_exchange = ""  # this term's exchange (broker_svc.topology.beat_term_exchange)
+        self._routed: set[tuple[str, str | None]] = set()  # destinations bound to the router
         self.fired = 0  # fires this instance sent (for stats and tests)
 
     # -- running -----------------------------------------------------------------------------------
@@ -124,11 +127,21 @@ class Beat:
     def inaugurate(self, term: Term) -> None:
         from broker_svc.connection.beat_journal import JournalFollower
 
-        self.state, self._offset = self.journal.read_state()
+        read = self.journal.read_state()
+        # The fence: delete the exchanges earlier leaders fired through, then read the journal
+        # again. A fire that got through before the delete is in the journal now; one after it
+        # is refused by the broker. Only then is a time not in the journal a time not fired.
+        fenced = (read[0].terms | {term.previous_epoch}) - {0, term.epoch}
+        self.journal.fence(fenced)
+        self.state, self._offset = self.journal.read_state(read)
+        self.state.terms -= fenced
+        self.journal.open_term(term.epoch)
+        self._term_exchange = beat_term_exchange(self.name, term.epoch).name
+        self._routed = set()
         self._follower = JournalFollower(self.app.settings, self.name, start=self._offset + 1)
         log.info(
             "beat_leading", scheduler=self.name, epoch=term.epoch, entries=len(self.configured),
-            offset=self._offset, handed_over=term.previous_handed_over,
+            offset=self._offset, handed_over=term.previous_handed_over, fenced=sorted(fenced),
         )  # fmt: skip
 
     def execute(self, term: Term) -> None:
@@ -226,14 +239,31 @@ class Beat:
             entry.name if run_now is None else f"{entry.name}/run-now/{run_now}", mark.scheduled
         )
         options = {**entry.options, "task_id": task_id, "reply_to": self.journal.stream.name}
-        # The BCC puts the same message in the journal; RabbitMQ removes the header on delivery.
+        # Through this term's exchange, by the router, to where the entry would go (routes and
+        # all); the BCC puts the same message in the journal (RabbitMQ removes it on delivery).
+        key = self._route(Signature(entry.task, entry.args, dict(entry.kwargs), options))
         options["headers"] = {
             **(options.get("headers") or {}),
             **mark.headers(),
             "BCC": [self.journal.stream.name],
         }
-        self._bind_exchange(options.get("exchange"))
+        options.update(exchange=self._term_exchange, routing_key=key)
+        options.pop("queue", None)
         return Signature(entry.task, entry.args, dict(entry.kwargs), options), task_id, mark
+
+    def _route(self, signature: Signature) -> str:
+        """The routing key on the router that reaches where ``signature`` goes, bound once per term."""
+        _, (key, exchange), _ = build_message(
+            signature, conf=self.app.conf, settings=self.app.settings, clock=self.app.clock,
+            reply_queue=self.journal.stream.name,
+        )  # fmt: skip
+        if (key, exchange) not in self._routed:
+            if exchange:
+                self.journal.route_exchange(exchange, key)
+            else:
+                self.journal.route_queue(self.app.settings.task_queue(key))
+            self._routed.add((key, exchange))
+        return key
 
     def _send_one(self, term: Term, item: _Prepared) -> bool:
         try:
@@ -261,13 +291,6 @@ class Beat:
                 scheduled=mark.scheduled, late_s=round(now - mark.scheduled, 3),
             )  # fmt: skip
         self.fired += len(sent)
-
-    def _bind_exchange(self, exchange: Any) -> None:
-        # The BCC is a routing key on the exchange the task goes to: on a named one, the journal
-        # needs a binding by its own name there.
-        if isinstance(exchange, str) and exchange and exchange not in self._bound:
-            self.journal.bind(exchange)
-            self._bound.add(exchange)
 
     def _read_journal(self) -> bool:
         """Apply what the follower read; True when the entries changed."""

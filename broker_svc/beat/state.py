@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from broker_svc.schedules import Entry
-from broker_svc.wire.beat_record import Change, Done, Fire, JournalItem, Marker
+from broker_svc.wire.beat_record import Change, Done, Fire, JournalItem, Marker, TermOpened
 from broker_svc.wire.states import READY_STATES
 
 __all__ = ["BeatState", "OpenRun"]
@@ -33,6 +33,7 @@ class BeatState:
         self.paused: dict[str, bool] = {}  # pause/resume at runtime, over the entry's own flag
         self.run_now: dict[str, str] = {}  # run-now change id -> entry, not fired yet
         self._open_ids: dict[str, str] = {}  # task id -> entry, for the answers
+        self.terms: set[int] = set()  # terms whose exchange may still exist (to delete: the fence)
         self.fires = 0  # fire records applied (for stats)
 
     # -- records -------------------------------------------------------------------------------
@@ -50,6 +51,9 @@ class BeatState:
             return False
         if isinstance(item, Change):
             return self._changed(item)
+        if isinstance(item, TermOpened):
+            self.terms.add(item.epoch)
+            return False
         assert isinstance(item, Marker)
         return False
 
@@ -123,6 +127,7 @@ class BeatState:
             "paused": self.paused,
             "run_now": self.run_now,
             "fires": self.fires,
+            "terms": sorted(self.terms),
         }
 
     @classmethod
@@ -138,4 +143,5 @@ class BeatState:
         state.paused = {str(k): bool(v) for k, v in value["paused"].items()}
         state.run_now = {str(k): str(v) for k, v in value["run_now"].items()}
         state.fires = int(value.get("fires", 0))
+        state.terms = {int(epoch) for epoch in value.get("terms", ())}
         return state

@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Final
 
 import pika
@@ -26,8 +26,23 @@ from broker_svc.connection.parameters import all_connection_parameters
 from broker_svc.errors import BrokerUnavailable, MessageError
 from broker_svc.library_log import get_logger
 from broker_svc.settings import Settings
-from broker_svc.topology import DEFAULT_EXCHANGE, QueueSpec, beat_journal_stream, beat_snapshot_queue
-from broker_svc.wire.beat_record import CONTENT_TYPE, RECORD_HEADER, Change, JournalItem, Marker, classify
+from broker_svc.topology import (
+    DEFAULT_EXCHANGE,
+    QueueSpec,
+    beat_journal_stream,
+    beat_router_exchange,
+    beat_snapshot_queue,
+    beat_term_exchange,
+)
+from broker_svc.wire.beat_record import (
+    CONTENT_TYPE,
+    RECORD_HEADER,
+    Change,
+    JournalItem,
+    Marker,
+    TermOpened,
+    classify,
+)
 
 __all__ = ["Journal", "JournalFollower", "JournalRecord"]
 
@@ -78,12 +93,17 @@ class Journal:
         self.stream = beat_journal_stream(name)
         self.snapshot_queue = beat_snapshot_queue(name)
 
-    def read_state(self, *, timeout_s: float = 30.0) -> tuple[BeatState, int]:
-        """The state as of now, and the offset of the last record it covers (-1: none)."""
+    def read_state(
+        self, since: tuple[BeatState, int] | None = None, *, timeout_s: float = 30.0
+    ) -> tuple[BeatState, int]:
+        """The state as of now, and the offset of the last record it covers (-1: none).
+
+        ``since``: a state read before and its offset, to bring up to date (else the snapshot's).
+        """
         conn, channel = _connect(self._settings, f"clockwork-beat-read-{self.name}")
         try:
             _declare(channel, self.stream, self.snapshot_queue)
-            state, offset = self._snapshot(channel)
+            state, offset = since if since is not None else self._snapshot(channel)
             marker = str(uuid.uuid4())
             channel.confirm_delivery()
             self._publish(channel, marker.encode(), "marker")
@@ -109,9 +129,52 @@ class Journal:
 
         self._with_channel(publish)
 
-    def bind(self, exchange: str) -> None:
-        """Bind the journal to ``exchange`` by its own name: fires sent there reach it by ``BCC``."""
-        self._with_channel(lambda channel: channel.queue_bind(self.stream.name, exchange, self.stream.name))
+    def fence(self, epochs: Iterable[int]) -> None:
+        """Delete the term exchanges of ``epochs``: a publish from their leaders is refused (404)."""
+
+        def delete(channel: BlockingChannel) -> None:
+            for epoch in epochs:
+                channel.exchange_delete(beat_term_exchange(self.name, epoch).name)
+
+        self._with_channel(delete)
+
+    def open_term(self, epoch: int) -> None:
+        """Declare the router and the term's exchange bound to it, bind the journal to the router,
+        and record the term (so the next leader deletes its exchange)."""
+        router, term = beat_router_exchange(self.name), beat_term_exchange(self.name, epoch)
+
+        def open_(channel: BlockingChannel) -> None:
+            for exchange in (router, term):
+                channel.exchange_declare(exchange.name, exchange.type, **exchange.declare_options())
+            channel.queue_bind(self.stream.name, router.name, self.stream.name)
+            channel.exchange_bind(destination=router.name, source=term.name)
+            self._publish(channel, TermOpened(epoch).encode(), "term")
+
+        self._with_channel(open_)
+
+    def route_queue(self, spec: QueueSpec) -> None:
+        """Declare a task queue as a client sending to it would, and bind it to the router by its name."""
+        router = beat_router_exchange(self.name).name
+
+        def route(channel: BlockingChannel) -> None:
+            _declare(channel, spec)
+            if spec.exchange is not None:
+                channel.exchange_declare(
+                    spec.exchange.name, spec.exchange.type, **spec.exchange.declare_options()
+                )
+                channel.queue_bind(spec.name, spec.exchange.name, spec.routing_key)
+            channel.queue_bind(spec.name, router, spec.name)
+
+        self._with_channel(route)
+
+    def route_exchange(self, exchange: str, routing_key: str) -> None:
+        """Bind a named exchange (an entry's ``exchange=``) to the router by the entry's routing key.
+
+        Raises:
+            BrokerUnavailable: also when the exchange does not exist (declare it first).
+        """
+        router = beat_router_exchange(self.name).name
+        self._with_channel(lambda channel: channel.exchange_bind(exchange, router, routing_key))
 
     def _with_channel(self, action: Callable[[BlockingChannel], None]) -> None:
         conn, channel = _connect(self._settings, f"clockwork-beat-write-{self.name}")

@@ -1,6 +1,6 @@
 """What a scheduler's journal holds (``topology.beat_journal_stream``), record by record.
 
-Four kinds, told apart by their AMQP properties:
+Five kinds, told apart by their AMQP properties:
 
 - a **fire**: a copy of a task message the scheduler sent, with the ``clockwork_beat_*`` headers
   (:class:`FireMark`: the entry, the scheduled instant, the leader's epoch, a run-now's change id).
@@ -9,6 +9,8 @@ Four kinds, told apart by their AMQP properties:
   backend sends it; its ``correlation_id`` is the task id.
 - a **change**: a schedule change made at runtime (``ctl schedule``, ``app.schedules``), JSON with
   the ``x-clockwork-beat`` header ``change`` (:class:`Change`).
+- a **term**: a leader opened its term exchange (:class:`TermOpened`), so a later leader knows to
+  delete it.
 - a **marker**: written by a reader to learn that it has read everything written before it.
 
 Pure: no sockets. A record that is none of these is skipped by readers (:func:`classify` -> None).
@@ -42,6 +44,7 @@ __all__ = [
     "FireMark",
     "JournalItem",
     "Marker",
+    "TermOpened",
     "classify",
 ]
 
@@ -162,7 +165,17 @@ class Marker:
     id: str
 
 
-JournalItem = Fire | Done | Change | Marker
+@dataclass(frozen=True, slots=True)
+class TermOpened:
+    """A leader's term began: its term exchange exists until a later leader deletes it."""
+
+    epoch: int
+
+    def encode(self) -> bytes:
+        return json.dumps({"epoch": self.epoch}).encode()
+
+
+JournalItem = Fire | Done | Change | Marker | TermOpened
 
 
 def classify(
@@ -179,6 +192,11 @@ def classify(
         return Marker(body.decode("utf-8", "replace"))
     if kind == "change":
         return Change.decode(body)
+    if kind == "term":
+        try:
+            return TermOpened(int(json.loads(body)["epoch"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise MessageError(f"not a term record: {exc}") from exc
     if ENTRY_HEADER in headers:
         task_id = _text(headers.get("id"))
         if not task_id:

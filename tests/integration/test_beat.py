@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 
-from broker_svc import App, Settings
+from broker_svc import App, Settings, Signature, Unroutable
 from broker_svc.schedules import fire_id
+from broker_svc.topology import beat_term_exchange
 from control.cli.main import main as ctl_main
 from tests.infra.session_broker import SessionBroker
 from tests.support.beats import BeatProcess, new_journal, runs, schedule_env
@@ -251,3 +252,32 @@ def test_workers_with_dash_b_run_one_scheduler_between_them(url: str, queue: str
         _wait_runs(journal, 4)
         assert a.count("beat_leading") + b.count("beat_leading") == 1
     _assert_each_time_once(runs(journal))
+
+
+def test_the_next_leader_fences_the_last_one_out_of_firing(url: str, queue: str, tmp_path: Path):
+    """A leader that lost its term (frozen between its lease check and its publish, say) finds
+    its term's exchange deleted by the next leader: the broker refuses its late fire."""
+    journal = new_journal(tmp_path)
+    env = schedule_env({"tick": _tick(journal, queue)})
+    scheduler = f"s-{uuid.uuid4().hex[:8]}"
+    app = App("beat-fence", settings=Settings(broker_url=url))
+
+    def through(exchange: str) -> None:
+        late = Signature("beat.tick", (str(journal), 0.0), {}, {"exchange": exchange, "routing_key": queue})
+        app.send_many([late], wait=True)
+
+    try:
+        with BeatProcess(url, scheduler=scheduler, env=env) as first:
+            epoch = first.first("beat_leading")["epoch"]
+            exchange = beat_term_exchange(scheduler, epoch).name
+            through(exchange)  # while the term lasts, its exchange routes to the task queue
+            first.kill()
+        with BeatProcess(url, scheduler=scheduler, env=env) as second:
+            assert second.first("beat_leading")["fenced"] == [epoch]
+            with pytest.raises(Unroutable, match="no exchange"):
+                through(exchange)
+            before = len(runs(journal))
+            _wait_runs(journal, before + 2)  # the new leader fires through its own
+    finally:
+        app.close()
+    assert sum(1 for run in runs(journal) if run["entry"] is None) == 1  # the one sent in the first term
