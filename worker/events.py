@@ -20,7 +20,7 @@ import structlog
 
 from broker_svc.clock import LamportClock
 from broker_svc.topology import event_exchange
-from worker.event_fields import encode_event, event_body, routing_key, utcoffset
+from broker_svc.wire.event_fields import encode_event, event_body, routing_key, utcoffset
 
 __all__ = ["HEARTBEAT_FREQ_S", "EventDispatcher", "Heart", "software_version", "utcoffset"]
 

@@ -21,6 +21,7 @@ run finished. See docs/guide.md, "Periodic tasks".
 from __future__ import annotations
 
 import heapq
+import platform
 import queue
 import time
 from collections.abc import Sequence
@@ -81,6 +82,7 @@ class Beat:
         snapshot_interval_s: float = 60.0,
     ) -> None:
         from broker_svc.connection.beat_journal import Journal
+        from broker_svc.connection.event_sender import EventSender
         from broker_svc.leader import Election
 
         self.app = app
@@ -100,6 +102,9 @@ class Beat:
         self._term_exchange = ""  # this term's exchange (broker_svc.topology.beat_term_exchange)
         self._routed: set[tuple[str, str | None]] = set()  # destinations bound to the router
         self.fired = 0  # fires this instance sent (for stats and tests)
+        # Celery events (``celeryev``) for Flower-style tools: beat-leading, beat-fired,
+        # beat-skipped, beat-schedule-changed, beat-stepped-down.
+        self.events = EventSender(app.settings, hostname=f"beat.{name}@{platform.node()}", clock=app.clock)
 
     # -- running -----------------------------------------------------------------------------------
 
@@ -143,6 +148,7 @@ class Beat:
             "beat_leading", scheduler=self.name, epoch=term.epoch, entries=len(self.configured),
             offset=self._offset, handed_over=term.previous_handed_over, fenced=sorted(fenced),
         )  # fmt: skip
+        self.events.send("beat-leading", scheduler=self.name, epoch=term.epoch, entries=len(self.configured))
 
     def execute(self, term: Term) -> None:
         self.state.configured = {entry.name: entry.to_json() for entry in self.configured}
@@ -187,7 +193,10 @@ class Beat:
         if self._follower is not None:
             self._follower.close()
             self._follower = None
-        log.info("beat_stepped_down", scheduler=self.name, epoch=term.epoch, graceful=term.still_leader())
+        graceful = term.still_leader()
+        log.info("beat_stepped_down", scheduler=self.name, epoch=term.epoch, graceful=graceful)
+        self.events.send("beat-stepped-down", scheduler=self.name, epoch=term.epoch, graceful=graceful)
+        self.events.close()
         return None
 
     # -- the leader's work -------------------------------------------------------------------------
@@ -209,6 +218,13 @@ class Beat:
         if times and entry.overlap == "skip":
             if self.state.running(entry.name, now=now, timeout_s=self._overlap_timeout_s):
                 log.info("beat_fire_skipped", scheduler=self.name, entry=entry.name, reason="still running")
+                self.events.send(
+                    "beat-skipped",
+                    scheduler=self.name,
+                    entry=entry.name,
+                    scheduled=times[-1],
+                    reason="still running",
+                )
                 self.state.last_fired[entry.name] = times[-1]
                 return []
             times = times[-1:]  # one run at a time: the latest
@@ -284,11 +300,16 @@ class Beat:
 
     def _sent(self, sent: list[_Prepared]) -> None:
         now = time.time()
-        for _, task_id, mark in sent:
+        for signature, task_id, mark in sent:
             self.state.apply(Fire(task_id, mark), fired_at=now)
+            late_s = round(now - mark.scheduled, 3)
             log.info(
                 "beat_fired", scheduler=self.name, entry=mark.entry, task_id=task_id,
-                scheduled=mark.scheduled, late_s=round(now - mark.scheduled, 3),
+                scheduled=mark.scheduled, late_s=late_s,
+            )  # fmt: skip
+            self.events.send(
+                "beat-fired", scheduler=self.name, entry=mark.entry, uuid=task_id, name=signature.task,
+                scheduled=mark.scheduled, late_s=late_s, run_now=mark.run_now,
             )  # fmt: skip
         self.fired += len(sent)
 
@@ -307,6 +328,13 @@ class Beat:
             changed = self.state.apply(item) or changed
             if isinstance(item, Change):
                 log.info("beat_schedule_changed", scheduler=self.name, op=item.op, entry=item.name)
+                self.events.send(
+                    "beat-schedule-changed",
+                    scheduler=self.name,
+                    op=item.op,
+                    entry=item.name,
+                    change_id=item.id,
+                )
 
     def _save(self, term: Term) -> None:
         try:

@@ -12,6 +12,7 @@ from broker_svc import signals
 from broker_svc.app import App
 from broker_svc.follow_ups import FollowUp
 from broker_svc.wire.codec import reply_type
+from broker_svc.wire.event_fields import describe_repr
 from broker_svc.wire.result_message import CELERY_EXCEPTIONS_MODULE, Outcome, wire_exception
 from broker_svc.wire.states import State
 from broker_svc.wire.task_message import TaskMessage, safe_repr
@@ -24,7 +25,6 @@ from worker.consume.job_request import reply_wanted
 from worker.consume.publish import ReplyPublisher
 from worker.consume.settle import HAND_BACK, LEFT_TO_BROKER, Disposition, Fate
 from worker.consume.states import TaskStates
-from worker.event_fields import describe_repr
 from worker.events import EventDispatcher
 from worker.pool.pool import JobOutcome, JobStatus
 

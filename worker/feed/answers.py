@@ -17,6 +17,7 @@ from broker_svc import signals
 from broker_svc.app import App
 from broker_svc.connection.feed_connection import TaskDelivery
 from broker_svc.wire.codec import reply_type
+from broker_svc.wire.event_fields import describe_repr
 from broker_svc.wire.result_message import Outcome, wire_exception
 from broker_svc.wire.states import State
 from broker_svc.wire.task_message import TaskMessage
@@ -24,7 +25,6 @@ from broker_svc.wire.task_state import WORKER_STATES, result_expiration
 from worker.consume import canvas_plan
 from worker.consume.disposition import ACK, Disposition
 from worker.consume.job_request import reply_wanted
-from worker.event_fields import describe_repr
 from worker.feed.canvas import FeedCanvas
 from worker.feed.events import FeedEvents
 from worker.feed.ledger import FeedLedger

@@ -25,6 +25,7 @@ from broker_svc.connection.feed_connection import TaskDelivery
 from broker_svc.errors import MessageError
 from broker_svc.topology import DELAY_HOLD_WINDOW_S, delay_bucket_ms
 from broker_svc.wire import codec
+from broker_svc.wire.event_fields import describe_repr
 from broker_svc.wire.result_message import CELERY_EXCEPTIONS_MODULE, Outcome, wire_exception
 from broker_svc.wire.states import State
 from broker_svc.wire.task_message import TaskMessage, decode_task, eta_and_expires, safe_repr
@@ -40,7 +41,6 @@ from worker.consume.admission import (
 from worker.consume.disposition import ACK, HAND_BACK, Disposition, retry_copy, retry_eta
 from worker.consume.job_request import delivery_info, request_context, time_limits
 from worker.consume.rate_limits import RATE_RESERVED_HEADER
-from worker.event_fields import describe_repr
 from worker.feed.answers import FeedAnswers, Handled
 from worker.feed.canvas import FeedCanvas
 from worker.feed.events import FeedEvents

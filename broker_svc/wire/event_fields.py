@@ -1,7 +1,7 @@
 """The fields every Celery event carries (WIRE.md §7), built without I/O for any sender.
 
-The worker's ``EventDispatcher`` (aio-pika) and a consuming child's ``FeedEvents`` (its own
-connection) send the same event maps.
+The worker's ``EventDispatcher`` (aio-pika), a consuming child's ``FeedEvents`` (its own
+connection) and the scheduler's ``EventSender`` (blocking pika) send the same event maps.
 """
 
 from __future__ import annotations
