@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import time
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,9 @@ NAMES = ("other", "t", "unlimited")  # every process of a worker attaches with t
 
 
 def _reserve(path: str, count: int, out: multiprocessing.SimpleQueue) -> None:
+    # When each token is due (wall clock, the same in every process of the machine).
     rates = SharedRates(Path(path), NAMES, owner=False)
-    out.put([rates.reserve("t") for _ in range(count)])
+    out.put([time.time() + rates.reserve("t") for _ in range(count)])
     rates.close()
 
 
@@ -23,15 +25,19 @@ def test_children_take_turns_from_one_bucket():
     try:
         context = multiprocessing.get_context("spawn")
         out = context.SimpleQueue()
-        children = [context.Process(target=_reserve, args=(str(rates.path), 3, out)) for _ in range(2)]
+        children = [context.Process(target=_reserve, args=(str(rates.path), 10, out)) for _ in range(2)]
         for child in children:
             child.start()
         for child in children:
             child.join(30)
-        waits = sorted(out.get() + out.get())
-        # Six tokens at 10/s from one bucket: due 0, 0.1, ..., 0.5 s after the first (not 0..0.2 twice).
-        assert waits[0] == pytest.approx(0.0, abs=0.05)
-        assert waits[-1] >= 0.4
+        due = sorted(out.get() + out.get())
+        # Twenty tokens at 10/s from one bucket: never two within 0.1 s, whichever child took them
+        # and however far apart the children started (each asks for a second's worth, so their
+        # asks overlap unless one starts a second after the other; a bucket per child would then
+        # put two tokens at once).
+        gaps = [later - earlier for earlier, later in zip(due, due[1:], strict=False)]
+        assert min(gaps) >= 0.09, gaps
+        assert due[-1] - due[0] >= 1.8
         assert rates.reserve("unlimited") == 0.0 and rates.rate("unlimited") is None
         assert rates.reserve("not registered") == 0.0
         assert rates.reserve("other") == pytest.approx(0.0, abs=0.05)  # buckets are apart
