@@ -1,7 +1,12 @@
-"""A real Celery app for interop tests; the broker URL comes from ``INTEROP_BROKER_URL``."""
+"""A real Celery app for interop tests; the broker URL comes from ``INTEROP_BROKER_URL``.
+
+``celery beat`` of this app fires ``INTEROP_BEAT_SCHEDULE`` (JSON: Celery's ``beat_schedule``,
+``schedule`` in seconds).
+"""
 
 from __future__ import annotations
 
+import json
 import os
 
 from celery import Celery
@@ -15,6 +20,7 @@ app.conf.update(
     task_serializer="json",
     worker_hijack_root_logger=False,
     broker_connection_retry_on_startup=True,
+    beat_schedule=json.loads(os.environ.get("INTEROP_BEAT_SCHEDULE", "{}")),
 )
 
 
@@ -73,3 +79,34 @@ def canvas_note(task_id: str) -> str:
     with open(os.environ["CANVAS_NOTES"], "a") as notes:
         notes.write(json.dumps(["note", [task_id]]) + "\n")
     return "noted"
+
+
+# The scheduler tests' task, as tests/integration/beat_tasks.py defines it for our worker.
+
+
+@app.task(name="beat.tick", bind=True)
+def beat_tick(self, journal: str, seconds: float = 0.0) -> str:
+    """Append a JSON line of what ran: the id, the ``clockwork_beat_*`` headers, start and end."""
+    import datetime as dt
+    import time
+
+    headers = self.request.headers or {}
+    scheduled = headers.get("clockwork_beat_scheduled")
+    started = time.time()
+    if seconds:
+        time.sleep(seconds)
+    line = {
+        "id": self.request.id,
+        "entry": headers.get("clockwork_beat_entry"),
+        "scheduled": dt.datetime.fromisoformat(scheduled).timestamp() if scheduled else None,
+        "epoch": headers.get("clockwork_beat_epoch"),
+        "run_now": headers.get("clockwork_beat_run_now"),
+        "headers": sorted(headers),
+        "reply_to": self.request.reply_to,
+        "start": started,
+        "end": time.time(),
+        "pid": os.getpid(),
+    }
+    with open(journal, "a") as out:  # one write per line, O_APPEND: lines never interleave
+        out.write(json.dumps(line) + "\n")
+    return str(self.request.id)

@@ -6,6 +6,8 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -37,16 +39,41 @@ def close_celery_client(app: Any) -> None:
 
 
 @pytest.fixture
-def start_celery_worker(test_vhost_url: str) -> Iterator[Callable[[str], subprocess.Popen[bytes]]]:
+def start_celery_worker(test_vhost_url: str) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
     """Start ``celery worker`` (solo pool) on a queue and wait until it says it is ready."""
-    started: list[tuple[subprocess.Popen[bytes], Path]] = []
+    with ExitStack() as stack:
 
-    def start(queue: str, pool: str = "solo", *, social: bool = False) -> subprocess.Popen[bytes]:
-        """``social``: with Mingle, gossip and heartbeats (off by default: they slow start-up)."""
-        log = Path(tempfile.mkstemp(prefix="celery-worker-", suffix=".log")[1])
-        with log.open("w") as out:
-            proc = _popen_celery_worker(queue, out, test_vhost_url, pool, social=social)
-        started.append((proc, log))
+        def start(
+            queue: str, pool: str = "solo", *, social: bool = False, concurrency: int = 1
+        ) -> subprocess.Popen[bytes]:
+            """``social``: with Mingle, gossip and heartbeats (off by default: they slow start-up)."""
+            worker = celery_worker(test_vhost_url, queue, pool, social=social, concurrency=concurrency)
+            return stack.enter_context(worker).proc
+
+        yield start
+
+
+@dataclass(frozen=True)
+class CeleryWorker:
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def log_text(self) -> str:
+        return self.log.read_text()
+
+
+@contextmanager
+def celery_worker(
+    url: str, queue: str, pool: str = "solo", *, social: bool = False, concurrency: int = 1
+) -> Iterator[CeleryWorker]:
+    """A ``celery worker`` of ``tests/interop/celery_app.py`` on ``queue``, ready; stopped on exit.
+
+    For a fixture of a wider scope than ``start_celery_worker``'s (a module's own vhost).
+    """
+    log = Path(tempfile.mkstemp(prefix="celery-worker-", suffix=".log")[1])
+    with log.open("w") as out:
+        proc = _popen_celery_worker(queue, out, url, pool, social=social, concurrency=concurrency)
+    try:
 
         def ready() -> bool:
             if proc.poll() is not None:
@@ -54,10 +81,8 @@ def start_celery_worker(test_vhost_url: str) -> Iterator[Callable[[str], subproc
             return "ready." in log.read_text()
 
         wait_for(ready, timeout_s=60, message=f"celery worker not ready:\n{log.read_text()[-3000:]}")
-        return proc
-
-    yield start
-    for proc, log in started:
+        yield CeleryWorker(proc, log)
+    finally:
         proc.terminate()
         try:
             proc.wait(timeout=30)
@@ -65,7 +90,7 @@ def start_celery_worker(test_vhost_url: str) -> Iterator[Callable[[str], subproc
             proc.kill()
         text = log.read_text()
         log.unlink(missing_ok=True)
-        assert "PRECONDITION_FAILED" not in text, text[-3000:]
+    assert "PRECONDITION_FAILED" not in text, text[-3000:]
 
 
 def celery_node_name(queue: str) -> str:
@@ -74,7 +99,7 @@ def celery_node_name(queue: str) -> str:
 
 
 def _popen_celery_worker(
-    queue: str, out: IO[str], url: str, pool: str, *, social: bool = False
+    queue: str, out: IO[str], url: str, pool: str, *, social: bool = False, concurrency: int = 1
 ) -> subprocess.Popen[bytes]:
     # The child keeps its own copy of the log file descriptor; ours is closed by the caller.
     return subprocess.Popen(
@@ -88,7 +113,7 @@ def _popen_celery_worker(
             "-P",
             pool,
             "-c",
-            "1",
+            str(concurrency),
             "-Q",
             queue,
             "-n",
