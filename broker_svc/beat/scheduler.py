@@ -9,10 +9,14 @@ nor lost across a failover:
 - **A new leader reads the journal** (``inaugurate``): the latest snapshot, then every record
   after it, up to now; it fires only scheduled times after the last one fired (``due_times``,
   with the entry's catch-up policy for times missed while no one led).
-- **Deterministic ids** (``fire_id``: entry and scheduled instant): should two leaders ever fire
-  the same time (a leader frozen between its lease check and its publish), both copies carry the
-  same task id.
-- **Fenced:** every publish comes right after ``term.guard()``.
+- **Fenced at the broker:** each term fires through an exchange of its own, which the next leader
+  deletes before reading the journal, so a late publish from a leader that lost its term (frozen
+  between its lease check and its publish) is refused; and every publish comes right after
+  ``term.guard()``.
+- **Sent once** (``broker_svc/beat/firing.py``): a fire whose confirm was lost is not resent; the
+  journal, read again first, says whether it got through.
+- **Deterministic ids** (``fire_id``: entry and scheduled instant): a run of an entry at a time has
+  one task id, whoever fired it.
 
 Fired tasks answer to the journal (``reply_to``), which is how ``overlap="skip"`` learns that a
 run finished. See docs/guide.md, "Periodic tasks".
@@ -27,14 +31,13 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final
 
+from broker_svc.beat.firing import Firing
 from broker_svc.beat.state import BeatState
 from broker_svc.errors import BrokerSvcError
 from broker_svc.library_log import get_logger
-from broker_svc.schedules import Entry, due_times, fire_id, next_due, parse_beat_schedule
-from broker_svc.send_message import build_message
-from broker_svc.signature import Signature
+from broker_svc.schedules import Entry, due_times, next_due, parse_beat_schedule
 from broker_svc.topology import beat_term_exchange
-from broker_svc.wire.beat_record import Change, Fire, FireMark
+from broker_svc.wire.beat_record import Change
 
 if TYPE_CHECKING:
     from broker_svc.app import App
@@ -45,13 +48,10 @@ __all__ = ["Beat"]
 
 log = get_logger("broker_svc.beat")
 
-_Prepared = tuple[Signature, str, FireMark]  # a fire ready to send: its message, task id, mark
-
 _POLL_S: Final = 0.25  # how soon a change or an answer read from the journal takes effect
-_RETRY_S: Final = 1.0  # after a failed publish
 
 
-class Beat:
+class Beat(Firing):
     """A scheduler instance. Start as many as you like (in workers with ``-B``, or
     ``clockwork-beat``); the one elected leader fires.
 
@@ -85,6 +85,7 @@ class Beat:
         from broker_svc.connection.event_sender import EventSender
         from broker_svc.leader import Election
 
+        super().__init__(app)
         self.app = app
         self.name = name
         if entries is None:
@@ -99,9 +100,6 @@ class Beat:
         self.state = BeatState()
         self._offset = -1
         self._follower: JournalFollower | None = None
-        self._term_exchange = ""  # this term's exchange (broker_svc.topology.beat_term_exchange)
-        self._routed: set[tuple[str, str | None]] = set()  # destinations bound to the router
-        self.fired = 0  # fires this instance sent (for stats and tests)
         # Celery events (``celeryev``) for Flower-style tools: beat-leading, beat-fired,
         # beat-skipped, beat-schedule-changed, beat-stepped-down.
         self.events = EventSender(app.settings, hostname=f"beat.{name}@{platform.node()}", clock=app.clock)
@@ -110,7 +108,10 @@ class Beat:
 
     def run(self) -> None:
         """Stand for election and fire while leading, until :meth:`stop`; blocks."""
-        self.election.run()
+        try:
+            self.election.run()
+        finally:
+            self._sender.close()
 
     def start(self) -> None:
         """:meth:`run` on a thread of its own (a worker with ``-B``)."""
@@ -123,6 +124,7 @@ class Beat:
     def stop(self, timeout_s: float | None = 30.0) -> None:
         """Hand over (saving the state) and leave; waits for :meth:`start`'s thread."""
         self.election.stop(timeout_s)
+        self._sender.close()
 
     def is_leader(self) -> bool:
         return self.election.is_leader()
@@ -158,6 +160,11 @@ class Beat:
         next_snapshot = time.monotonic() + self._snapshot_interval_s
         wait_s = 0.0
         while term.wait(wait_s):
+            if self._resync:  # a fire failed: it may have got through, so ask the journal first
+                if not self._read_up_to_now():
+                    wait_s = self._backoff()
+                    continue
+                heap = self._plan(entries, time.time())
             if self._read_journal():
                 entries = self.state.entries(self.configured)
                 heap = self._plan(entries, time.time())
@@ -178,13 +185,13 @@ class Beat:
                     self.state.run_now.pop(change_id)
             wait_s = _POLL_S
             if fires and not self._fire(term, fires):
-                wait_s = _RETRY_S
-                heap = self._plan(entries, now)  # the ones not sent are due again
+                heap = self._plan(entries, now)  # the ones not sent are due again, after the journal says
+                wait_s = self._backoff()
+            elif heap:
+                wait_s = max(0.0, min(wait_s, heap[0][0] - time.time()))
             if time.monotonic() >= next_snapshot:
                 self._save(term)
                 next_snapshot = time.monotonic() + self._snapshot_interval_s
-            if heap:
-                wait_s = max(0.0, min(wait_s, heap[0][0] - time.time()))
 
     def hand_over(self, term: Term) -> Any:
         if term.still_leader():
@@ -229,89 +236,6 @@ class Beat:
                 return []
             times = times[-1:]  # one run at a time: the latest
         return times
-
-    def _fire(self, term: Term, fires: list[tuple[Entry, float, str | None]]) -> bool:
-        """Send the fires, confirmed; apply each to the state. False: none was sent (retry)."""
-        prepared = [self._prepare(term, entry, at, run_now) for entry, at, run_now in fires]
-        try:
-            term.guard()
-            self.app.send_many([signature for signature, _, _ in prepared], wait=True)
-        except (TypeError, ValueError) as exc:  # an entry the app cannot send (bad options, too large)
-            if len(prepared) == 1:
-                self._drop(prepared[0][2], exc)
-                return True
-            sent = [item for item in prepared if self._send_one(term, item)]
-            self._sent(sent)
-            return True
-        except BrokerSvcError as exc:
-            log.warning("beat_fire_failed", scheduler=self.name, error=str(exc), fires=len(fires))
-            return False
-        self._sent(prepared)
-        return True
-
-    def _prepare(self, term: Term, entry: Entry, at: float, run_now: str | None) -> _Prepared:
-        mark = FireMark(entry=entry.name, scheduled=at, epoch=term.epoch, run_now=run_now)
-        task_id = fire_id(
-            entry.name if run_now is None else f"{entry.name}/run-now/{run_now}", mark.scheduled
-        )
-        options = {**entry.options, "task_id": task_id, "reply_to": self.journal.stream.name}
-        # Through this term's exchange, by the router, to where the entry would go (routes and
-        # all); the BCC puts the same message in the journal (RabbitMQ removes it on delivery).
-        key = self._route(Signature(entry.task, entry.args, dict(entry.kwargs), options))
-        options["headers"] = {
-            **(options.get("headers") or {}),
-            **mark.headers(),
-            "BCC": [self.journal.stream.name],
-        }
-        options.update(exchange=self._term_exchange, routing_key=key)
-        options.pop("queue", None)
-        return Signature(entry.task, entry.args, dict(entry.kwargs), options), task_id, mark
-
-    def _route(self, signature: Signature) -> str:
-        """The routing key on the router that reaches where ``signature`` goes, bound once per term."""
-        _, (key, exchange), _ = build_message(
-            signature, conf=self.app.conf, settings=self.app.settings, clock=self.app.clock,
-            reply_queue=self.journal.stream.name,
-        )  # fmt: skip
-        if (key, exchange) not in self._routed:
-            if exchange:
-                self.journal.route_exchange(exchange, key)
-            else:
-                self.journal.route_queue(self.app.settings.task_queue(key))
-            self._routed.add((key, exchange))
-        return key
-
-    def _send_one(self, term: Term, item: _Prepared) -> bool:
-        try:
-            term.guard()
-            self.app.send_many([item[0]], wait=True)
-        except (TypeError, ValueError) as exc:
-            self._drop(item[2], exc)
-            return False
-        return True
-
-    def _drop(self, mark: FireMark, exc: Exception) -> None:
-        # Retrying cannot help: the time counts as fired, and the error is logged each time.
-        log.error("beat_fire_invalid", scheduler=self.name, entry=mark.entry, error=str(exc))
-        if mark.run_now is not None:
-            self.state.run_now.pop(mark.run_now, None)
-        else:
-            self.state.last_fired[mark.entry] = mark.scheduled
-
-    def _sent(self, sent: list[_Prepared]) -> None:
-        now = time.time()
-        for signature, task_id, mark in sent:
-            self.state.apply(Fire(task_id, mark), fired_at=now)
-            late_s = round(now - mark.scheduled, 3)
-            log.info(
-                "beat_fired", scheduler=self.name, entry=mark.entry, task_id=task_id,
-                scheduled=mark.scheduled, late_s=late_s,
-            )  # fmt: skip
-            self.events.send(
-                "beat-fired", scheduler=self.name, entry=mark.entry, uuid=task_id, name=signature.task,
-                scheduled=mark.scheduled, late_s=late_s, run_now=mark.run_now,
-            )  # fmt: skip
-        self.fired += len(sent)
 
     def _read_journal(self) -> bool:
         """Apply what the follower read; True when the entries changed."""

@@ -23,7 +23,7 @@ from pika.adapters.blocking_connection import BlockingChannel
 
 from broker_svc.beat.state import BeatState
 from broker_svc.connection.parameters import all_connection_parameters
-from broker_svc.errors import BrokerUnavailable, MessageError
+from broker_svc.errors import BrokerUnavailable, MessageError, Unroutable
 from broker_svc.library_log import get_logger
 from broker_svc.settings import Settings
 from broker_svc.topology import (
@@ -171,10 +171,18 @@ class Journal:
         """Bind a named exchange (an entry's ``exchange=``) to the router by the entry's routing key.
 
         Raises:
-            BrokerUnavailable: also when the exchange does not exist (declare it first).
+            Unroutable: the exchange does not exist (declare it first).
         """
         router = beat_router_exchange(self.name).name
-        self._with_channel(lambda channel: channel.exchange_bind(exchange, router, routing_key))
+        try:
+            self._with_channel(lambda channel: channel.exchange_bind(exchange, router, routing_key))
+        except BrokerUnavailable as exc:
+            cause = exc.__cause__
+            if isinstance(cause, pika.exceptions.ChannelClosedByBroker) and cause.reply_code == 404:
+                raise Unroutable(
+                    f"no exchange {exchange!r}: declare it before the schedule sends to it"
+                ) from exc
+            raise
 
     def _with_channel(self, action: Callable[[BlockingChannel], None]) -> None:
         conn, channel = _connect(self._settings, f"clockwork-beat-write-{self.name}")

@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 
-from broker_svc import App, Settings, Signature, Unroutable
-from broker_svc.schedules import fire_id
+from broker_svc import App, PublishError, Settings, Signature, Unroutable
+from broker_svc.beat.scheduler import Beat
+from broker_svc.schedules import Entry, Every, fire_id
 from broker_svc.topology import beat_term_exchange
 from control.cli.main import main as ctl_main
 from tests.infra.session_broker import SessionBroker
@@ -270,6 +271,7 @@ def test_the_next_leader_fences_the_last_one_out_of_firing(url: str, queue: str,
         with BeatProcess(url, scheduler=scheduler, env=env) as first:
             epoch = first.first("beat_leading")["epoch"]
             exchange = beat_term_exchange(scheduler, epoch).name
+            _wait_runs(journal, 1)  # the leader has bound the task queue to its router
             through(exchange)  # while the term lasts, its exchange routes to the task queue
             first.kill()
         with BeatProcess(url, scheduler=scheduler, env=env) as second:
@@ -281,3 +283,41 @@ def test_the_next_leader_fences_the_last_one_out_of_firing(url: str, queue: str,
     finally:
         app.close()
     assert sum(1 for run in runs(journal) if run["entry"] is None) == 1  # the one sent in the first term
+
+
+def test_a_fire_whose_confirm_is_lost_is_not_sent_again_once_the_journal_has_it(
+    url: str, queue: str, tmp_path: Path
+):
+    """The fire reached the broker but its confirm did not reach the leader (the connection broke
+    in between): the leader reads the journal before firing again, finds it, and does not resend."""
+    journal = new_journal(tmp_path)
+    app = App("beat-lost-confirm", settings=Settings(broker_url=url))
+    entry = Entry(
+        name="tick", task="beat.tick", schedule=Every(1.0), args=(str(journal), 0.0), options={"queue": queue}
+    )
+    beat = Beat(app, name=f"s-{uuid.uuid4().hex[:8]}", entries=[entry], lease_s=2.0)
+    send_many = beat._sender.send_many
+    lost: list[str] = []
+
+    def confirm_lost_once(signatures: Any, *, wait: bool = False) -> Any:
+        sent = send_many(signatures, wait=wait)  # the broker takes it...
+        if not lost:
+            lost.extend(result.id for result in sent)
+            # ...the leader hears nothing, and its journal follower, cut off by the same network
+            # trouble, reads nothing either: only reading the journal again tells it.
+            follower, beat._follower = beat._follower, None
+            assert follower is not None
+            follower.close()
+            raise PublishError("connection lost before the confirm (injected)")
+        return sent
+
+    beat._sender.send_many = confirm_lost_once  # type: ignore[method-assign]
+    try:
+        beat.start()
+        _wait_runs(journal, 4)
+    finally:
+        beat.stop()
+        app.close()
+    done = runs(journal)
+    assert lost and [run["id"] for run in done].count(lost[0]) == 1
+    _assert_each_time_once(done)
