@@ -22,7 +22,7 @@ from broker_svc.schedules import Entry, Every, fire_id
 from broker_svc.topology import beat_term_exchange
 from control.cli.main import main as ctl_main
 from tests.infra.session_broker import SessionBroker
-from tests.support.beats import BeatProcess, new_journal, runs, schedule_env
+from tests.support.beats import BeatProcess, new_journal, runs, schedule_env, tick_entry, wait_runs
 from tests.support.waiting import poll, wait_for
 from tests.support.workers import WorkerProcess, unique_queue
 
@@ -43,22 +43,6 @@ def queue(url: str) -> Iterator[str]:
         yield name
 
 
-def _tick(journal: Path, queue: str, **extra: Any) -> dict[str, Any]:
-    seconds = extra.pop("seconds", 0.0)
-    return {
-        "task": "beat.tick",
-        "schedule": 1.0,
-        "args": [str(journal), seconds],
-        "options": {"queue": queue},
-        **extra,
-    }
-
-
-def _wait_runs(journal: Path, count: int, timeout_s: float = 40.0) -> list[dict[str, Any]]:
-    wait_for(lambda: len(runs(journal)) >= count, timeout_s=timeout_s, message=f"{count} runs in {journal}")
-    return runs(journal)
-
-
 def _assert_each_time_once(done: list[dict[str, Any]], *, entry: str = "tick") -> list[float]:
     """Every run a fire of ``entry``, no time twice, no second missed between the first and last."""
     times = sorted(run["scheduled"] for run in done)
@@ -74,13 +58,13 @@ def _assert_each_time_once(done: list[dict[str, Any]], *, entry: str = "tick") -
 
 def test_of_two_schedulers_one_leads_and_each_second_fires_once(url: str, queue: str, tmp_path: Path):
     journal = new_journal(tmp_path)
-    env = schedule_env({"tick": _tick(journal, queue)})
+    env = schedule_env({"tick": tick_entry(journal, queue)})
     scheduler = f"s-{uuid.uuid4().hex[:8]}"
     with (
         BeatProcess(url, scheduler=scheduler, env=env) as a,
         BeatProcess(url, scheduler=scheduler, env=env) as b,
     ):
-        _wait_runs(journal, 5)
+        wait_runs(journal, 5)
         assert [a.leading(), b.leading()].count(True) == 1
         late = [
             event["late_s"]
@@ -95,17 +79,17 @@ def test_of_two_schedulers_one_leads_and_each_second_fires_once(url: str, queue:
 
 def test_a_killed_leader_is_replaced_and_no_time_is_missed_or_doubled(url: str, queue: str, tmp_path: Path):
     journal = new_journal(tmp_path)
-    env = schedule_env({"tick": _tick(journal, queue, catch_up="all")})
+    env = schedule_env({"tick": tick_entry(journal, queue, catch_up="all")})
     scheduler = f"s-{uuid.uuid4().hex[:8]}"
     with (
         BeatProcess(url, scheduler=scheduler, env=env) as a,
         BeatProcess(url, scheduler=scheduler, env=env) as b,
     ):
-        before = len(_wait_runs(journal, 3))
+        before = len(wait_runs(journal, 3))
         leader, other = (a, b) if a.leading() else (b, a)
         leader.kill()
         other.first("beat_leading", timeout_s=30)
-        _wait_runs(journal, before + 6)
+        wait_runs(journal, before + 6)
     _assert_each_time_once(runs(journal))
 
 
@@ -113,15 +97,15 @@ def test_a_restarted_scheduler_reads_its_journal_and_fires_nothing_again(
     url: str, queue: str, tmp_path: Path
 ):
     journal = new_journal(tmp_path)
-    env = schedule_env({"tick": _tick(journal, queue, catch_up="skip")})
+    env = schedule_env({"tick": tick_entry(journal, queue, catch_up="skip")})
     scheduler = f"s-{uuid.uuid4().hex[:8]}"
     with BeatProcess(url, scheduler=scheduler, env=env) as first:
-        _wait_runs(journal, 3)
+        wait_runs(journal, 3)
         assert first.terminate() == 0  # hands over: saves the state
     fired = max(run["scheduled"] for run in runs(journal))
     with BeatProcess(url, scheduler=scheduler, env=env) as second:
         second.first("beat_leading")
-        done = _wait_runs(journal, len(runs(journal)) + 3)
+        done = wait_runs(journal, len(runs(journal)) + 3)
     ids = [run["id"] for run in done]
     assert len(set(ids)) == len(ids)
     assert sorted(run["scheduled"] for run in done) == sorted({run["scheduled"] for run in done})
@@ -132,9 +116,9 @@ def test_a_restarted_scheduler_reads_its_journal_and_fires_nothing_again(
 
 def test_overlap_skip_never_starts_a_run_while_the_last_one_runs(url: str, queue: str, tmp_path: Path):
     journal = new_journal(tmp_path)
-    env = schedule_env({"slow": _tick(journal, queue, seconds=2.2, overlap="skip")})
+    env = schedule_env({"slow": tick_entry(journal, queue, seconds=2.2, overlap="skip")})
     with BeatProcess(url, scheduler=f"s-{uuid.uuid4().hex[:8]}", env=env) as beat:
-        _wait_runs(journal, 3, timeout_s=60)
+        wait_runs(journal, 3, timeout_s=60)
         skipped = beat.count("beat_fire_skipped")
     done = sorted(runs(journal), key=lambda run: run["start"])
     assert all(later["start"] >= earlier["end"] for earlier, later in zip(done, done[1:], strict=False)), done
@@ -152,12 +136,12 @@ def test_schedule_changes_at_runtime_add_pause_run_now_resume_and_remove_and_las
         with BeatProcess(url, scheduler=scheduler, env=schedule_env({})) as beat:
             beat.first("beat_leading")
             schedules.add("added", "beat.tick", 1.0, args=[str(journal), 0.0], options={"queue": queue})
-            _wait_runs(journal, 2)
+            wait_runs(journal, 2)
             schedules.pause("added")
             wait_for(lambda: beat.count("beat_schedule_changed") >= 2, timeout_s=10, message="pause applied")
             paused_at = len(runs(journal))
             change_id = schedules.run_now("added")
-            _wait_runs(journal, paused_at + 1)
+            wait_runs(journal, paused_at + 1)
             # Paused: in 2.5 s nothing fires but the run-now.
             assert poll(lambda: len(runs(journal)) > paused_at + 1, timeout_s=2.5) is None
             assert [run["run_now"] for run in runs(journal)[paused_at:]] == [change_id]
@@ -173,7 +157,7 @@ def test_schedule_changes_at_runtime_add_pause_run_now_resume_and_remove_and_las
             again.first("beat_leading")
             schedules.resume("added")
             count = len(runs(journal))
-            _wait_runs(journal, count + 2)
+            wait_runs(journal, count + 2)
             schedules.remove("added")
             wait_for(
                 lambda: again.count("beat_schedule_changed") >= 2, timeout_s=10, message="remove applied"
@@ -194,7 +178,7 @@ def test_ctl_schedule_lists_the_configured_entries_and_changes_them(
 ):
     journal = new_journal(tmp_path)
     scheduler = f"s-{uuid.uuid4().hex[:8]}"
-    env = schedule_env({"tick": _tick(journal, queue, catch_up="skip")})
+    env = schedule_env({"tick": tick_entry(journal, queue, catch_up="skip")})
 
     def ctl(*argv: str) -> tuple[int, str, str]:
         out, err = io.StringIO(), io.StringIO()
@@ -203,7 +187,7 @@ def test_ctl_schedule_lists_the_configured_entries_and_changes_them(
 
     with BeatProcess(url, scheduler=scheduler, env=env) as beat:
         beat.first("beat_leading")
-        _wait_runs(journal, 1)
+        wait_runs(journal, 1)
         status, listed, _ = ctl("list")
         assert status == 0
         [header, row] = listed.splitlines()
@@ -238,7 +222,7 @@ def test_ctl_schedule_lists_the_configured_entries_and_changes_them(
 def test_workers_with_dash_b_run_one_scheduler_between_them(url: str, queue: str, tmp_path: Path):
     journal = new_journal(tmp_path)
     scheduler = f"s-{uuid.uuid4().hex[:8]}"
-    env = schedule_env({"tick": _tick(journal, queue)})
+    env = schedule_env({"tick": tick_entry(journal, queue)})
     args = ["-B", "--scheduler-name", scheduler, "--beat-lease", "2"]
     with (
         WorkerProcess(
@@ -250,7 +234,7 @@ def test_workers_with_dash_b_run_one_scheduler_between_them(url: str, queue: str
     ):
         a.wait_ready()
         b.wait_ready()
-        _wait_runs(journal, 4)
+        wait_runs(journal, 4)
         assert a.count("beat_leading") + b.count("beat_leading") == 1
     _assert_each_time_once(runs(journal))
 
@@ -259,7 +243,7 @@ def test_the_next_leader_fences_the_last_one_out_of_firing(url: str, queue: str,
     """A leader that lost its term (frozen between its lease check and its publish, say) finds
     its term's exchange deleted by the next leader: the broker refuses its late fire."""
     journal = new_journal(tmp_path)
-    env = schedule_env({"tick": _tick(journal, queue)})
+    env = schedule_env({"tick": tick_entry(journal, queue)})
     scheduler = f"s-{uuid.uuid4().hex[:8]}"
     app = App("beat-fence", settings=Settings(broker_url=url))
 
@@ -271,7 +255,7 @@ def test_the_next_leader_fences_the_last_one_out_of_firing(url: str, queue: str,
         with BeatProcess(url, scheduler=scheduler, env=env) as first:
             epoch = first.first("beat_leading")["epoch"]
             exchange = beat_term_exchange(scheduler, epoch).name
-            _wait_runs(journal, 1)  # the leader has bound the task queue to its router
+            wait_runs(journal, 1)  # the leader has bound the task queue to its router
             through(exchange)  # while the term lasts, its exchange routes to the task queue
             first.kill()
         with BeatProcess(url, scheduler=scheduler, env=env) as second:
@@ -279,7 +263,7 @@ def test_the_next_leader_fences_the_last_one_out_of_firing(url: str, queue: str,
             with pytest.raises(Unroutable, match="no exchange"):
                 through(exchange)
             before = len(runs(journal))
-            _wait_runs(journal, before + 2)  # the new leader fires through its own
+            wait_runs(journal, before + 2)  # the new leader fires through its own
     finally:
         app.close()
     assert sum(1 for run in runs(journal) if run["entry"] is None) == 1  # the one sent in the first term
@@ -314,7 +298,7 @@ def test_a_fire_whose_confirm_is_lost_is_not_sent_again_once_the_journal_has_it(
     beat._sender.send_many = confirm_lost_once  # type: ignore[method-assign]
     try:
         beat.start()
-        _wait_runs(journal, 4)
+        wait_runs(journal, 4)
     finally:
         beat.stop()
         app.close()

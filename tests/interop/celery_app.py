@@ -87,26 +87,15 @@ def canvas_note(task_id: str) -> str:
 @app.task(name="beat.tick", bind=True)
 def beat_tick(self, journal: str, seconds: float = 0.0) -> str:
     """Append a JSON line of what ran: the id, the ``clockwork_beat_*`` headers, start and end."""
-    import datetime as dt
     import time
 
-    headers = self.request.headers or {}
-    scheduled = headers.get("clockwork_beat_scheduled")
+    from tests.support.beats import record_run
+
     started = time.time()
     if seconds:
         time.sleep(seconds)
-    line = {
-        "id": self.request.id,
-        "entry": headers.get("clockwork_beat_entry"),
-        "scheduled": dt.datetime.fromisoformat(scheduled).timestamp() if scheduled else None,
-        "epoch": headers.get("clockwork_beat_epoch"),
-        "run_now": headers.get("clockwork_beat_run_now"),
-        "headers": sorted(headers),
-        "reply_to": self.request.reply_to,
-        "start": started,
-        "end": time.time(),
-        "pid": os.getpid(),
-    }
-    with open(journal, "a") as out:  # one write per line, O_APPEND: lines never interleave
-        out.write(json.dumps(line) + "\n")
+    headers = self.request.headers or {}
+    record_run(
+        journal, self.request, started=started, headers=sorted(headers), reply_to=self.request.reply_to
+    )
     return str(self.request.id)

@@ -31,7 +31,7 @@ from broker_svc.schedules import fire_id
 from broker_svc.topology_streams import beat_journal_stream
 from tests.infra.session_broker import SessionBroker
 from tests.interop.conftest import CeleryWorker, celery_worker
-from tests.support.beats import BeatProcess, new_journal, runs, schedule_env
+from tests.support.beats import BeatProcess, new_journal, runs, schedule_env, tick_entry, wait_runs
 from tests.support.waiting import wait_for
 from tests.support.workers import ROOT, WorkerProcess, unique_queue
 
@@ -62,22 +62,6 @@ def celery_queue(url: str) -> Iterator[CeleryQueue]:
         yield CeleryQueue(name, worker)
 
 
-def _tick(journal: Path, queue: str, **extra: Any) -> dict[str, Any]:
-    seconds = extra.pop("seconds", 0.0)
-    return {
-        "task": "beat.tick",
-        "schedule": 1.0,
-        "args": [str(journal), seconds],
-        "options": {"queue": queue},
-        **extra,
-    }
-
-
-def _wait_runs(journal: Path, count: int, timeout_s: float = 30.0) -> list[dict[str, Any]]:
-    wait_for(lambda: len(runs(journal)) >= count, timeout_s=timeout_s, message=f"{count} runs in {journal}")
-    return runs(journal)
-
-
 def _celery_problems(worker: CeleryWorker) -> list[str]:
     """What the Celery worker logged as wrong: errors, warnings, tracebacks."""
     return [
@@ -92,9 +76,9 @@ def test_our_scheduler_fires_each_second_once_on_a_celery_worker_which_answers_t
 ):
     journal = new_journal(tmp_path)
     scheduler = f"s-{uuid.uuid4().hex[:8]}"
-    env = schedule_env({"tick": _tick(journal, celery_queue.name)})
+    env = schedule_env({"tick": tick_entry(journal, celery_queue.name)})
     with BeatProcess(url, scheduler=scheduler, env=env) as beat:
-        _wait_runs(journal, 5)
+        wait_runs(journal, 5)
         assert beat.terminate() == 0
         fired = [event["task_id"] for event in beat.events() if event["event"] == "beat_fired"]
     # The scheduler has stopped: every fire it sent runs, once.
@@ -127,10 +111,10 @@ def test_overlap_skip_learns_from_the_celery_workers_answers_so_runs_never_overl
     url: str, celery_queue: CeleryQueue, tmp_path: Path
 ):
     journal = new_journal(tmp_path)
-    env = schedule_env({"slow": _tick(journal, celery_queue.name, seconds=2.2, overlap="skip")})
+    env = schedule_env({"slow": tick_entry(journal, celery_queue.name, seconds=2.2, overlap="skip")})
     with BeatProcess(url, scheduler=f"s-{uuid.uuid4().hex[:8]}", env=env) as beat:
         # Without the answers, the first run would stay open (for overlap_timeout_s, an hour).
-        _wait_runs(journal, 3, timeout_s=40)
+        wait_runs(journal, 3, timeout_s=40)
         skipped = beat.count("beat_fire_skipped")
     done = sorted(runs(journal), key=lambda run: run["start"])
     assert all(later["start"] >= earlier["end"] for earlier, later in zip(done, done[1:], strict=False)), done
@@ -176,8 +160,8 @@ def test_celery_beat_fires_run_on_our_worker_again_and_again(url: str, tmp_path:
     journal = new_journal(tmp_path)
     with WorkerProcess(url, app=OUR_APP, queues=[queue], concurrency=1) as worker:
         worker.wait_ready()
-        with celery_beat(url, {"tick": _tick(journal, queue)}, tmp_path) as beat:
-            done = _wait_runs(journal, 3)
+        with celery_beat(url, {"tick": tick_entry(journal, queue)}, tmp_path) as beat:
+            done = wait_runs(journal, 3)
             ids = {run["id"] for run in done}
             wait_for(
                 lambda: ids <= beat.sent_ids(),

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import Any
 
+from tests.support.waiting import wait_for
 from tests.support.workers import ROOT, WorkerProcess
 
 
@@ -63,3 +66,42 @@ def runs(journal: Path) -> list[dict[str, Any]]:
 
 def new_journal(directory: Path) -> Path:
     return Path(tempfile.mkstemp(dir=directory, prefix="beat-runs-", suffix=".jsonl")[1])
+
+
+def tick_entry(journal: Path, queue: str, **extra: Any) -> dict[str, Any]:
+    """A ``beat_schedule`` entry firing ``beat.tick`` every second to ``queue`` (``seconds``: how
+    long each run takes; other keys are the entry's)."""
+    seconds = extra.pop("seconds", 0.0)
+    return {
+        "task": "beat.tick",
+        "schedule": 1.0,
+        "args": [str(journal), seconds],
+        "options": {"queue": queue},
+        **extra,
+    }
+
+
+def wait_runs(journal: Path, count: int, timeout_s: float = 40.0) -> list[dict[str, Any]]:
+    """Wait until ``journal`` holds ``count`` runs; all of them."""
+    wait_for(lambda: len(runs(journal)) >= count, timeout_s=timeout_s, message=f"{count} runs in {journal}")
+    return runs(journal)
+
+
+def record_run(journal: str, request: Any, *, started: float, **extra: Any) -> None:
+    """What ``beat.tick`` writes, in our app and in Celery's: one JSON line per run (one write,
+    ``O_APPEND``: lines never interleave) with the id and the ``clockwork_beat_*`` headers."""
+    headers = request.headers or {}
+    scheduled = headers.get("clockwork_beat_scheduled")
+    line = {
+        "id": request.id,
+        "entry": headers.get("clockwork_beat_entry"),
+        "scheduled": dt.datetime.fromisoformat(scheduled).timestamp() if scheduled else None,
+        "epoch": headers.get("clockwork_beat_epoch"),
+        "run_now": headers.get("clockwork_beat_run_now"),
+        "start": started,
+        "end": time.time(),
+        "pid": os.getpid(),
+        **extra,
+    }
+    with open(journal, "a") as out:
+        out.write(json.dumps(line) + "\n")
