@@ -57,7 +57,8 @@ class Firing:
         self._resync = False  # a fire failed: read the journal before the next one
         self._failures = 0  # failed fires in a row (for the backoff)
         self._term_exchange = ""  # this term's exchange (broker_svc.topology.beat_term_exchange)
-        self._routed: set[tuple[str, str | None]] = set()  # destinations bound to the router
+        self._bound: set[tuple[str, str | None]] = set()  # destinations bound to the router this term
+        self._routes: dict[str, str] = {}  # entry -> its routing key on the router, this term
         self.fired = 0  # fires this instance sent (for stats and tests)
 
     def _backoff(self) -> float:
@@ -117,7 +118,11 @@ class Firing:
         options = {**entry.options, "task_id": task_id, "reply_to": self.journal.stream.name}
         # Through this term's exchange, by the router, to where the entry would go (routes and
         # all); the BCC puts the same message in the journal (RabbitMQ removes it on delivery).
-        key = self._route(Signature(entry.task, entry.args, dict(entry.kwargs), options))
+        key = self._routes.get(entry.name)
+        if key is None:  # an entry's destination holds for the term (its arguments are fixed)
+            key = self._routes[entry.name] = self._route(
+                Signature(entry.task, entry.args, dict(entry.kwargs), options)
+            )
         options["headers"] = {
             **(options.get("headers") or {}),
             **mark.headers(),
@@ -133,13 +138,19 @@ class Firing:
             signature, conf=self.app.conf, settings=self.app.settings, clock=self.app.clock,
             reply_queue=self.journal.stream.name,
         )  # fmt: skip
-        if (key, exchange) not in self._routed:
+        if (key, exchange) not in self._bound:
             if exchange:
                 self.journal.route_exchange(exchange, key)
             else:
                 self.journal.route_queue(self.app.settings.task_queue(key))
-            self._routed.add((key, exchange))
+            self._bound.add((key, exchange))
         return key
+
+    def _new_term_routes(self, term_exchange: str) -> None:
+        """A term fires through its own exchange, and binds what it fires to again."""
+        self._term_exchange = term_exchange
+        self._bound.clear()
+        self._routes.clear()
 
     def _send_one(self, term: Term, item: _Prepared) -> bool:
         try:
@@ -165,6 +176,7 @@ class Firing:
         now = time.time()
         if sent:
             self._failures = 0
+        events = []
         for signature, task_id, mark in sent:
             self.state.apply(Fire(task_id, mark), fired_at=now)
             late_s = round(now - mark.scheduled, 3)
@@ -172,8 +184,9 @@ class Firing:
                 "beat_fired", scheduler=self.name, entry=mark.entry, task_id=task_id,
                 scheduled=mark.scheduled, late_s=late_s,
             )  # fmt: skip
-            self.events.send(
-                "beat-fired", scheduler=self.name, entry=mark.entry, uuid=task_id, name=signature.task,
-                scheduled=mark.scheduled, late_s=late_s, run_now=mark.run_now,
+            events.append(
+                {"scheduler": self.name, "entry": mark.entry, "uuid": task_id, "name": signature.task,
+                 "scheduled": mark.scheduled, "late_s": late_s, "run_now": mark.run_now}
             )  # fmt: skip
+        self.events.send_batch("beat-fired", events)  # one publish for a burst, as Celery batches
         self.fired += len(sent)

@@ -143,8 +143,7 @@ class Beat(Firing):
         self.state, self._offset = self.journal.read_state(read)
         self.state.terms -= fenced
         self.journal.open_term(term.epoch)
-        self._term_exchange = beat_term_exchange(self.name, term.epoch).name
-        self._routed = set()
+        self._new_term_routes(beat_term_exchange(self.name, term.epoch).name)
         self._follower = JournalFollower(self.app.settings, self.name, start=self._offset + 1)
         log.info(
             "beat_leading", scheduler=self.name, epoch=term.epoch, entries=len(self.configured),
@@ -166,6 +165,7 @@ class Beat(Firing):
                     continue
                 heap = self._plan(entries, time.time())
             if self._read_journal():
+                self._routes.clear()  # an entry added again may go elsewhere
                 entries = self.state.entries(self.configured)
                 heap = self._plan(entries, time.time())
             now = time.time()

@@ -41,10 +41,20 @@ class EventSender:
 
     def send(self, event_type: str, **fields: Any) -> None:
         """Publish one event; never raises on broker errors."""
+        self._publish(event_type, event_body(event_type, hostname=self.hostname, clock=self._clock, **fields))
+
+    def send_batch(self, event_type: str, many: list[dict[str, Any]]) -> None:
+        """Publish events of one type in one message, a list (Celery's batched events, which its
+        receivers and ours read event by event); never raises on broker errors."""
+        if many:
+            bodies = [event_body(event_type, hostname=self.hostname, clock=self._clock, **f) for f in many]
+            self._publish(event_type, bodies)
+
+    def _publish(self, event_type: str, event: dict[str, Any] | list[dict[str, Any]]) -> None:
         channel = self._open()
         if channel is None:
             return
-        body = encode_event(event_body(event_type, hostname=self.hostname, clock=self._clock, **fields))
+        body = encode_event(event)
         props = pika.BasicProperties(
             content_type="application/json", content_encoding="utf-8", delivery_mode=1,
             headers={"hostname": self.hostname},

@@ -36,8 +36,8 @@ def event_body(event_type: str, *, hostname: str, clock: LamportClock, **extra: 
     }
 
 
-def encode_event(event: dict[str, Any]) -> bytes:
-    """Events are JSON: a receiver that meets one msgpack event breaks."""
+def encode_event(event: dict[str, Any] | list[dict[str, Any]]) -> bytes:
+    """Events are JSON (one, or a batch as a list): a receiver that meets one msgpack event breaks."""
     return json.dumps(event, default=repr).encode()
 
 
