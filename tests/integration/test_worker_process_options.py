@@ -1,4 +1,4 @@
-"""Celery's worker options for the process itself: --pidfile, --logfile, -P, -B, -O."""
+"""Celery's worker options for the process itself: --pidfile, --logfile, -P, -O (-B: test_beat.py)."""
 
 from __future__ import annotations
 
@@ -42,9 +42,9 @@ def test_pidfile_and_logfile_hold_the_worker_and_its_childrens_output(test_vhost
 
 @pytest.mark.parametrize(
     ("option", "said"),
-    [(["-P", "solo"], "-P solo"), (["-P", "gevent"], "-P gevent"), (["-B"], "no embedded scheduler")],
+    [(["-P", "solo"], "-P solo"), (["-P", "gevent"], "-P gevent")],
 )
-def test_pools_and_beat_not_built_yet_are_refused_with_a_reason(test_vhost_url: str, option, said):
+def test_pools_not_built_yet_are_refused_with_a_reason(test_vhost_url: str, option, said):
     result = _run_worker(test_vhost_url, "unused", *option)
     assert result.returncode == 2
     assert said in result.stderr

@@ -57,7 +57,9 @@ def _run_until(journal: Path, instant: float) -> None:
 @pytest.mark.parametrize(
     ("row", "duration_s", "faults"),
     [
-        pytest.param("B1", 45.0, ("kill",), id="45s", marks=pytest.mark.timeout(240)),
+        # Behind the chaos marker too: the suite is near its time budget, and test_beat.py's
+        # killed-leader test checks the same in the default run (a kill, no time missed or doubled).
+        pytest.param("B1", 45.0, ("kill",), id="45s", marks=[pytest.mark.chaos, pytest.mark.timeout(240)]),
         pytest.param(
             "B2", 600.0, ("kill", "freeze"), id="10min", marks=[pytest.mark.chaos, pytest.mark.timeout(1500)]
         ),
