@@ -227,7 +227,8 @@ def test_the_body_runs_once_when_a_worker_dies_mid_chord(session_broker: Session
             with WorkerProcess(url, app=APP, queues=[name], concurrency=1, env=env) as second:
                 second.wait_ready()
                 assert result.get(timeout=60) == [0, 1, 2, 3, 4, 5]
-                assert second.count("chord_body_sent") == 1
+            # The body ran once (the notes). Which process sent it is not asserted: the killed
+            # worker's pool children may outlive it long enough to finish the join themselves.
             assert _body_runs(notes_path, name) == [[0, 1, 2, 3, 4, 5]]
         finally:
             app.close()

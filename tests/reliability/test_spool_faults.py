@@ -281,6 +281,13 @@ def _fill(noop: Task, limit: int) -> tuple[list[str], list[SpoolFull]]:
     return accepted, refusals
 
 
+def _room_for(noop: object) -> str | None:
+    try:
+        return str(noop.delay("after").id)  # type: ignore[attr-defined]
+    except SpoolFull:
+        return None
+
+
 def _fill_then_drain(node: PrivateNode, spool_dir: Path, row: str, **options: object) -> None:
     """With the broker down, call until the spool refuses; then the broker takes everything accepted."""
     queue = unique_queue(row.lower())
@@ -295,7 +302,10 @@ def _fill_then_drain(node: PrivateNode, spool_dir: Path, row: str, **options: ob
         stats = app.spool_stats()
         node.rabbitmqctl("start_app")
         wait_for(lambda: _depth(app) == 0, timeout_s=120, message="the spool did not drain")
-        after = noop.delay("after").id  # room again once the broker took the rest
+        # Room again once the broker took the rest and the spool reclaimed its files (not at once).
+        after = wait_for(
+            lambda: _room_for(noop), timeout_s=60, message="no room in the spool after the drain"
+        )
         app.flush(timeout=60)
     finally:
         app.close(timeout=10)
