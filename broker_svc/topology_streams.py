@@ -6,7 +6,7 @@ defined there, and ``broker_svc.topology`` imports it once they are.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Any, Final
 
 from broker_svc.topology import (
     DEFAULT_NAMESPACE,
@@ -31,6 +31,20 @@ __all__ = [
 ]
 
 
+# Every Clockwork stream is bounded by age and size, and dropped a segment at a time.
+def _stream_arguments(*, max_age_s: int, segment_bytes: int, max_bytes: int) -> dict[str, Any]:
+    return {
+        "x-queue-type": "stream",
+        "x-max-age": f"{max_age_s}s",
+        "x-stream-max-segment-size-bytes": segment_bytes,
+        "x-max-length-bytes": max_bytes,
+    }
+
+
+# A quorum queue one consumer at a time takes from (the joiners', the dependents', the leaders').
+_SINGLE_ACTIVE_QUORUM: Final = {"x-queue-type": "quorum", "x-single-active-consumer": True}
+
+
 # -- Clockwork's own durable streams (RabbitMQ streams; see docs/design.md, "Control plane") ------
 
 
@@ -44,12 +58,7 @@ def members_stream(namespace: str = DEFAULT_NAMESPACE) -> QueueSpec:
     return QueueSpec(
         name=f"clockwork.members.{namespace}",
         durable=True,
-        arguments={
-            "x-queue-type": "stream",
-            "x-max-age": "60s",
-            "x-stream-max-segment-size-bytes": 1_000_000,
-            "x-max-length-bytes": 20_000_000,
-        },
+        arguments=_stream_arguments(max_age_s=60, segment_bytes=1_000_000, max_bytes=20_000_000),
         exchange=event_exchange(),
         routing_key=MEMBERS_ROUTING_KEY,
     )
@@ -62,12 +71,7 @@ def revocation_log(namespace: str = DEFAULT_NAMESPACE) -> QueueSpec:
     return QueueSpec(
         name=f"clockwork.revoked.{namespace}",
         durable=True,
-        arguments={
-            "x-queue-type": "stream",
-            "x-max-age": "10800s",
-            "x-stream-max-segment-size-bytes": 4_000_000,
-            "x-max-length-bytes": 200_000_000,
-        },
+        arguments=_stream_arguments(max_age_s=10800, segment_bytes=4_000_000, max_bytes=200_000_000),
     )
 
 
@@ -81,12 +85,7 @@ def task_states_stream(namespace: str = DEFAULT_NAMESPACE) -> QueueSpec:
     return QueueSpec(
         name=f"clockwork.states.{namespace}",
         durable=True,
-        arguments={
-            "x-queue-type": "stream",
-            "x-max-age": "86400s",
-            "x-stream-max-segment-size-bytes": 8_000_000,
-            "x-max-length-bytes": 256_000_000,
-        },
+        arguments=_stream_arguments(max_age_s=86400, segment_bytes=8_000_000, max_bytes=256_000_000),
     )
 
 
@@ -101,7 +100,7 @@ def dependents_queue(namespace: str = DEFAULT_NAMESPACE) -> QueueSpec:
     return QueueSpec(
         name=f"clockwork.dependents.{namespace}",
         durable=True,
-        arguments={"x-queue-type": "quorum", "x-single-active-consumer": True},
+        arguments=dict(_SINGLE_ACTIVE_QUORUM),
     )
 
 
@@ -115,7 +114,7 @@ def chord_join_queue(namespace: str = DEFAULT_NAMESPACE) -> QueueSpec:
     return QueueSpec(
         name=f"clockwork.chords.{namespace}",
         durable=True,
-        arguments={"x-queue-type": "quorum", "x-single-active-consumer": True},
+        arguments=dict(_SINGLE_ACTIVE_QUORUM),
     )
 
 
@@ -138,7 +137,7 @@ def leader_queue(name: str) -> QueueSpec:
     return QueueSpec(
         name=f"clockwork.leader.{name}",
         durable=True,
-        arguments={"x-queue-type": "quorum", "x-single-active-consumer": True},
+        arguments=dict(_SINGLE_ACTIVE_QUORUM),
     )
 
 
@@ -154,12 +153,7 @@ def beat_journal_stream(name: str) -> QueueSpec:
     return QueueSpec(
         name=f"clockwork.beat.{name}.journal",
         durable=True,
-        arguments={
-            "x-queue-type": "stream",
-            "x-max-age": "604800s",
-            "x-stream-max-segment-size-bytes": 8_000_000,
-            "x-max-length-bytes": 256_000_000,
-        },
+        arguments=_stream_arguments(max_age_s=604800, segment_bytes=8_000_000, max_bytes=256_000_000),
     )
 
 

@@ -56,15 +56,12 @@ _RECONNECT_PAUSE_S: Final = 0.5
 
 
 def _connect(settings: Settings, name: str) -> tuple[pika.BlockingConnection, BlockingChannel]:
-    errors: list[str] = []
-    for params in all_connection_parameters(settings, connection_name=name):
-        try:
-            conn = pika.BlockingConnection(params)
-        except (pika.exceptions.AMQPError, OSError) as exc:
-            errors.append(f"{params.host}:{params.port}: {exc or type(exc).__name__}")
-            continue
-        return conn, conn.channel()
-    raise BrokerUnavailable("could not reach the broker: " + "; ".join(errors))
+    # pika tries the failover URLs in turn, as the state feed's connection does.
+    try:
+        conn = pika.BlockingConnection(all_connection_parameters(settings, connection_name=name))
+    except (pika.exceptions.AMQPError, OSError) as exc:
+        raise BrokerUnavailable(f"could not reach the broker: {exc or type(exc).__name__}") from exc
+    return conn, conn.channel()
 
 
 def _declare(channel: BlockingChannel, *specs: QueueSpec) -> None:

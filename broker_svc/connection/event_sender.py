@@ -81,17 +81,16 @@ class EventSender:
         if now < self._next_try:
             return None
         self._next_try = now + _RETRY_S
-        for params in all_connection_parameters(
+        params = all_connection_parameters(
             self._settings, connection_name=f"clockwork-events-{self.hostname}"
-        ):
-            try:
-                conn = pika.BlockingConnection(params)
-                channel = conn.channel()
-                exchange = event_exchange()
-                channel.exchange_declare(exchange.name, exchange.type, **exchange.declare_options())
-            except (pika.exceptions.AMQPError, OSError) as exc:
-                log.warning("event_connect_failed", error=str(exc) or type(exc).__name__)
-                continue
-            self._conn, self._channel = conn, channel
-            return channel
-        return None
+        )
+        try:  # pika tries the failover URLs in turn
+            conn = pika.BlockingConnection(params)
+            channel = conn.channel()
+            exchange = event_exchange()
+            channel.exchange_declare(exchange.name, exchange.type, **exchange.declare_options())
+        except (pika.exceptions.AMQPError, OSError) as exc:
+            log.warning("event_connect_failed", error=str(exc) or type(exc).__name__)
+            return None
+        self._conn, self._channel = conn, channel
+        return channel
