@@ -23,6 +23,7 @@ __all__ = [
     "beat_snapshot_queue",
     "beat_term_exchange",
     "chord_join_queue",
+    "dedup_gate_queue",
     "dependents_queue",
     "leader_queue",
     "members_stream",
@@ -99,6 +100,20 @@ def dependents_queue(namespace: str = DEFAULT_NAMESPACE) -> QueueSpec:
     """
     return QueueSpec(
         name=f"clockwork.dependents.{namespace}",
+        durable=True,
+        arguments=dict(_SINGLE_ACTIVE_QUORUM),
+    )
+
+
+def dedup_gate_queue(shard: int, namespace: str = DEFAULT_NAMESPACE) -> QueueSpec:
+    """One shard of the keyed-deduplication gate (``broker_svc/wire/dedup.py``).
+
+    A quorum queue with a single active consumer: one worker of the cluster keeps each shard's
+    keys, holding head markers and waiting tasks unacked; if it dies the broker hands them to
+    the next worker, which replays them (docs/architecture.md, "Deduplication under faults").
+    """
+    return QueueSpec(
+        name=f"clockwork.dedup.{namespace}.{shard}",
         durable=True,
         arguments=dict(_SINGLE_ACTIVE_QUORUM),
     )

@@ -1,0 +1,108 @@
+"""Keyed deduplication on the wire: the gate's headers, its shard of a key, its own messages.
+
+Pure. A task sent with a dedup key goes to a gate shard queue (``topology.dedup_gate_queue``)
+instead of its own, with the headers below; the worker that is the shard's single active consumer
+(``worker/gate/gatekeeper.py``) decides, per key, to send it on (``accept``), hold it (``block``)
+or answer it ``DECLINED`` (docs/architecture.md, "Deduplication under faults"). Three kinds of
+message of the gate's own travel in the same queue, each an empty body with headers:
+
+- a **head** marker, published by the gate in the transaction that sends a task on: while the gate
+  holds it unacked, the key has a running head; a gate that takes over learns the heads from them;
+- a **release**, published by the worker that ran the head once its delivery is settled for good;
+- a **sync** marker, published by a gate to itself when it becomes active: what it receives before
+  its marker comes back is what the previous gate left, replayed in a safe order.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+from broker_svc.wire.task_state import TARGET_QUEUE_HEADER
+
+__all__ = [
+    "DEADLINE_HEADER",
+    "DEFAULT_DEDUP_TIMEOUT_S",
+    "GATE_SHARDS",
+    "KEY_HEADER",
+    "KIND_HEADER",
+    "MAX_DEDUP_TIMEOUT_S",
+    "TARGET_QUEUE_HEADER",
+    "TASK_HEADER",
+    "TIMEOUT_HEADER",
+    "TOKEN_HEADER",
+    "GateMessage",
+    "dedup_headers",
+    "gate_headers",
+    "gate_message",
+    "shard_of",
+]
+
+KEY_HEADER: Final = "x-clockwork-dedup-key"
+TIMEOUT_HEADER: Final = "x-clockwork-dedup-timeout"  # seconds, from the task or the call
+DEADLINE_HEADER: Final = "x-clockwork-dedup-deadline"  # epoch seconds, stamped by the gate
+KIND_HEADER: Final = "x-clockwork-dedup-kind"
+TASK_HEADER: Final = "x-clockwork-dedup-task"
+TOKEN_HEADER: Final = "x-clockwork-dedup-token"
+
+# Every producer and worker must hash a key onto the same shard, so the count is fixed.
+GATE_SHARDS: Final = 8
+# The safety timeout bounds how long the gate holds a head marker and a waiting task unacked; the
+# broker closes a channel that holds a delivery past its consumer_timeout (30 min by default).
+MAX_DEDUP_TIMEOUT_S: Final = 1500.0
+DEFAULT_DEDUP_TIMEOUT_S: Final = 600.0
+
+Kind = Literal["head", "release", "sync"]
+_KINDS: Final = frozenset({"head", "release", "sync"})
+
+
+def shard_of(key: str) -> int:
+    """The gate shard that owns ``key`` (the same on every host and Python version)."""
+    return zlib.crc32(key.encode()) % GATE_SHARDS
+
+
+def dedup_headers(key: str, timeout_s: float, target_queue: str) -> dict[str, Any]:
+    """The headers a task carries to its gate: its key, safety timeout and destination queue."""
+    return {KEY_HEADER: key, TIMEOUT_HEADER: float(timeout_s), TARGET_QUEUE_HEADER: target_queue}
+
+
+@dataclass(frozen=True, slots=True)
+class GateMessage:
+    """One of the gate's own messages (see the module docstring)."""
+
+    kind: Kind
+    key: str = ""
+    task_id: str = ""
+    deadline: float = 0.0
+    token: str = ""
+
+
+def gate_headers(message: GateMessage) -> dict[str, Any]:
+    """``message`` as the headers of an empty-bodied AMQP message."""
+    headers: dict[str, Any] = {KIND_HEADER: message.kind}
+    if message.key:
+        headers[KEY_HEADER] = message.key
+    if message.task_id:
+        headers[TASK_HEADER] = message.task_id
+    if message.deadline:
+        headers[DEADLINE_HEADER] = float(message.deadline)
+    if message.token:
+        headers[TOKEN_HEADER] = message.token
+    return headers
+
+
+def gate_message(headers: Mapping[str, Any] | None) -> GateMessage | None:
+    """The gate message these headers carry; None for a task (an arrival) or a malformed one."""
+    kind = (headers or {}).get(KIND_HEADER)
+    if kind not in _KINDS:
+        return None
+    assert headers is not None
+    key, task_id = headers.get(KEY_HEADER, ""), headers.get(TASK_HEADER, "")
+    deadline, token = headers.get(DEADLINE_HEADER, 0.0), headers.get(TOKEN_HEADER, "")
+    if not isinstance(key, str) or not isinstance(task_id, str) or not isinstance(token, str):
+        return None
+    if not isinstance(deadline, int | float) or isinstance(deadline, bool):
+        return None
+    return GateMessage(kind=kind, key=key, task_id=task_id, deadline=float(deadline), token=token)
