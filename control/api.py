@@ -349,6 +349,10 @@ class Inspect:
         """``{node: {setting: value}}``."""
         return self._request("conf", with_defaults=with_defaults)
 
+    def dedup(self) -> InspectResult[dict[str, Any]]:
+        """``{node: {...}}``: the dedup gate shards a worker keeps, its keys and its decisions."""
+        return self._request("dedup")
+
 
 def _replies(result: BroadcastResult, reply: bool) -> list[dict[str, Any]] | None:
     return result.replies if reply else None

@@ -106,6 +106,10 @@ class WorkerMetrics:
             ("hostname", "kind"), registry=registry,
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
         )  # fmt: skip
+        self._dedup = Counter(
+            "clockwork_dedup_decisions", "Keyed-dedup gate decisions (accepted, declined, evicted, ...).",
+            ("hostname", "decision"), registry=registry,
+        )  # fmt: skip
         self._up.labels(self.hostname).set(1)
         registry.register(_PoolCollector(self.hostname, pool_size, busy))
 
@@ -199,6 +203,10 @@ class WorkerMetrics:
             except Exception:
                 pass
             await asyncio.sleep(every_s)
+
+    def dedup(self, decision: str) -> None:
+        """The dedup gate decided a task's fate (or a head's end) on this worker."""
+        self._dedup.labels(self.hostname, decision).inc()
 
     def dead_lettered(self, queue: str, reason: str) -> None:
         """A delivery was kept in ``<queue>.dead``."""

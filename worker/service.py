@@ -33,6 +33,7 @@ from worker.consume.consumer import TaskConsumer
 from worker.consume.dependents import DependentsJoiner
 from worker.consume.rate_limits import RateLimits
 from worker.events import Heart, software_version
+from worker.gate.gatekeeper import Gatekeeper
 from worker.metrics import WorkerMetrics
 from worker.pool.autoscale import Autoscaler, PoolSizer
 from worker.pool.demand import BacklogDemand, Demand, SlotDemand
@@ -218,6 +219,11 @@ class WorkerService:
             ),
             freq_s=config.event_heartbeat_s,
         )
+        # Keyed dedup: one worker of the cluster keeps each gate shard (worker/gate/gatekeeper.py).
+        gate = Gatekeeper(
+            settings=config.settings, clock=self._clock, hostname=config.hostname, events=events,
+            metrics=self._metrics,
+        )  # fmt: skip
         commands = WorkerCommands(
             app=self._app,
             config=config,
@@ -233,6 +239,7 @@ class WorkerService:
             events=events,
             heart=heart,
             request_stop=self.request_stop,
+            gate=gate,
         )
         await start_mailbox(
             publishing, commands.register(CommandRegistry()), config=config, clock=self._clock
@@ -293,6 +300,7 @@ class WorkerService:
                 settings=config.settings, clock=self._clock, hostname=config.hostname
             )
             background.spawn(dependents.run(publishing), name="dependents")
+        background.spawn(gate.run(publishing), name="dedup-gate")
         log.info(
             "worker_ready",
             hostname=config.hostname,

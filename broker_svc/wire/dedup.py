@@ -37,6 +37,8 @@ __all__ = [
     "dedup_headers",
     "gate_headers",
     "gate_message",
+    "head_deadline",
+    "release_of",
     "shard_of",
 ]
 
@@ -106,3 +108,24 @@ def gate_message(headers: Mapping[str, Any] | None) -> GateMessage | None:
     if not isinstance(deadline, int | float) or isinstance(deadline, bool):
         return None
     return GateMessage(kind=kind, key=key, task_id=task_id, deadline=float(deadline), token=token)
+
+
+def head_deadline(headers: Mapping[str, Any]) -> float | None:
+    """The deadline the gate stamped on a task it sent on (epoch seconds); None if it did not."""
+    deadline = headers.get(DEADLINE_HEADER)
+    if (
+        isinstance(deadline, int | float)
+        and not isinstance(deadline, bool)
+        and isinstance(headers.get(KEY_HEADER), str)
+    ):
+        return float(deadline)
+    return None
+
+
+def release_of(headers: Mapping[str, Any]) -> GateMessage | None:
+    """The release a worker owes the gate once this task's delivery is settled for good; None if
+    the task did not come through the gate."""
+    key, task_id = headers.get(KEY_HEADER), headers.get("id")
+    if head_deadline(headers) is None or not isinstance(key, str) or not isinstance(task_id, str):
+        return None
+    return GateMessage("release", key=key, task_id=task_id)

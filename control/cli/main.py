@@ -57,6 +57,7 @@ INSPECT_METHODS: Final = {
     "query-task": ("query_task", "where tasks are (active, reserved)"),
     "active-queues": ("active_queues", "queues each worker consumes"),
     "conf": ("conf", "worker configuration"),
+    "dedup": ("dedup", "dedup gate: shards kept, keys held, decisions counted"),
 }
 
 # ``ctl control <method> ARG...``: every control command but those with a command of their own.

@@ -239,6 +239,18 @@ def _queues(value: Any) -> tuple[str, list[str]]:
     return _count(len(rows), "queue"), _table(rows)
 
 
+def _dedup(value: Any) -> tuple[str, list[str]]:
+    if not isinstance(value, dict):
+        return _short(value), []
+    shards = value.get("active_shards") or []
+    keys, waiting = value.get("keys", 0), value.get("waiting", 0)
+    head = f"keeps {len(shards)} shard(s) {shards}, {keys} key(s), {waiting} waiting"
+    counts = [
+        f"{name} {value.get(name, 0)}" for name in ("accepted", "blocked", "declined", "evicted", "released")
+    ]
+    return head, [", ".join(counts)]
+
+
 def _clock(value: Any) -> tuple[str, list[str]]:
     return (f"clock {value.get('clock')}" if isinstance(value, dict) else _short(value)), []
 
@@ -250,6 +262,7 @@ _LAYOUTS: Final[dict[str, Callable[[Any], tuple[str, list[str]]]]] = {
     "stats": _stats,
     "active_queues": _queues,
     "clock": _clock,
+    "dedup": _dedup,
 }
 
 

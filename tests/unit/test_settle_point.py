@@ -32,6 +32,9 @@ ALLOWED = {
     # Tasks waiting for their dependencies (in the dependents queue, not a task queue): each acked
     # in the transaction that releases it; state records read from the stream.
     "worker/consume/dependents.py",
+    # Tasks at a dedup gate (in a gate shard queue, not a task queue) and the gate's own markers:
+    # each acked in the transaction that sends it on, declines it or ends its key's head.
+    "worker/gate/gatekeeper.py",
     # Election bids and term tokens, not task deliveries: a leader acks each token once the next
     # one is back (its lease), and bids as they come.
     "broker_svc/leader/election.py",

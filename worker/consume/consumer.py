@@ -24,7 +24,7 @@ from broker_svc.wire.task_message import TaskMessage, decode_task
 from worker.consume.admission import Admission, DedupeWindow
 from worker.consume.canvas import Canvas
 from worker.consume.eta import EtaScheduler
-from worker.consume.job_request import delivery_info, request_context, time_limits
+from worker.consume.job_request import delivery_info, past_dedup_deadline, request_context, time_limits
 from worker.consume.outcomes import OutcomeHandler
 from worker.consume.publish import ReplyPublisher
 from worker.consume.rate_limits import RATE_RESERVED_HEADER, RateLimits
@@ -314,6 +314,8 @@ class TaskConsumer:
             return await self._skip_revoked(request, queue, expired=False)
         if request.expires is not None and request.expires <= dt.datetime.now(dt.UTC):
             return await self._skip_revoked(request, queue, expired=True)
+        if past_dedup_deadline(request):
+            return await self._skip_revoked(request, queue, expired=True)  # evicted from its key
         tracked = Tracked(request, delivery)
         if (
             request.eta is not None

@@ -10,10 +10,12 @@ no I/O next to it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any, Final, Protocol
 
 from broker_svc.task import Task
+from broker_svc.wire.dedup import head_deadline
 from broker_svc.wire.task_message import RESENT_HEADER, TaskMessage, eta_and_expires
 from worker.consume.admission import delivery_count
 
@@ -21,6 +23,7 @@ __all__ = [
     "DeliveryFacts",
     "custom_headers",
     "delivery_info",
+    "past_dedup_deadline",
     "reply_wanted",
     "request_context",
     "time_limits",
@@ -67,7 +70,19 @@ def time_limits(
     soft = soft if soft is not None else override_soft
     hard = hard if hard is not None else task.time_limit or defaults[0]
     soft = soft if soft is not None else task.soft_time_limit or defaults[1]
+    deadline = head_deadline(request.extra_headers)
+    if deadline is not None:
+        # A dedup key's head may not outlive its safety timeout: past it the gate sends the next
+        # task of its key, and two must never run at once.
+        left = max(deadline - time.time(), 0.001)
+        hard = left if hard is None else min(hard, left)
     return hard, soft
+
+
+def past_dedup_deadline(request: TaskMessage) -> bool:
+    """A dedup key's head that starts after its deadline: the gate has evicted it, and it must not run."""
+    deadline = head_deadline(request.extra_headers)
+    return deadline is not None and deadline <= time.time()
 
 
 def reply_wanted(request: TaskMessage, task: Task | None, *, failed: bool = False) -> bool:

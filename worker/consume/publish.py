@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import aio_pika
@@ -190,7 +190,15 @@ class ReplyPublisher:
             await declare_queue(self._channel, queue)  # as the worker's settings declare it
             await self._send(wire.body, properties, queue.name, kind="task")
 
-    async def publish_to(self, body: bytes, *, content_type: str, encoding: str, queue: QueueSpec) -> None:
+    async def publish_to(
+        self,
+        body: bytes,
+        *,
+        content_type: str,
+        encoding: str,
+        queue: QueueSpec,
+        headers: Mapping[str, Any] | None = None,
+    ) -> None:
         """Send a persistent message to one of Clockwork's own queues, declaring it if missing; confirmed.
 
         Raises:
@@ -200,7 +208,7 @@ class ReplyPublisher:
             content_type=content_type,
             content_encoding=encoding,
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT.value,
-            headers={CLOCK_HEADER: self._clock.forward()},
+            headers={**(headers or {}), CLOCK_HEADER: self._clock.forward()},
         )
         try:
             await self._send(body, properties, queue.name, kind="internal")

@@ -10,6 +10,9 @@ import aio_pika
 import aio_pika.abc
 import structlog
 
+from broker_svc.errors import Unroutable
+from broker_svc.topology import dedup_gate_queue
+from broker_svc.wire.dedup import GateMessage, gate_headers, release_of, shard_of
 from worker.consume.disposition import ACK, HAND_BACK, LEFT_TO_BROKER, Disposition, Fate, Owed
 from worker.consume.eta import EtaScheduler
 from worker.consume.publish import ReplyPublisher
@@ -69,6 +72,19 @@ class Settler:
         if disposition.owed is not None:
             await disposition.owed()
         await _tolerate_gone_channel(message.ack())
+        if fate is not Fate.REPUBLISH and (release := release_of(message.headers or {})) is not None:
+            await self._release(release)
+
+    async def _release(self, release: GateMessage) -> None:
+        # A dedup key's head ended for good: its gate may send the next one (after the ack; the
+        # gate's safety timeout ends the head if this is lost).
+        try:
+            queue = dedup_gate_queue(shard_of(release.key))
+            await self._replies.publish_to(
+                b"", content_type="", encoding="", queue=queue, headers=gate_headers(release)
+            )
+        except (aio_pika.exceptions.AMQPError, Unroutable) as exc:
+            log.warning("dedup_release_lost", key=release.key, error=str(exc))
 
 
 async def _tolerate_gone_channel(action: Awaitable[Any]) -> None:

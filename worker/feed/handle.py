@@ -39,7 +39,7 @@ from worker.consume.admission import (
     recount,
 )
 from worker.consume.disposition import ACK, HAND_BACK, Disposition, retry_copy, retry_eta
-from worker.consume.job_request import delivery_info, request_context, time_limits
+from worker.consume.job_request import delivery_info, past_dedup_deadline, request_context, time_limits
 from worker.consume.rate_limits import RATE_RESERVED_HEADER
 from worker.feed.answers import FeedAnswers, Handled
 from worker.feed.canvas import FeedCanvas
@@ -194,6 +194,8 @@ class FeedHandler:
         now = dt.datetime.now(dt.UTC)
         if request.expires is not None and request.expires <= now:
             return self._answers.skip_revoked(request, expired=True), None
+        if past_dedup_deadline(request):
+            return self._answers.skip_revoked(request, expired=True), None  # evicted from its key
         if request.eta is not None and request.eta > now:
             left_s = (request.eta - now).total_seconds()
             bucket_ms = delay_bucket_ms(left_s, hold_window_s=DELAY_HOLD_WINDOW_S)

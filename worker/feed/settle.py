@@ -9,12 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import structlog
+
 from broker_svc.connection.feed_connection import FeedConnection, TaskDelivery
-from broker_svc.topology import QueueSpec, delay_queue
+from broker_svc.errors import BrokerSvcError
+from broker_svc.topology import QueueSpec, dedup_gate_queue, delay_queue
+from broker_svc.wire.dedup import gate_headers, release_of, shard_of
 from worker.consume.disposition import Disposition, Fate
 from worker.feed.replies import FeedReplies
 
 __all__ = ["FeedSettler"]
+
+log = structlog.get_logger(__name__)
 
 
 class FeedSettler:
@@ -58,3 +64,13 @@ class FeedSettler:
         if then is not None:
             then()
         self._connection.ack(delivery)
+        if fate is not Fate.REPUBLISH and (release := release_of(delivery.headers)) is not None:
+            # A dedup key's head ended for good: its gate may send the next one. After the ack, on
+            # the same channel, so a confirmed release means the ack took and it never runs again.
+            try:
+                queue = dedup_gate_queue(shard_of(release.key))
+                self._replies.internal(
+                    b"", content_type="", encoding="", queue=queue, headers=gate_headers(release)
+                )
+            except BrokerSvcError as exc:  # the gate's safety timeout ends the head instead
+                log.warning("dedup_release_lost", key=release.key, error=str(exc))

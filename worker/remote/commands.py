@@ -30,6 +30,7 @@ from worker.remote.revocation_log import RevocationLog
 from worker.remote.revoker import Revoker
 
 if TYPE_CHECKING:
+    from worker.gate.gatekeeper import Gatekeeper
     from worker.pool.feeding import Feeding
 
 __all__ = ["COMMAND_NAMES", "WorkerCommands", "queue_info"]
@@ -41,7 +42,7 @@ COMMAND_NAMES: Final = (
     "active", "stats", "ping", "clock", "registered", "revoked", "hello", "reserved", "scheduled",
     "query_task", "active_queues", "conf", "revoke", "terminate", "time_limit", "rate_limit",
     "add_consumer", "cancel_consumer", "enable_events", "disable_events", "heartbeat", "shutdown",
-    "pool_grow", "pool_shrink", "autoscale",
+    "pool_grow", "pool_shrink", "autoscale", "dedup",
 )  # fmt: skip
 
 # Celery's exact refusals (celery/worker/control.py).
@@ -66,6 +67,7 @@ class WorkerCommands:
         events: the event dispatcher (``enable_events``, ``disable_events``).
         heart: sends ``worker-heartbeat`` (``heartbeat``).
         request_stop: begins a graceful shutdown (``shutdown``).
+        gate: the dedup gatekeeper (``dedup``).
     """
 
     def __init__(
@@ -85,7 +87,9 @@ class WorkerCommands:
         events: EventDispatcher,
         heart: Heart,
         request_stop: Callable[[], None],
+        gate: Gatekeeper | None = None,
     ) -> None:
+        self._gate = gate
         self._app, self._config, self._clock = app, config, clock
         self._consumer, self._queues = consumer, queues
         self._pool, self._sizer, self._autoscaler = pool, sizer, autoscaler
@@ -190,6 +194,9 @@ class WorkerCommands:
         }
 
     # -- the node: liveness, clock, peers -------------------------------------------------------------
+
+    async def dedup(self) -> dict[str, Any]:
+        return self._gate.stats() if self._gate is not None else {}
 
     async def ping(self) -> dict[str, Any]:
         return ok("pong")

@@ -1,0 +1,165 @@
+"""Keyed dedup end to end: one running, at most one waiting, the rest declined; the safety timeout;
+a gate that dies hands its keys to the next worker. Real workers, a vhost of this module's own."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from broker_svc import App, Settings, TaskDeclined, TaskError
+from tests.infra.session_broker import SessionBroker
+from tests.integration import dedup_tasks
+from tests.support.waiting import wait_for
+from tests.support.workers import WorkerProcess
+
+APP = "tests.integration.dedup_tasks:app"
+QUEUE = "dedup-work"
+
+
+@pytest.fixture(scope="module")
+def dedup_url(session_broker: SessionBroker) -> Iterator[str]:
+    # The gate's shard queues are per vhost: a vhost of our own, so no other test's worker keeps them.
+    with session_broker.own_vhost("clockwork-dedup") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def gate_worker(dedup_url: str) -> Iterator[WorkerProcess]:
+    with WorkerProcess(
+        dedup_url, app=APP, queues=[QUEUE], concurrency=3, env={"CLOCKWORK_TASK_STATES": "1"}
+    ) as w:
+        yield w.wait_ready()
+
+
+@pytest.fixture
+def client(dedup_url: str) -> Iterator[App]:
+    app = App("dedup-client", settings=Settings(broker_url=dedup_url, task_states=True))
+    yield app
+    app.close(timeout=10)
+
+
+def _journal(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _runs(path: Path, key: str) -> list[tuple[float, float, str]]:
+    # (start, end, task id) of each finished run of ``key``, in start order.
+    starts: dict[str, float] = {}
+    runs = []
+    for entry in _journal(path):
+        if entry["key"] != key:
+            continue
+        if entry["event"] == "start":
+            starts[entry["task_id"]] = entry["at"]
+        else:
+            runs.append((starts[entry["task_id"]], entry["at"], entry["task_id"]))
+    return sorted(runs)
+
+
+def test_one_runs_one_waits_and_the_rest_are_declined(
+    gate_worker: WorkerProcess, client: App, tmp_path: Path
+):
+    journal = tmp_path / "runs.jsonl"
+    calls = [
+        dedup_tasks.refresh.apply_async((str(journal), "k1", 1.5), queue=QUEUE, dedup_key="k1")
+        for _ in range(5)
+    ]
+    other = dedup_tasks.refresh.apply_async((str(journal), "k2", 0.0), queue=QUEUE, dedup_key="k2")
+    assert other.get(timeout=30) == other.id  # another key is not held up by k1
+    assert calls[0].get(timeout=30) == calls[0].id
+    assert calls[1].get(timeout=30) == calls[1].id
+    for declined in calls[2:]:
+        with pytest.raises(TaskDeclined, match="k1"):
+            declined.get(timeout=30)
+        assert declined.state == "DECLINED"
+    (first_start, first_end, first), (second_start, _, second) = _runs(journal, "k1")
+    assert (first, second) == (calls[0].id, calls[1].id)
+    assert second_start >= first_end  # the waiting one ran only once the head had finished
+    wait_for(
+        lambda: client.jobs.status(calls[4].id) == "DECLINED",
+        timeout_s=30,
+        message="DECLINED on the state stream",
+    )
+    stats = client.control.inspect(destination=[gate_worker.name]).dedup()[gate_worker.name]
+    assert stats["active_shards"] == list(range(8)) and stats["keys"] == 0
+    assert (stats["accepted"], stats["blocked"], stats["declined"]) == (3, 1, 3)
+
+
+def test_the_task_level_key_is_an_argument_of_the_call(
+    gate_worker: WorkerProcess, tmp_path: Path, client: App
+):
+    journal = tmp_path / "users.jsonl"
+    head = dedup_tasks.refresh_user.apply_async((str(journal), 7), queue=QUEUE)
+    tail = dedup_tasks.refresh_user.apply_async(kwargs={"path": str(journal), "user_id": 7}, queue=QUEUE)
+    extra = dedup_tasks.refresh_user.apply_async((str(journal), 7), queue=QUEUE)
+    other = dedup_tasks.refresh_user.apply_async((str(journal), 8), queue=QUEUE)
+    with pytest.raises(TaskDeclined):
+        extra.get(timeout=30)
+    assert [head.get(timeout=30), tail.get(timeout=30), other.get(timeout=30)] == [7, 7, 8]
+
+
+def test_a_hung_head_is_stopped_at_its_safety_timeout_and_the_waiting_one_runs(
+    gate_worker: WorkerProcess, client: App, tmp_path: Path
+):
+    journal = tmp_path / "hung.jsonl"
+    hung = dedup_tasks.refresh.apply_async(
+        (str(journal), "k3", 60.0), queue=QUEUE, dedup_key="k3", dedup_timeout=3
+    )
+    wait_for(lambda: len(_journal(journal)) == 1, timeout_s=30, message="the head started")
+    sent = time.time()
+    waiting = dedup_tasks.refresh.apply_async((str(journal), "k3", 0.0), queue=QUEUE, dedup_key="k3")
+    with pytest.raises(TaskError, match="TimeLimitExceeded"):
+        hung.get(timeout=30)  # its hard time limit is the rest of its safety timeout
+    assert waiting.get(timeout=30) == waiting.id
+    [(start, _, ran)] = _runs(journal, "k3")
+    assert ran == waiting.id and start - sent < 10
+    assert [e["task_id"] for e in _journal(journal) if e["event"] == "end"] == [
+        waiting.id
+    ]  # the hung one never ended
+
+
+def test_a_killed_gate_hands_its_keys_to_the_next_worker(session_broker: SessionBroker, tmp_path: Path):
+    journal = tmp_path / "failover.jsonl"
+    with (
+        session_broker.own_vhost("clockwork-dedup-failover") as url,
+        App("dedup-failover", settings=Settings(broker_url=url)) as client,
+    ):
+        _failover(url, client, journal)
+
+
+def _failover(url: str, client: App, journal: Path) -> None:
+    first = WorkerProcess(url, app=APP, queues=[QUEUE], concurrency=2)
+    second = WorkerProcess(url, app=APP, queues=[QUEUE], concurrency=2)
+    with first, second:
+        first.wait_ready()
+        second.wait_ready()
+        head = dedup_tasks.refresh.apply_async((str(journal), "k4", 4.0), queue=QUEUE, dedup_key="k4")
+        wait_for(lambda: len(_journal(journal)) == 1, timeout_s=30, message="the head started")
+        tail = dedup_tasks.refresh.apply_async((str(journal), "k4", 0.0), queue=QUEUE, dedup_key="k4")
+        keeper = next(w for w in (first, second) if w.count("dedup_gate_active") > 0)
+        wait_for(lambda: _held(client, keeper) == 1, timeout_s=30, message="the tail held by the gate")
+        keeper.signal_tree(signal.SIGKILL)
+        keeper.proc.wait(timeout=30)
+        survivor = second if keeper is first else first
+        declined = dedup_tasks.refresh.apply_async((str(journal), "k4", 0.0), queue=QUEUE, dedup_key="k4")
+        with pytest.raises(TaskDeclined):
+            declined.get(timeout=60)  # the survivor replayed the head and the tail
+        assert tail.get(timeout=60) == tail.id
+        survivor.first("dedup_gate_active")
+    runs = _runs(journal, "k4")
+    assert [r[2] for r in runs][-1] == tail.id
+    ends = [end for _, end, task_id in runs if task_id == head.id]
+    assert (
+        len(ends) == 1 and runs[-1][0] >= ends[0]
+    )  # the head ran to its end (here or again) before the tail
+
+
+def _held(client: App, worker: WorkerProcess) -> int:
+    stats = client.control.inspect(destination=[worker.name], timeout=5).dedup().get(worker.name) or {}
+    return int(stats.get("waiting", 0))
