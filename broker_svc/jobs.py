@@ -77,7 +77,7 @@ class Jobs:
 
     def status(self, task_id: str, *, timeout: float = 10.0) -> str:
         """The task's latest state: QUEUED, STARTED, RETRY, SUCCESS, FAILURE, REVOKED, DELETED,
-        WAITING, or UNKNOWN when the stream has no record of it.
+        WAITING, DECLINED, or UNKNOWN when the stream has no record of it.
 
         Raises:
             BrokerUnavailable: the stream could not be read up to now within ``timeout``.
