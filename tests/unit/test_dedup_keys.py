@@ -2,16 +2,33 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from broker_svc import App, Settings, Task, chain, chord, group
+from broker_svc.connection.pending import prepare_publish
 from broker_svc.dedup_keys import KEY_MAX_BYTES, TaskDedup, check_dedup_key, dedup_call
+from broker_svc.schedules.entry import Entry
+from broker_svc.schedules.interval import Every
 from broker_svc.send_capture import SendCapture, capturing
+from broker_svc.send_message import Destination, build_message
 from broker_svc.signature import Signature
-from broker_svc.wire.dedup import DEFAULT_DEDUP_TIMEOUT_S, MAX_DEDUP_TIMEOUT_S
+from broker_svc.spool.entry import spooled_of, template_of
+from broker_svc.topology import dedup_gate_queue
+from broker_svc.wire.dedup import (
+    DEADLINE_HEADER,
+    DEFAULT_DEDUP_TIMEOUT_S,
+    KEY_HEADER,
+    MAX_DEDUP_TIMEOUT_S,
+    TARGET_QUEUE_HEADER,
+    TIMEOUT_HEADER,
+    shard_of,
+)
+from broker_svc.wire.task_message import TaskMessage, encode_task
 
 
 @pytest.fixture
@@ -305,3 +322,84 @@ def test_a_signature_resolved_again_keeps_its_key(app: App, capture: SendCapture
     sig = Signature("t.again", (1,), {}, {"dedup_key": "t.again:1"})
     app.send_many([sig, sig])
     assert [o["dedup_key"] for o in _sent(capture)] == ["t.again:1", "t.again:1"]
+
+
+# -- on the wire: the message, its headers and where it is published ----------------------------------
+
+
+def _built(app: App, sig: Signature) -> tuple[TaskMessage, Destination]:
+    message, destination, _ = build_message(
+        sig, conf=app.conf, settings=app.settings, clock=app.clock, reply_queue="reply"
+    )
+    return message, destination
+
+
+def test_a_keyed_message_carries_the_gates_headers_with_its_target_queue(app: App):
+    sig = Signature("t.x", (1,), {}, {"queue": "work", "dedup_key": "k1", "dedup_timeout": 30.0})
+    message, destination = _built(app, sig)
+    assert destination == Destination("work")
+    assert message.extra_headers == {KEY_HEADER: "k1", TIMEOUT_HEADER: 30, TARGET_QUEUE_HEADER: "work"}
+    routed, _ = _built(app, Signature("t.x", (), {}, {"dedup_key": "k1"}))
+    assert routed.extra_headers[TARGET_QUEUE_HEADER] == app.settings.default_queue
+    assert routed.extra_headers[TIMEOUT_HEADER] == DEFAULT_DEDUP_TIMEOUT_S
+
+
+def test_the_timeout_travels_as_whole_seconds_rounded_up(app: App):
+    # AMQP headers carry no portable float (pika refuses them; pamqp sends 32 bits).
+    message, _ = _built(app, Signature("t.x", (), {}, {"dedup_key": "k", "dedup_timeout": 0.2}))
+    assert message.extra_headers[TIMEOUT_HEADER] == 1 and type(message.extra_headers[TIMEOUT_HEADER]) is int
+    wire = encode_task(message, serializer="json")
+    assert wire.headers[TIMEOUT_HEADER] == 1
+
+
+def test_a_parents_dedup_headers_do_not_ride_along_on_a_task_it_sends(app: App):
+    inherited = {KEY_HEADER: "parent", TIMEOUT_HEADER: 5.0, DEADLINE_HEADER: 1e9, "tenant": "acme"}
+    plain, _ = _built(app, Signature("t.x", (), {}, {"headers": inherited}))
+    assert plain.extra_headers == {"tenant": "acme"}
+    keyed, _ = _built(app, Signature("t.x", (), {}, {"headers": inherited, "dedup_key": "child"}))
+    assert keyed.extra_headers[KEY_HEADER] == "child" and DEADLINE_HEADER not in keyed.extra_headers
+
+
+def test_a_keyed_send_to_a_named_exchange_is_a_type_error(app: App):
+    with pytest.raises(TypeError, match="dedup_key sends to a queue, not to a named exchange"):
+        _built(app, Signature("t.x", (), {}, {"exchange": "topic", "routing_key": "a.b", "dedup_key": "k"}))
+
+
+def test_a_keyed_task_is_published_to_its_gate_shard_never_to_a_delay_queue(app: App):
+    eta = dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)
+    sig = Signature("t.x", (), {}, {"queue": "work", "dedup_key": "k1", "eta": eta})
+    message, (queue, exchange) = _built(app, sig)
+    pending = prepare_publish(message, settings=app.settings, clock=app.clock, queue=queue, exchange=exchange)
+    gate = dedup_gate_queue(shard_of("k1"))
+    assert (pending.exchange, pending.routing_key, pending.queue) == ("", gate.name, gate.name)
+    assert pending.declare == (gate, app.settings.task_queue("work"))  # the shard, then the target
+    assert pending.eta_s is None  # its worker holds the ETA, after the gate
+    pending.route(time.time())
+    assert pending.routing_key == gate.name
+    assert pending.property_fields()["headers"][KEY_HEADER] == "k1"
+    with pytest.raises(TypeError, match="not to a named exchange"):
+        prepare_publish(message, settings=app.settings, clock=app.clock, queue=queue, exchange="topic")
+
+
+def test_a_spooled_keyed_task_read_back_declares_its_gate_shard_as_the_gate_does(app: App):
+    message, (queue, _) = _built(app, Signature("t.x", (), {}, {"dedup_key": "k1"}))
+    pending = prepare_publish(message, settings=app.settings, clock=app.clock, queue=queue)
+    replayed = template_of(spooled_of(pending), settings=app.settings)
+    assert replayed.declare == (dedup_gate_queue(shard_of("k1")),)
+    assert replayed.routing_key == pending.routing_key
+
+
+def test_a_beat_entry_cannot_take_a_dedup_key():
+    with pytest.raises(ValueError, match="entry 'nightly': a beat entry cannot take dedup_key"):
+        Entry(name="nightly", task="t.x", schedule=Every(60), options={"dedup_key": "k"})
+
+
+def test_a_keyed_task_cannot_also_wait_for_dependencies():
+    jobs_app = App("jobs", settings=Settings(task_states=True), set_as_current=False)
+
+    @jobs_app.task(name="j.keyed", dedup_key="n")
+    def keyed(n: int) -> None: ...
+
+    with pytest.raises(TypeError, match="'j.keyed' has a dedup_key: depends_on cannot hold it back too"):
+        jobs_app.enqueue(keyed, 1, depends_on=["other-task-id"])
+    jobs_app.close()
