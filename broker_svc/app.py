@@ -13,6 +13,7 @@ from broker_svc.builtins import register_builtins
 from broker_svc.clock import LamportClock
 from broker_svc.conf import Config
 from broker_svc.control_plane import ControlPlane, load_control
+from broker_svc.dedup_keys import TaskDedup, resolve_dedup
 from broker_svc.library_log import get_logger
 from broker_svc.open_apps import open_apps
 from broker_svc.registry import TaskRegistry
@@ -194,8 +195,14 @@ class App(TaskRegistry):
     ) -> AsyncResult:
         """Send a task by name; the task need not be registered here.
 
+        ``dedup_key`` (a literal key) and ``dedup_timeout`` deduplicate it, as in
+        ``Task.apply_async``; a task registered here with its own ``dedup_key`` gets its key
+        from these arguments when the send gives none.
+
         Raises:
-            TypeError: an unknown option, or args/kwargs of the wrong type.
+            TypeError: an unknown option, or args/kwargs of the wrong type; a dedup key where it
+                cannot be honoured (``exchange=``, a chord's header, a callback...).
+            ValueError: a dedup key or timeout out of range.
             MessageTooLarge: the encoded task is over ``max_body_bytes``.
             PublishError: (``confirm="each"``) the broker did not confirm it.
         """
@@ -207,7 +214,8 @@ class App(TaskRegistry):
         ``wait``: then wait once for all their confirms (with a spool: one write), as ``batch()``.
 
         Raises:
-            TypeError: an unknown option in a signature.
+            TypeError: an unknown option in a signature, or a dedup key that cannot be honoured.
+            ValueError: a dedup key or timeout out of range (none of them is sent).
             MessageTooLarge: one encoded task is over the limit (none of them is sent).
             PublishError: (``confirm="each"`` or ``wait``) the broker did not confirm one of them.
             SpoolFull: (spool) none of them was accepted.
@@ -220,6 +228,9 @@ class App(TaskRegistry):
         return Batch(self._batches, lambda pending: self._ensure_producer().submit(pending, wait=True))
 
     def _send(self, signatures: Sequence[Signature], *, wait: bool = False) -> list[AsyncResult]:
+        # Every client send passes here (the asyncio client's too): each call's dedup key is
+        # formed now, from the task's own ``dedup_key`` unless the send gave one.
+        signatures = [resolve_dedup(sig, self._task_dedup) for sig in signatures]
         capture = current_capture()
         if capture is not None:  # the asyncio client sends them (broker_svc/send_capture.py)
             return capture.keep(signatures)
@@ -227,6 +238,11 @@ class App(TaskRegistry):
             signatures, self._ensure_producer(), batch=self._batches.current, wait=wait, conf=self.conf,
             settings=self.settings, clock=self.clock, reply_queue=self._reply_queue, results=self._store,
         )  # fmt: skip
+
+    def _task_dedup(self, name: str) -> TaskDedup | None:
+        # A task's own dedup options, if it is registered here (``send_task`` by name included).
+        task = self.tasks.get(name)
+        return task._dedup if task is not None else None
 
     def signature(
         self,

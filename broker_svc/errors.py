@@ -24,7 +24,9 @@
     ├── Ignore                               raised by a task: ack it, record no state
     ├── Reject                               raised by a task: requeue it, or dead-letter it
     ├── TaskError                            a task failed remotely (carries the remote type)
-    │   └── TaskRevokedError                 the task was revoked or expired
+    │   ├── TaskRevokedError                 the task was revoked or expired
+    │   ├── ChordError                       a chord's body did not run: a header task failed
+    │   └── TaskDeclined                     not run: its dedup key had one running and one waiting
     ├── LeadershipLost                       this process is not (or no longer) the leader
     ├── PoolClosedError (RuntimeError)       the worker's pool is closing and takes no more jobs
     └── PoolStartError (RuntimeError)        a pool child did not load the app or report ready
@@ -61,6 +63,7 @@ __all__ = [
     "SoftTimeLimitExceeded",
     "SpoolError",
     "SpoolFull",
+    "TaskDeclined",
     "TaskError",
     "TaskRevokedError",
     "Unroutable",
@@ -184,6 +187,15 @@ class TaskRevokedError(TaskError):
 
 class ChordError(TaskError):
     """A chord's body did not run because a task of its header failed (Celery's ``ChordError``)."""
+
+
+class TaskDeclined(TaskError):
+    """The task was not run: its dedup key (``dedup_key``) had a call running and one waiting.
+
+    Keyed deduplication lets one call per key run, cluster-wide, and keeps at most one more
+    waiting; any other call with that key is declined and never runs. Its result's state is
+    ``DECLINED`` (a ready state that is neither successful nor failed), and ``get()`` raises this.
+    """
 
 
 class Retry(BrokerSvcError):

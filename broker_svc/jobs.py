@@ -77,7 +77,7 @@ class Jobs:
 
     def status(self, task_id: str, *, timeout: float = 10.0) -> str:
         """The task's latest state: QUEUED, STARTED, RETRY, SUCCESS, FAILURE, REVOKED, DELETED,
-        WAITING, or UNKNOWN when the stream has no record of it.
+        WAITING, DECLINED, or UNKNOWN when the stream has no record of it.
 
         Raises:
             BrokerUnavailable: the stream could not be read up to now within ``timeout``.
@@ -122,7 +122,8 @@ class Jobs:
 
         Raises:
             ConfigurationError: ``task_states`` is off (a job's status would always be UNKNOWN).
-            TypeError: the arguments do not fit the task.
+            TypeError: the arguments do not fit the task, or ``depends_on`` for a task with a
+                ``dedup_key`` (a task's own key applies to ``enqueue`` without ``depends_on``).
         """
         if not self._app.settings.task_states:
             raise ConfigurationError("app.enqueue needs task_states=True (app.conf or CLOCKWORK_TASK_STATES)")
@@ -147,6 +148,9 @@ class Jobs:
         if depends_on is not None:
             items = [depends_on] if isinstance(depends_on, str | Job | AsyncResult) else list(depends_on)
             if items:
+                if task is not None and task._dedup is not None and task._dedup.keyed:
+                    # A dependent is sent on by a worker, from the dependents queue, not the gate.
+                    raise TypeError(f"task {name!r} has a dedup_key: depends_on cannot hold it back too")
                 return self._enqueue_dependent(Signature(name, args, kwargs, options), items, allow_failure)
         result = self._app.send_task(name, args, kwargs, **options)
         return Job(self, result.id, result=result)

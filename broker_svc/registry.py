@@ -47,9 +47,26 @@ class TaskRegistry:
     ) -> TaskBase | Callable[[Callable[..., Any]], TaskBase]:
         """Register a function as a task: ``@app.task`` or ``@app.task(name=..., bind=True, ...)``.
 
+        Keyed deduplication: ``@app.task(dedup_key="user_id")`` lets one call per key run at a
+        time, cluster-wide, keeps at most one more waiting, and declines the rest: their
+        ``get()`` raises ``TaskDeclined`` and their state is ``DECLINED``; they never run.
+        ``dedup_key`` is the name of one of the function's arguments, bound as the function
+        binds it (``refresh(42)`` and ``refresh(user_id=42)`` have the same key; a default
+        counts), or a callable taking the task's ``(*args, **kwargs)`` and returning the key.
+        The key is ``"<task name>:<value>"`` (the value's ``str()``), so two tasks with equal
+        arguments do not share keys; it must fit in 200 UTF-8 bytes. ``dedup_timeout``
+        (seconds, 0 < t <= 1500, default 600) bounds how long a run holds its key if its worker
+        never reports. A send's own ``dedup_key=`` (``apply_async``, ``send_task``) is a literal
+        key that replaces the task's. Only tasks a client sends are deduplicated, to a queue
+        (not ``exchange=``), and only by Clockwork workers; a chord's header tasks and tasks a
+        worker sends later (callbacks, errbacks, a chain's steps after the first, a chord's
+        body) cannot have keys (a ``TypeError`` when the canvas is sent), nor can ``depends_on``
+        jobs and beat entries. Eager mode ignores keys, as it ignores routing.
+
         Raises:
-            TypeError: an unknown option or a bad ``base``.
-            ValueError: another task already has this name.
+            TypeError: an unknown option or a bad ``base``; a ``dedup_key`` that is neither one
+                of the function's arguments nor a callable.
+            ValueError: another task already has this name; a ``dedup_timeout`` out of range.
         """
 
         def register(func: Callable[..., Any]) -> TaskBase:

@@ -27,6 +27,8 @@ SEND_OPTIONS: Final = frozenset(
         "link", "link_error", "chain", "chord", "group_id", "group_index",
         # Celery's routing and publish-retry options (docs/migrating-from-celery.md)
         "routing_key", "exchange", "retry", "retry_policy",
+        # keyed deduplication (broker_svc/dedup_keys.py)
+        "dedup_key", "dedup_timeout",
     }
 )  # fmt: skip
 

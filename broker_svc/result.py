@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Final, Generic, Literal, overload
 from typing_extensions import TypeVar
 
 from broker_svc.connection.pending import Delivery, PendingPublish
-from broker_svc.errors import MessageError, ResultTimeout, TaskError
+from broker_svc.errors import MessageError, ResultTimeout, TaskDeclined, TaskError
 from broker_svc.library_log import get_logger
 from broker_svc.wire import codec
 from broker_svc.wire.result_message import Outcome, exception_from_wire
@@ -21,7 +21,7 @@ from broker_svc.wire.states import State
 if TYPE_CHECKING:
     from broker_svc.group_result import GroupResult
 
-__all__ = ["AsyncResult", "ResultStore", "outcome_value"]
+__all__ = ["AsyncResult", "ResultStore", "outcome_error", "outcome_value"]
 
 # What the task returns (``AsyncResult[int]`` for ``def add(...) -> int``); Any when unknown.
 R = TypeVar("R", default=Any)
@@ -163,12 +163,25 @@ def outcome_value(outcome: Outcome, *, propagate: bool) -> Any:
     Raises:
         TaskError: (``propagate``) the task failed (also an instance of the remote builtin type).
         TaskRevokedError: (``propagate``) the task was revoked or expired.
+        TaskDeclined: (``propagate``) the task was declined for its dedup key (state DECLINED).
     """
     if outcome.status == State.SUCCESS:
         return outcome.result
-    error: TaskError = exception_from_wire(outcome.result, outcome.traceback)
+    error = outcome_error(outcome)
     if propagate:
         raise error
+    return error
+
+
+def outcome_error(outcome: Outcome) -> TaskError:
+    """The error a result that is not a value stands for; a DECLINED one is always ``TaskDeclined``."""
+    error: TaskError = exception_from_wire(outcome.result, outcome.traceback)
+    if outcome.status == State.DECLINED and not isinstance(error, TaskDeclined):
+        # The state decides, even if the body's exception map is not the one the gate sends.
+        declined = TaskDeclined(*error.args)
+        declined.exc_type, declined.exc_module = "TaskDeclined", TaskDeclined.__module__
+        declined.remote_traceback = error.remote_traceback
+        return declined
     return error
 
 
@@ -201,7 +214,7 @@ class AsyncResult(OutcomeView, Generic[R]):
 
     @property
     def state(self) -> str:
-        """PENDING until the worker reports; then STARTED, PROGRESS, SUCCESS, FAILURE, ...
+        """PENDING until the worker reports; then STARTED, PROGRESS, SUCCESS, FAILURE, DECLINED...
 
         With ``task_states``, a task with no result here yet is answered from the task-state
         stream instead of PENDING: QUEUED, STARTED, ... or UNKNOWN (never seen), even a task
@@ -218,12 +231,13 @@ class AsyncResult(OutcomeView, Generic[R]):
 
     @property
     def result(self) -> Any:
-        """The return value, the exception of a failed task, or the meta of a custom state."""
+        """The return value, the exception of a failed, revoked or declined task, or the meta of a
+        custom state."""
         outcome = self._store.latest(self.id)
         if outcome is None:
             return None
-        if outcome.status in (State.FAILURE, State.REVOKED, State.RETRY):
-            return exception_from_wire(outcome.result, outcome.traceback)
+        if outcome.status in (State.FAILURE, State.REVOKED, State.RETRY, State.DECLINED):
+            return outcome_error(outcome)
         return outcome.result
 
     info = result
@@ -291,7 +305,8 @@ class AsyncResult(OutcomeView, Generic[R]):
 
         Args:
             timeout: seconds to wait; None waits forever.
-            propagate: raise the task's error if it failed or was revoked.
+            propagate: raise the task's error if it failed, was revoked or declined (else it is
+                returned).
             on_message: called with each state's result body, in order, as it arrives.
             interval: accepted for Celery compatibility; results are pushed, not polled.
 
@@ -299,6 +314,7 @@ class AsyncResult(OutcomeView, Generic[R]):
             ResultTimeout: nothing ready within ``timeout``.
             TaskError: the task failed (also an instance of the remote builtin type).
             TaskRevokedError: the task was revoked or expired.
+            TaskDeclined: the task was declined for its dedup key (``dedup_key``); never run.
             PublishError: the task never reached the broker.
         """
         del interval

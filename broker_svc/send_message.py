@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import math
 import os
 import platform
 import time
@@ -18,12 +19,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from broker_svc import signals
 from broker_svc.clock import LamportClock
+from broker_svc.dedup_keys import dedup_call
 from broker_svc.request import SEND_OPTIONS, countdown_to_eta, current_request
 from broker_svc.result import AsyncResult
 from broker_svc.routes import route_for
 from broker_svc.settings import Settings
 from broker_svc.signature import Signature
 from broker_svc.topology import DEFAULT_EXCHANGE, QueueSpec, task_states_stream
+from broker_svc.wire.dedup import DEADLINE_HEADER, KEY_HEADER, TIMEOUT_HEADER, dedup_headers
 from broker_svc.wire.task_message import TaskMessage
 from broker_svc.wire.task_state import CONTENT_TYPE as STATE_CONTENT_TYPE
 from broker_svc.wire.task_state import JobState, StateRecord
@@ -54,9 +57,13 @@ def build_message(
 ) -> tuple[TaskMessage, Destination, str | None]:
     """A signature as the task message to send, where to send it, and its serializer (None: default).
 
+    A send with a dedup key (its ``dedup_key`` option, formed by ``resolve_dedup``) carries the
+    gate's headers (``broker_svc/wire/dedup.py``), the destination queue among them.
+
     Raises:
         TypeError: an unknown send option, kwargs that are not a map, an eta or expires of the
-            wrong type, or an exchange that is not a name.
+            wrong type, an exchange that is not a name, or a dedup key with a named exchange.
+        ValueError: a dedup key or timeout out of range.
     """
     options = sig.options
     unknown = set(options) - SEND_OPTIONS
@@ -86,6 +93,29 @@ def build_message(
     parent = current_request()
     if parent is not None and not parent.called_directly:
         options = {"parent_id": parent.id, "root_id": parent.root_id or parent.id, **options}
+    exchange = _other_exchange(options)
+    if exchange is None:
+        destination = Destination(_queue(options) or settings.default_queue)
+    else:
+        # Celery's routing key on the named exchange (a queue's key, by default its name).
+        key = options.get("routing_key")
+        destination = Destination(key if isinstance(key, str) else options.get("queue") or "", exchange)
+    extra_headers = dict(options.get("headers") or {})
+    if extra_headers:
+        # A task sent with its parent's headers (``headers=self.request.headers``) must not take
+        # its parent's dedup key along: its worker would release the parent's key.
+        for name in (KEY_HEADER, TIMEOUT_HEADER, DEADLINE_HEADER):
+            extra_headers.pop(name, None)
+    if "dedup_key" in options or "dedup_timeout" in options:
+        dedup = dedup_call(sig.task, options)
+        if dedup is not None:
+            if exchange is not None:
+                raise TypeError("dedup_key sends to a queue, not to a named exchange; drop exchange=")
+            # To the key's gate shard (``prepare_publish``), which sends it on to ``destination``.
+            extra_headers.update(dedup_headers(dedup.key, dedup.timeout_s, destination.queue))
+            # A header cannot be a float (pika sends none, pamqp sends 32-bit ones: WIRE.md
+            # §2.2): whole seconds, rounded up, so the timeout is never shortened.
+            extra_headers[TIMEOUT_HEADER] = math.ceil(dedup.timeout_s)
     message = TaskMessage(
         id=task_id,
         task=sig.task,
@@ -103,18 +133,12 @@ def build_message(
         reply_to=options.get("reply_to") or reply_queue,
         correlation_id=task_id,
         priority=options.get("priority"),
-        extra_headers=dict(options.get("headers") or {}),
+        extra_headers=extra_headers,
         embed=_embed(options),
         group=options.get("group_id"),
         group_index=options.get("group_index"),
     )
-    exchange = _other_exchange(options)
-    if exchange is not None:
-        # Celery's routing key on the named exchange (a queue's key, by default its name).
-        key = options.get("routing_key")
-        destination = key if isinstance(key, str) else options.get("queue") or ""
-        return message, Destination(destination, exchange), options.get("serializer")
-    return message, Destination(_queue(options) or settings.default_queue), options.get("serializer")
+    return message, destination, options.get("serializer")
 
 
 def before_publish(message: TaskMessage, queue: str, exchange: str) -> TaskMessage:
@@ -153,6 +177,7 @@ def send_signatures(
     """
     publisher = producer.publisher
     prepared: list[tuple[PendingPublish, str]] = []
+    queues: list[str] = []  # where each goes: a dedup send's target queue, not its gate shard
     announce = signals.before_task_publish.has_receivers or signals.after_task_publish.has_receivers
     for sig in signatures:
         message, (queue, exchange), serializer = build_message(
@@ -168,6 +193,7 @@ def send_signatures(
             exchange=exchange,
         )
         prepared.append((pending, message.id))
+        queues.append(queue)
     # Results register before the publish, so even an instant reply finds its waiter.
     handles = [AsyncResult(task_id, store=results, publish=p) for p, task_id in prepared]
     sent = [pending for pending, _ in prepared]
@@ -176,11 +202,11 @@ def send_signatures(
         # (Not through a spool: its records name task queues only; docs/design.md, "Task states".)
         stream = task_states_stream()
         now = time.time()
-        for pending, task_id in prepared:
+        for (pending, task_id), queue in zip(prepared, queues, strict=True):
             headers = pending.message.headers
             record = StateRecord(
                 task_id=task_id, state=JobState.QUEUED, at=now, clock=int(headers.get("clock") or 0),
-                hostname=CLIENT_HOSTNAME, name=headers.get("task"), queue=pending.queue,
+                hostname=CLIENT_HOSTNAME, name=headers.get("task"), queue=queue,
             )  # fmt: skip
             sent.append(state_publish(record, stream))
     if batch is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import inspect
 import random
-from collections.abc import Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Generic
 
 from typing_extensions import ParamSpec, TypeVar
@@ -21,6 +21,7 @@ from broker_svc.task_class import check_call_arguments
 
 if TYPE_CHECKING:
     from broker_svc.app import App
+    from broker_svc.dedup_keys import TaskDedup
     from broker_svc.eager import EagerResult
     from broker_svc.result import AsyncResult as ResultHandle
 
@@ -86,6 +87,11 @@ class Task(Generic[P, R]):
     pydantic_strict: ClassVar[bool] = False
     pydantic_context: ClassVar[Mapping[str, Any] | None] = None
     pydantic_dump_kwargs: ClassVar[Mapping[str, Any] | None] = None
+    # Keyed deduplication (``apply_async``): an argument's name or a callable of the arguments,
+    # and the gate's safety timeout in seconds; ``_dedup`` is their checked form (dedup_keys.py).
+    dedup_key: ClassVar[str | Callable[..., object] | None] = None
+    dedup_timeout: ClassVar[float | None] = None
+    _dedup: ClassVar[TaskDedup | None] = None
 
     OPTIONS: ClassVar[frozenset[str]] = frozenset(
         {
@@ -94,7 +100,7 @@ class Task(Generic[P, R]):
             "retry_backoff_max", "retry_jitter", "rate_limit", "retry_kwargs", "dont_autoretry_for",
             "throws", "expires", "priority", "typing", "store_errors_even_if_ignored", "acks_late",
             "reject_on_worker_lost", "pydantic", "pydantic_strict", "pydantic_context",
-            "pydantic_dump_kwargs",
+            "pydantic_dump_kwargs", "dedup_key", "dedup_timeout",
         }
     )  # fmt: skip
 
@@ -288,10 +294,17 @@ class Task(Generic[P, R]):
             kwargs: keyword arguments.
             **options: ``task_id``, ``queue``, ``priority``, ``countdown`` (s), ``eta`` (datetime),
                 ``expires`` (s or datetime), ``time_limit``, ``soft_time_limit``, ``ignore_result``,
-                ``serializer``, ``headers``, ``shadow``.
+                ``serializer``, ``headers``, ``shadow``; ``dedup_key``: this call's key, used as
+                it is (over the task's own): one call per key runs cluster-wide, one more waits,
+                the rest are declined (``TaskDeclined``); ``dedup_timeout``: the gate's safety
+                timeout, seconds (0 < t <= 1500; default the task's, else 600). Eager mode
+                (``task_always_eager``) ignores both, as it ignores routing. See ``App.task``.
 
         Raises:
-            TypeError: an unknown option.
+            TypeError: an unknown option; a dedup key on a chord's header task or where a
+                worker sends the task later (a callback, a chain's later step); ``exchange=``
+                with a dedup key.
+            ValueError: a dedup key that is empty or over 200 UTF-8 bytes, a timeout out of range.
             MessageTooLarge: the encoded task is over ``max_body_bytes``.
             PublishError: (``confirm="each"``) the broker did not confirm it.
         """

@@ -11,6 +11,7 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from broker_svc.dedup_keys import task_dedup
 from broker_svc.wire.rates import parse_rate
 
 if TYPE_CHECKING:
@@ -62,8 +63,10 @@ def build_task_class(
     """Make the task subclass for ``fn`` (Celery's pattern: one class per task).
 
     Raises:
-        TypeError: an unknown task option, or a base that is not a ``Task``.
-        ValueError: a ``rate_limit`` that is not a rate (``"10/s"``, ``"100/m"``, ``"2/h"``, a number).
+        TypeError: an unknown task option, a base that is not a ``Task``, or a ``dedup_key`` that
+            is neither one of ``fn``'s arguments nor a callable.
+        ValueError: a ``rate_limit`` that is not a rate (``"10/s"``, ``"100/m"``, ``"2/h"``, a number),
+            or a ``dedup_timeout`` out of range.
     """
     from broker_svc.task import Task  # task imports this module
 
@@ -77,8 +80,12 @@ def build_task_class(
     except ValueError as exc:
         raise ValueError(f"task {name!r}: {exc}") from None
     bind = bool(options.get("bind", base.bind))
+    dedup_key = options.get("dedup_key", base.dedup_key)
+    dedup_timeout = options.get("dedup_timeout", base.dedup_timeout)
+    dedup = task_dedup(fn, task_name=name, bind=bind, dedup_key=dedup_key, dedup_timeout=dedup_timeout)
     attrs: dict[str, Any] = {
         **options,
+        "_dedup": dedup,
         "name": name,
         "app": app,
         "run": fn if bind else staticmethod(fn),
@@ -87,4 +94,6 @@ def build_task_class(
         "__module__": fn.__module__,
         "__qualname__": getattr(fn, "__qualname__", fn.__name__),
     }
+    if callable(dedup_key):
+        attrs["dedup_key"] = staticmethod(dedup_key)  # a function, not a method of the task
     return type(fn.__name__, (base,), attrs)

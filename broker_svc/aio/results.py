@@ -139,12 +139,14 @@ class AioResult(OutcomeView, Generic[R]):
 
         Args:
             timeout: seconds to wait; None waits forever.
-            propagate: raise the task's error if it failed or was revoked (else it is returned).
+            propagate: raise the task's error if it failed, was revoked or declined (else it is
+                returned).
 
         Raises:
             ResultTimeout: nothing ready within ``timeout``.
             TaskError: the task failed (also an instance of the remote builtin type).
             TaskRevokedError: the task was revoked or expired.
+            TaskDeclined: the task was declined for its dedup key (``dedup_key``); never run.
         """
         outcome = await self._outcome(limit_s=timeout)
         value: R = outcome_value(outcome, propagate=propagate)

@@ -20,9 +20,11 @@ from broker_svc.topology import (
     DELAY_HOLD_WINDOW_S,
     QueueSpec,
     QueueType,
+    dedup_gate_queue,
     delay_bucket_ms,
     delay_queue,
 )
+from broker_svc.wire.dedup import KEY_HEADER, shard_of
 from broker_svc.wire.task_message import RESENT_HEADER, TaskMessage, WireMessage, encode_task
 
 __all__ = ["Delivery", "PendingPublish", "prepare_publish"]
@@ -42,11 +44,13 @@ def prepare_publish(
 
     ``Publisher.prepare`` (blocking) and ``broker_svc.aio`` (asyncio) both call this, so the two
     clients put the same bytes on the wire. A task whose ETA is more than ``DELAY_HOLD_WINDOW_S``
-    away when it is sent goes to one of ``queue``'s delay queues (``PendingPublish.route``).
+    away when it is sent goes to one of ``queue``'s delay queues (``PendingPublish.route``). A task
+    with a dedup key (its headers, set by ``build_message``) goes to the key's gate shard queue
+    instead, ETA or not; ``queue``, where the gate sends it on, is declared after the shard.
 
     Raises:
         MessageTooLarge: the body is over ``max_body_bytes`` (checked before publishing).
-        TypeError: an argument cannot be encoded.
+        TypeError: an argument cannot be encoded, or a dedup key with a named exchange.
     """
     if message.clock is None:
         message = dataclasses.replace(message, clock=clock.forward())
@@ -54,6 +58,16 @@ def prepare_publish(
     if len(wire.body) > settings.max_body_bytes:
         raise MessageTooLarge(
             f"task body of {len(wire.body)} bytes is over max_body_bytes={settings.max_body_bytes}"
+        )
+    key = message.extra_headers.get(KEY_HEADER) if message.extra_headers else None
+    if isinstance(key, str):
+        # Keyed dedup: to the key's gate shard, which sends it on to ``queue`` (its target header),
+        # holds it, or declines it. Never to a delay queue: its worker holds an ETA after the gate.
+        if exchange:
+            raise TypeError("dedup_key sends to a queue, not to a named exchange; drop exchange=")
+        gate = dedup_gate_queue(shard_of(key))
+        return PendingPublish(
+            wire, exchange=DEFAULT_EXCHANGE, routing_key=gate.name, declare=(gate, settings.task_queue(queue))
         )
     eta = message.eta
     if eta is not None and eta.tzinfo is None:

@@ -44,7 +44,7 @@ class Entry:
         schedule: when it fires.
         args, kwargs: the task's arguments (a list given for ``args`` is kept as a tuple).
         options: Celery's ``apply_async`` options (queue, routing_key, exchange, priority,
-            expires, headers, ...).
+            expires, headers, ...), but not ``dedup_key``/``dedup_timeout``.
         catch_up: what to fire for times missed while no scheduler ran: ``"skip"`` none,
             ``"once"`` the latest one, ``"all"`` every one inside ``catch_up_window_s``.
         catch_up_window_s: for ``"all"``, how far back missed times are fired; None is one day.
@@ -89,6 +89,13 @@ class Entry:
         if unknown:
             known = sorted(SEND_OPTIONS)
             raise ValueError(f"{where}: unknown option(s) {sorted(unknown)}; apply_async takes {known}")
+        if "dedup_key" in self.options or "dedup_timeout" in self.options:
+            # The scheduler fires through its term's exchange; a dedup key sends to a queue.
+            raise ValueError(
+                f"{where}: a beat entry cannot take dedup_key or dedup_timeout (the scheduler fires "
+                "through an exchange, the gate takes tasks sent to a queue); overlap='skip' keeps "
+                "an entry to one run at a time"
+            )
         self._check_policies(where)
 
     def _check_policies(self, where: str) -> None:

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Final
+
 from broker_svc.connection.pending import PendingPublish
 from broker_svc.settings import Settings
-from broker_svc.topology import QueueSpec, task_queue
+from broker_svc.topology import QueueSpec, dedup_gate_queue, task_queue
+from broker_svc.wire.dedup import GATE_SHARDS
 from broker_svc.wire.spool_record import QueueKind, SpooledMessage
 
 __all__ = ["Entry", "spooled_of", "template_of"]
+
+# The gate shard queues a client sends tasks with dedup keys to, by name: declared as such on replay.
+_GATE_SHARDS: Final = {spec.name: spec for spec in map(dedup_gate_queue, range(GATE_SHARDS))}
 
 
 class Entry:
@@ -74,7 +80,10 @@ def template_of(spooled: SpooledMessage, *, settings: Settings | None = None) ->
     """
     kind = spooled.queue_type
     declare: tuple[QueueSpec, ...] = ()
-    if kind is not None:
+    gate = _GATE_SHARDS.get(spooled.queue)
+    if gate is not None and kind is not None:
+        declare = (gate,)  # a task with a dedup key: its gate shard (single active consumer)
+    elif kind is not None:
         ordered = settings is not None and spooled.queue in settings.ordered_queues
         priority = settings.queue_max_priority if settings is not None else None
         declare = (task_queue(spooled.queue, queue_type=kind, single_active=ordered, max_priority=priority),)

@@ -123,6 +123,8 @@ def _build_remote_type(exc_type: str, exc_module: str) -> type[TaskError]:
         # Only modules this process already imported: a result must never trigger an import.
         local = getattr(sys.modules[exc_module], exc_type, None)
     name = exc_type.rsplit(".", 1)[-1] or "RemoteError"
+    if isinstance(local, type) and issubclass(local, TaskError):
+        return local  # one of Clockwork's remote errors (``TaskDeclined``...): itself, so ``except`` works
     if isinstance(local, type) and issubclass(local, Exception):
         try:
             return type(name, (TaskError, local), {"__module__": exc_module})
@@ -144,7 +146,7 @@ class Outcome:
 
     @property
     def ready(self) -> bool:
-        """True for SUCCESS, FAILURE and REVOKED."""
+        """True for SUCCESS, FAILURE, REVOKED and DECLINED (``READY_STATES``)."""
         return self.status in READY_STATES
 
     def to_wire(self) -> dict[str, Any]:

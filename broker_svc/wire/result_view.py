@@ -32,12 +32,12 @@ class OutcomeView:
 
     @property
     def state(self) -> str:
-        """PENDING until the worker reports; then STARTED, PROGRESS, SUCCESS, FAILURE, ..."""
+        """PENDING until the worker reports; then STARTED, PROGRESS, SUCCESS, FAILURE, DECLINED..."""
         outcome = self._latest()
         return outcome.status if outcome is not None else State.PENDING.value
 
     def ready(self) -> bool:
-        """True once the task succeeded, failed or was revoked."""
+        """True once the task succeeded, failed, was revoked or was declined (``READY_STATES``)."""
         return self.state in READY_STATES
 
     def successful(self) -> bool:
@@ -45,7 +45,7 @@ class OutcomeView:
         return self.state == State.SUCCESS
 
     def failed(self) -> bool:
-        """True if the task failed."""
+        """True if the task failed (FAILURE; a revoked or declined task is not a failure)."""
         return self.state == State.FAILURE
 
 
@@ -66,7 +66,7 @@ class ResultsView:
         return len(self._members())
 
     def ready(self) -> bool:
-        """Every task has finished (succeeded, failed or was revoked)."""
+        """Every task has finished (succeeded, failed, was revoked or declined)."""
         return all(r.ready() for r in self._members())
 
     def successful(self) -> bool:

@@ -18,6 +18,10 @@ class State(StrEnum):
     RETRY = "RETRY"
     REVOKED = "REVOKED"
     REJECTED = "REJECTED"
+    # Clockwork's own: not run, as another call with its dedup key was running and one waiting
+    # (``TaskDeclined``). Only Clockwork's gate sends it, to clients that sent a dedup key.
+    DECLINED = "DECLINED"
 
 
-READY_STATES = frozenset({State.SUCCESS, State.FAILURE, State.REVOKED})
+# The states after which nothing more happens to a task: its result is in.
+READY_STATES = frozenset({State.SUCCESS, State.FAILURE, State.REVOKED, State.DECLINED})

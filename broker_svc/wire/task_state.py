@@ -58,7 +58,8 @@ def result_expiration(extra_headers: Mapping[str, Any]) -> str | None:
 
 
 class JobState(StrEnum):
-    """A task's state as the stream knows it: Celery's names plus QUEUED, WAITING, DELETED, UNKNOWN."""
+    """A task's state as the stream knows it: Celery's names plus QUEUED, WAITING, DELETED, DECLINED,
+    UNKNOWN."""
 
     UNKNOWN = "UNKNOWN"  # never seen within the stream's retention (a reader's answer, never written)
     WAITING = "WAITING"  # sent with depends_on; held until its dependencies finish (RQ's "deferred")
@@ -69,9 +70,12 @@ class JobState(StrEnum):
     FAILURE = "FAILURE"
     REVOKED = "REVOKED"
     DELETED = "DELETED"
+    DECLINED = "DECLINED"  # sent with a dedup key and declined by the gate: never run (``TaskDeclined``)
 
 
-FINAL_STATES: Final = frozenset({JobState.SUCCESS, JobState.FAILURE, JobState.REVOKED, JobState.DELETED})
+FINAL_STATES: Final = frozenset(
+    {JobState.SUCCESS, JobState.FAILURE, JobState.REVOKED, JobState.DELETED, JobState.DECLINED}
+)
 # The outcomes a worker writes when it answers a task (STARTED is written as the run begins).
 WORKER_STATES: Final = frozenset({JobState.SUCCESS, JobState.FAILURE, JobState.RETRY, JobState.REVOKED})
 

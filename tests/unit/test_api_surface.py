@@ -23,7 +23,8 @@ def test_broker_svc_exports_exactly_its_public_names():
             "ContentDisallowed", "Ignore", "Reject",
             "DecodeError", "InvalidTaskMessage", "MaxRetriesExceededError", "MessageError",
             "MessageTooLarge", "NotRegistered", "PublishError", "PublishNacked", "ResultTimeout", "Retry",
-            "SoftTimeLimitExceeded", "SpoolError", "SpoolFull", "TaskError", "TaskRevokedError", "Unroutable",
+            "SoftTimeLimitExceeded", "SpoolError", "SpoolFull", "TaskDeclined", "TaskError",
+            "TaskRevokedError", "Unroutable",
         ]
     )  # fmt: skip
     for name in broker_svc.__all__:

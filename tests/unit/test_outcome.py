@@ -2,8 +2,20 @@ from __future__ import annotations
 
 import pytest
 
-from broker_svc.errors import MessageError, NotRegistered, TaskError, TaskRevokedError
+from broker_svc import JobState, State
+from broker_svc.errors import (
+    ChordError,
+    MessageError,
+    NotRegistered,
+    TaskDeclined,
+    TaskError,
+    TaskRevokedError,
+)
+from broker_svc.result import outcome_error, outcome_value
 from broker_svc.wire.result_message import Outcome, exception_from_wire, exception_to_wire, wire_exception
+from broker_svc.wire.result_view import OutcomeView
+from broker_svc.wire.states import READY_STATES
+from broker_svc.wire.task_state import FINAL_STATES
 
 
 def test_exception_map_has_celerys_shape():
@@ -42,3 +54,46 @@ def test_result_bodies_round_trip_and_validate():
         Outcome.from_wire([1, 2])
     with pytest.raises(MessageError):
         Outcome.from_wire({"task_id": "a", "status": 5})
+
+
+def _declined(result: object) -> Outcome:
+    return Outcome(task_id="d", status="DECLINED", result=result)
+
+
+def test_a_declined_result_is_ready_and_raises_task_declined_naming_the_key():
+    wire = wire_exception("TaskDeclined", "dedup key 'k1' has a run and a waiter", module="broker_svc.errors")
+    outcome = _declined(wire)
+    assert outcome.ready
+    with pytest.raises(TaskDeclined, match="k1") as caught:
+        outcome_value(outcome, propagate=True)
+    assert type(caught.value) is TaskDeclined and isinstance(caught.value, TaskError)
+    assert caught.value.exc_type == "TaskDeclined" and caught.value.exc_module == "broker_svc.errors"
+    returned = outcome_value(outcome, propagate=False)
+    assert isinstance(returned, TaskDeclined)
+
+
+def test_the_declined_state_decides_even_if_the_exception_map_is_not_the_gates():
+    assert isinstance(outcome_error(_declined("no map")), TaskDeclined)
+    assert isinstance(outcome_error(_declined(wire_exception("KeyError", "k"))), TaskDeclined)
+
+
+def test_a_declined_result_reads_as_ready_but_neither_successful_nor_failed():
+    class View(OutcomeView):
+        id = "d"
+
+        def _latest(self) -> Outcome | None:
+            return _declined(wire_exception("TaskDeclined", "k", module="broker_svc.errors"))
+
+    view = View()
+    assert view.state == "DECLINED" and view.ready()
+    assert not view.successful() and not view.failed()
+
+
+def test_declined_is_a_ready_state_and_a_final_job_state():
+    assert State.DECLINED == "DECLINED" and State.DECLINED in READY_STATES
+    assert JobState.DECLINED == "DECLINED" and JobState.DECLINED in FINAL_STATES
+
+
+def test_other_clockwork_task_errors_come_back_as_their_own_type():
+    error = exception_from_wire(wire_exception("ChordError", "part 2 failed", module="broker_svc.errors"))
+    assert isinstance(error, ChordError) and isinstance(error, TaskError)
