@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import math
 import os
 import platform
 import time
@@ -113,9 +112,6 @@ def build_message(
                 raise TypeError("dedup_key sends to a queue, not to a named exchange; drop exchange=")
             # To the key's gate shard (``prepare_publish``), which sends it on to ``destination``.
             extra_headers.update(dedup_headers(dedup.key, dedup.timeout_s, destination.queue))
-            # A header cannot be a float (pika sends none, pamqp sends 32-bit ones: WIRE.md
-            # §2.2): whole seconds, rounded up, so the timeout is never shortened.
-            extra_headers[TIMEOUT_HEADER] = math.ceil(dedup.timeout_s)
     message = TaskMessage(
         id=task_id,
         task=sig.task,

@@ -15,6 +15,7 @@ message of the gate's own travel in the same queue, each an empty body with head
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -44,7 +45,9 @@ __all__ = [
 
 KEY_HEADER: Final = "x-clockwork-dedup-key"
 TIMEOUT_HEADER: Final = "x-clockwork-dedup-timeout"  # seconds, from the task or the call
-DEADLINE_HEADER: Final = "x-clockwork-dedup-deadline"  # epoch seconds, stamped by the gate
+# Epoch milliseconds as an integer, stamped by the gate: AMQP clients send a float header as 32 bits
+# (pamqp), which would round an epoch to 128 s.
+DEADLINE_HEADER: Final = "x-clockwork-dedup-deadline"
 KIND_HEADER: Final = "x-clockwork-dedup-kind"
 TASK_HEADER: Final = "x-clockwork-dedup-task"
 TOKEN_HEADER: Final = "x-clockwork-dedup-token"
@@ -66,8 +69,9 @@ def shard_of(key: str) -> int:
 
 
 def dedup_headers(key: str, timeout_s: float, target_queue: str) -> dict[str, Any]:
-    """The headers a task carries to its gate: its key, safety timeout and destination queue."""
-    return {KEY_HEADER: key, TIMEOUT_HEADER: float(timeout_s), TARGET_QUEUE_HEADER: target_queue}
+    """The headers a task carries to its gate: its key, safety timeout (whole seconds, rounded up:
+    a float header travels as 32 bits) and destination queue."""
+    return {KEY_HEADER: key, TIMEOUT_HEADER: math.ceil(timeout_s), TARGET_QUEUE_HEADER: target_queue}
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +93,7 @@ def gate_headers(message: GateMessage) -> dict[str, Any]:
     if message.task_id:
         headers[TASK_HEADER] = message.task_id
     if message.deadline:
-        headers[DEADLINE_HEADER] = float(message.deadline)
+        headers[DEADLINE_HEADER] = deadline_header(message.deadline)
     if message.token:
         headers[TOKEN_HEADER] = message.token
     return headers
@@ -102,23 +106,28 @@ def gate_message(headers: Mapping[str, Any] | None) -> GateMessage | None:
         return None
     assert headers is not None
     key, task_id = headers.get(KEY_HEADER, ""), headers.get(TASK_HEADER, "")
-    deadline, token = headers.get(DEADLINE_HEADER, 0.0), headers.get(TOKEN_HEADER, "")
+    deadline_ms, token = headers.get(DEADLINE_HEADER, 0), headers.get(TOKEN_HEADER, "")
     if not isinstance(key, str) or not isinstance(task_id, str) or not isinstance(token, str):
         return None
-    if not isinstance(deadline, int | float) or isinstance(deadline, bool):
+    if not isinstance(deadline_ms, int) or isinstance(deadline_ms, bool):
         return None
-    return GateMessage(kind=kind, key=key, task_id=task_id, deadline=float(deadline), token=token)
+    return GateMessage(kind=kind, key=key, task_id=task_id, deadline=deadline_ms / 1000, token=token)
+
+
+def deadline_header(deadline: float) -> int:
+    """A deadline (epoch seconds) as the header's integer milliseconds."""
+    return round(deadline * 1000)
 
 
 def head_deadline(headers: Mapping[str, Any]) -> float | None:
     """The deadline the gate stamped on a task it sent on (epoch seconds); None if it did not."""
-    deadline = headers.get(DEADLINE_HEADER)
+    deadline_ms = headers.get(DEADLINE_HEADER)
     if (
-        isinstance(deadline, int | float)
-        and not isinstance(deadline, bool)
+        isinstance(deadline_ms, int)
+        and not isinstance(deadline_ms, bool)
         and isinstance(headers.get(KEY_HEADER), str)
     ):
-        return float(deadline)
+        return deadline_ms / 1000
     return None
 
 

@@ -18,7 +18,7 @@ def _note(path: str, **fields: object) -> None:
 @app.task(bind=True)
 def refresh(self: object, path: str, key: str, seconds: float = 0.0) -> str:
     """Stand-in for a cache refresh: the journal shows when each run of ``key`` began and ended."""
-    task_id = self.request.id  # type: ignore[attr-defined]
+    task_id = str(self.request.id)  # type: ignore[attr-defined]
     _note(path, event="start", key=key, task_id=task_id)
     time.sleep(seconds)
     _note(path, event="end", key=key, task_id=task_id)

@@ -52,6 +52,7 @@ from broker_svc.wire.dedup import (
     TARGET_QUEUE_HEADER,
     TIMEOUT_HEADER,
     GateMessage,
+    deadline_header,
     gate_headers,
     gate_message,
     shard_of,
@@ -307,7 +308,7 @@ class Gatekeeper:
             options = self._settings.task_queue(target).declare_options()
             await channel.queue_declare(target, durable=options["durable"], arguments=options["arguments"])
             self._declared.add(target)
-        headers[DEADLINE_HEADER] = deadline
+        headers[DEADLINE_HEADER] = deadline_header(deadline)
         headers[CLOCK_HEADER] = self._clock.forward()
         properties = spec.Basic.Properties(
             content_type=message.content_type, content_encoding=message.content_encoding, headers=headers,
