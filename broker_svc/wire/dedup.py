@@ -26,6 +26,7 @@ from broker_svc.wire.task_state import TARGET_QUEUE_HEADER
 __all__ = [
     "DEADLINE_HEADER",
     "DEFAULT_DEDUP_TIMEOUT_S",
+    "FORWARDED_HEADER",
     "GATE_SHARDS",
     "KEY_HEADER",
     "KIND_HEADER",
@@ -51,6 +52,9 @@ DEADLINE_HEADER: Final = "x-clockwork-dedup-deadline"
 KIND_HEADER: Final = "x-clockwork-dedup-kind"
 TASK_HEADER: Final = "x-clockwork-dedup-task"
 TOKEN_HEADER: Final = "x-clockwork-dedup-token"
+# Set by a worker that sent a task to its gate for a sender that did not (a Celery client): its
+# caller may not know ``DECLINED``, so a decline answers it ``REVOKED``.
+FORWARDED_HEADER: Final = "x-clockwork-dedup-forwarded"
 
 # Every producer and worker must hash a key onto the same shard, so the count is fixed.
 GATE_SHARDS: Final = 8

@@ -173,3 +173,20 @@ def _failover(url: str, client: App, journal: Path) -> None:
 def _held(client: App, worker: WorkerProcess) -> int:
     stats = client.control.inspect(destination=[worker.name], timeout=5).dedup().get(worker.name) or {}
     return int(stats.get("waiting", 0))
+
+
+def test_the_worker_consumes_design_releases_its_heads_too(dedup_url: str, client: App, tmp_path: Path):
+    journal = tmp_path / "classic.jsonl"
+    with WorkerProcess(
+        dedup_url, app=APP, queues=["dedup-classic"], concurrency=2, extra_args=["--worker-consumes"]
+    ) as w:
+        w.wait_ready()
+        calls = [
+            dedup_tasks.refresh.apply_async((str(journal), "k5", 0.5), queue="dedup-classic", dedup_key="k5")
+            for _ in range(3)
+        ]
+        assert [calls[0].get(timeout=30), calls[1].get(timeout=30)] == [calls[0].id, calls[1].id]
+        with pytest.raises(TaskDeclined):
+            calls[2].get(timeout=30)
+    (_, first_end, _), (second_start, _, _) = _runs(journal, "k5")
+    assert second_start >= first_end

@@ -36,6 +36,7 @@ from worker.consume.slots import FairSlots
 from worker.consume.states import TaskStates
 from worker.consume.waits import Waits
 from worker.events import EventDispatcher
+from worker.gate.forward import to_gate
 from worker.pool.pool import Job, JobOutcome, ProcessPool
 from worker.remote.revoked_set import RevokedSet
 from worker.state import Tracked, WorkerState
@@ -304,6 +305,10 @@ class TaskConsumer:
             return await self._rejections.unregistered(request)
         if (why := Canvas.refusal(request)) is not None:
             return await self._rejections.cannot_honour(request, why)
+        if (
+            gated := to_gate(self._app.tasks[request.task], request, message.headers or {}, queue)
+        ) is not None:
+            return gated  # its own dedup key, but it did not come through its gate
         delivery = delivery_info(message)
         if self._metrics is not None and delivery["redelivered"]:
             self._metrics.redelivered(queue)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from broker_svc.topology import QueueSpec
 from broker_svc.wire import codec
 from broker_svc.wire.task_message import TaskMessage, parse_iso_datetime, safe_repr
 
@@ -43,6 +44,7 @@ class Disposition:
         drop: headers the copy must not carry, for ``REPUBLISH``.
         body: the copy's body, when it differs from the delivery's (a retry with new arguments).
         delay_ms: the delay queue the copy waits in, for ``REPUBLISH``; None: straight to the queue.
+        to: another queue the copy goes to, for ``REPUBLISH`` (a dedup gate shard); None: its own.
         owed: what the delivery still owes once its copy is confirmed and before the ack (the event
             and reply that announce a retry or a dead letter only once it is true).
         ran: a child ran it here to an outcome (remembered for a redelivery whose ack is lost).
@@ -56,6 +58,7 @@ class Disposition:
     drop: tuple[str, ...] = ()
     body: bytes | None = None
     delay_ms: int | None = None
+    to: QueueSpec | None = None
     owed: Owed | None = None
     ran: bool = False
     finished: bool = False
@@ -75,17 +78,20 @@ class Disposition:
         drop: tuple[str, ...] = (),
         body: bytes | None = None,
         delay_ms: int | None = None,
+        to: QueueSpec | None = None,
         owed: Owed | None = None,
         ran: bool = False,
         finished: bool = False,
     ) -> Disposition:
-        """Publish a copy with ``headers`` set (to a delay queue if ``delay_ms``), then ack."""
+        """Publish a copy with ``headers`` set (to a delay queue if ``delay_ms``, to ``to`` if
+        given), then ack."""
         return cls(
             Fate.REPUBLISH,
             headers=headers,
             drop=drop,
             body=body,
             delay_ms=delay_ms,
+            to=to,
             owed=owed,
             ran=ran,
             finished=finished,

@@ -60,8 +60,9 @@ class Settler:
             )
         elif fate is Fate.REPUBLISH:
             if disposition.delay_ms is None:
+                to = queue if disposition.to is None else disposition.to.name
                 await self._replies.republish(
-                    message, queue=queue, headers=dict(disposition.headers), drop=disposition.drop,
+                    message, queue=to, headers=dict(disposition.headers), drop=disposition.drop,
                     body=disposition.body,
                 )  # fmt: skip
             else:

@@ -49,6 +49,7 @@ from worker.feed.rates import SharedRates
 from worker.feed.replies import FeedReplies
 from worker.feed.spec import FeedSpec
 from worker.feed.states import FeedStates
+from worker.gate.forward import to_gate
 from worker.pool.ipc import Job, JobStatus
 
 __all__ = ["FeedHandler", "Handled"]
@@ -174,6 +175,8 @@ class FeedHandler:
             )
         if (why := canvas_plan.refusal(request)) is not None:
             return self._answers.cannot_honour(request, why), self._answers.rejected(request.id)
+        if (gated := to_gate(task, request, delivery.headers, delivery.queue)) is not None:
+            return gated, None  # its own dedup key, but it did not come through its gate
         count = delivery_count(delivery.headers, redelivered=delivery.redelivered)
         if count > self._settings.delivery_limit:
             why = f"{count} deliveries did not finish (delivery_limit={self._settings.delivery_limit})"

@@ -53,7 +53,9 @@ class FeedSettler:
             self._replies.dead_letter(delivery, reason=disposition.reason, error=disposition.error)
         elif fate is Fate.REPUBLISH:
             to, declare = delivery.queue, tuple[QueueSpec, ...]()
-            if disposition.delay_ms is not None:
+            if disposition.to is not None:
+                to, declare = disposition.to.name, (disposition.to,)
+            elif disposition.delay_ms is not None:
                 # Waits there until its TTL ends, then dead-letters back to its queue.
                 wait = delay_queue(delivery.queue, disposition.delay_ms)
                 to, declare = wait.name, (wait,)

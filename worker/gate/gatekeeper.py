@@ -46,6 +46,7 @@ from broker_svc.wire import codec
 from broker_svc.wire.dedup import (
     DEADLINE_HEADER,
     DEFAULT_DEDUP_TIMEOUT_S,
+    FORWARDED_HEADER,
     GATE_SHARDS,
     KEY_HEADER,
     MAX_DEDUP_TIMEOUT_S,
@@ -326,14 +327,16 @@ class Gatekeeper:
         reply_to = message.reply_to
         if not reply_to:
             return
-        error = wire_exception(
-            "TaskDeclined", f"a task for dedup key {key!r} is already waiting", module=_ERRORS_MODULE
-        )
+        why = f"a task for dedup key {key!r} is already waiting"
+        status, error = State.DECLINED, wire_exception("TaskDeclined", why, module=_ERRORS_MODULE)
+        if (message.headers or {}).get(FORWARDED_HEADER):
+            # Sent by a client that knows no DECLINED (a Celery client): a state it treats as final.
+            status, error = State.REVOKED, wire_exception("TaskRevokedError", f"declined: {why}")
         content_type = (
             message.content_type if message.content_type in (codec.JSON, codec.MSGPACK) else codec.JSON
         )
         payload, ctype, encoding = codec.encode(
-            Outcome(task_id=task_id, status=State.DECLINED, result=error).to_wire(), content_type
+            Outcome(task_id=task_id, status=status, result=error).to_wire(), content_type
         )
         properties = spec.Basic.Properties(
             content_type=ctype, content_encoding=encoding, correlation_id=task_id, delivery_mode=2,
