@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import signal
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ from broker_svc import App, Settings, TaskDeclined, TaskError
 from broker_svc.wire.dedup import shard_of
 from tests.infra.session_broker import SessionBroker
 from tests.integration import dedup_tasks
+from tests.support.events import EventTap
+from tests.support.metrics import free_port, scrape
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerProcess
 
@@ -32,10 +35,15 @@ def dedup_url(session_broker: SessionBroker) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def gate_worker(dedup_url: str) -> Iterator[WorkerProcess]:
-    with WorkerProcess(
-        dedup_url, app=APP, queues=[QUEUE], concurrency=3, env={"CLOCKWORK_TASK_STATES": "1"}
-    ) as w:
+def metrics_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def gate_worker(dedup_url: str, metrics_port: int) -> Iterator[WorkerProcess]:
+    args = ["-E", "--metrics-port", str(metrics_port), "--metrics-address", "127.0.0.1"]
+    env = {"CLOCKWORK_TASK_STATES": "1"}
+    with WorkerProcess(dedup_url, app=APP, queues=[QUEUE], concurrency=3, extra_args=args, env=env) as w:
         yield w.wait_ready()
 
 
@@ -68,9 +76,10 @@ def _runs(path: Path, key: str) -> list[tuple[float, float, str]]:
 
 
 def test_one_runs_one_waits_and_the_rest_are_declined(
-    gate_worker: WorkerProcess, client: App, tmp_path: Path
+    gate_worker: WorkerProcess, client: App, tmp_path: Path, dedup_url: str, metrics_port: int
 ):
     journal = tmp_path / "runs.jsonl"
+    tap = EventTap(dedup_url, "dedup.#")
     calls = [
         dedup_tasks.refresh.apply_async((str(journal), "k1", 1.5), queue=QUEUE, dedup_key="k1")
         for _ in range(5)
@@ -98,6 +107,18 @@ def test_one_runs_one_waits_and_the_rest_are_declined(
         name: stats[name] for name in ("accepted", "blocked", "declined", "promoted", "released", "evicted")
     }
     assert counted == {"accepted": 2, "blocked": 1, "declined": 3, "promoted": 1, "released": 3, "evicted": 0}
+    decisions = {
+        dict(labels)["decision"]: value
+        for (name, labels), value in scrape(metrics_port).items()
+        if name == "clockwork_dedup_decisions_total"
+    }
+    assert decisions == {"accepted": 2, "blocked": 1, "declined": 3, "promoted": 1, "released": 3}
+    with tap:
+        seen = tap.wait(lambda events: len(events) >= 10, message="the gate's dedup-* events")
+    assert Counter(event["type"] for event in seen) == {
+        "dedup-accepted": 2, "dedup-blocked": 1, "dedup-declined": 3, "dedup-released": 3, "dedup-promoted": 1,
+    }  # fmt: skip
+    assert {e["uuid"] for e in seen if e["type"] == "dedup-declined"} == {c.id for c in calls[2:]}
 
 
 def test_the_task_level_key_is_an_argument_of_the_call(

@@ -296,6 +296,7 @@ class Gatekeeper:
         if ended.marker is not None:
             await ended.marker.ack()
         if ended.promoted is not None:
+            self._decided("promoted", ended.promoted.task_id, ended.key)
             await self._send_on(channel, ended.key, ended.promoted, ended.deadline)
 
     async def _send_on(
