@@ -116,7 +116,8 @@ def test_one_runs_one_waits_and_the_rest_are_declined(
     with tap:
         seen = tap.wait(lambda events: len(events) >= 10, message="the gate's dedup-* events")
     assert Counter(event["type"] for event in seen) == {
-        "dedup-accepted": 2, "dedup-blocked": 1, "dedup-declined": 3, "dedup-released": 3, "dedup-promoted": 1,
+        "dedup-accepted": 2, "dedup-blocked": 1, "dedup-declined": 3, "dedup-released": 3,
+        "dedup-promoted": 1,
     }  # fmt: skip
     assert {e["uuid"] for e in seen if e["type"] == "dedup-declined"} == {c.id for c in calls[2:]}
 

@@ -38,15 +38,14 @@ from broker_svc.settings import Settings
 from broker_svc.topology import (
     DEAD_LETTER_QUEUE_HEADER,
     DEAD_LETTER_REASON_HEADER,
+    QueueSpec,
     dead_letter_queue,
     dedup_gate_queue,
     task_states_stream,
 )
-from broker_svc.wire import codec
 from broker_svc.wire.dedup import (
     DEADLINE_HEADER,
     DEFAULT_DEDUP_TIMEOUT_S,
-    FORWARDED_HEADER,
     GATE_SHARDS,
     KEY_HEADER,
     MAX_DEDUP_TIMEOUT_S,
@@ -58,14 +57,13 @@ from broker_svc.wire.dedup import (
     gate_message,
     shard_of,
 )
-from broker_svc.wire.result_message import Outcome, wire_exception
-from broker_svc.wire.states import State
 from broker_svc.wire.task_message import CLOCK_HEADER
 from broker_svc.wire.task_state import CONTENT_TYPE as STATE_CONTENT_TYPE
 from broker_svc.wire.task_state import JobState, StateRecord
 from control.aio.declare import declare_queue
 from worker.consume.resubscribe import resubscribing
 from worker.events import EventDispatcher
+from worker.gate.declined import declined_record, declined_result
 from worker.gate.keys import Ended, GateKeys, Verdict, Waiting
 from worker.metrics import WorkerMetrics
 
@@ -117,6 +115,7 @@ class Gatekeeper:
         self._shards = {s: _Shard(dedup_gate_queue(s).name) for s in range(GATE_SHARDS)}
         self._inbox: asyncio.Queue[tuple[int, Message]] = asyncio.Queue()
         self._declared: set[str] = set()
+        self._connection: aio_pika.abc.AbstractRobustConnection | None = None
         self._records: list[StateRecord] = []  # DECLINED, written once their batch committed
 
     def stats(self) -> dict[str, Any]:
@@ -143,6 +142,7 @@ class Gatekeeper:
         self._inbox = asyncio.Queue()
 
     async def _serve(self, connection: aio_pika.abc.AbstractRobustConnection) -> bool:
+        self._connection = connection
         channel = await connection.channel(publisher_confirms=False)
         try:
             await channel.set_qos(prefetch_count=0)  # heads and tails are held until they end
@@ -281,13 +281,10 @@ class Gatekeeper:
         elif verdict is Verdict.DECLINE:
             await self._decline(channel, message, task_id, key)
             await message.ack()
-            name = headers.get("task")
-            self._records.append(
-                StateRecord.now(
-                    task_id, JobState.DECLINED.value, clock=self._clock.forward(), hostname=self._hostname,
-                    name=name if isinstance(name, str) else None, queue=target, info={"dedup_key": key},
-                )
-            )  # fmt: skip
+            record = declined_record(
+                task_id, key, headers, queue=target, clock=self._clock.forward(), hostname=self._hostname
+            )
+            self._records.append(record)
         elif verdict is Verdict.DUPLICATE:
             await message.ack()  # the copy the gate keeps is the first one
         # BLOCK: held unacked as the key's tail
@@ -306,10 +303,7 @@ class Gatekeeper:
         message = task.message
         headers = dict(message.headers or {})
         target = str(headers[TARGET_QUEUE_HEADER])
-        if target not in self._declared:
-            options = self._settings.task_queue(target).declare_options()
-            await channel.queue_declare(target, durable=options["durable"], arguments=options["arguments"])
-            self._declared.add(target)
+        await self._ensure(self._settings.task_queue(target))
         headers[DEADLINE_HEADER] = deadline_header(deadline)
         headers[CLOCK_HEADER] = self._clock.forward()
         properties = spec.Basic.Properties(
@@ -322,38 +316,36 @@ class Gatekeeper:
         await self._publish(channel, self._shards[shard_of(key)].queue, b"", gate_headers(marker))
         await message.ack()
 
+    async def _ensure(self, queue: QueueSpec) -> None:
+        # Declared on a channel of its own: a queue that exists with other arguments (a 406)
+        # closes that channel, not the gate's transaction. It exists, which is all the gate needs.
+        if queue.name in self._declared or self._connection is None:
+            return
+        try:
+            async with await self._connection.channel(publisher_confirms=False) as side:
+                await declare_queue(side, queue)
+        except aio_pika.exceptions.ChannelPreconditionFailed as exc:
+            log.warning("dedup_queue_declared_otherwise", queue=queue.name, error=str(exc))
+        self._declared.add(queue.name)
+
     async def _decline(
         self, channel: aiormq.abc.AbstractChannel, message: Message, task_id: str, key: str
     ) -> None:
-        reply_to = message.reply_to
-        if not reply_to:
+        if not message.reply_to:
             return
-        why = f"a task for dedup key {key!r} is already waiting"
-        status, error = State.DECLINED, wire_exception("TaskDeclined", why, module=_ERRORS_MODULE)
-        if (message.headers or {}).get(FORWARDED_HEADER):
-            # Sent by a client that knows no DECLINED (a Celery client): a state it treats as final.
-            status, error = State.REVOKED, wire_exception("TaskRevokedError", f"declined: {why}")
-        content_type = (
-            message.content_type if message.content_type in (codec.JSON, codec.MSGPACK) else codec.JSON
-        )
-        payload, ctype, encoding = codec.encode(
-            Outcome(task_id=task_id, status=status, result=error).to_wire(), content_type
-        )
+        body, ctype, encoding = declined_result(task_id, key, message.headers or {}, message.content_type)
         properties = spec.Basic.Properties(
             content_type=ctype, content_encoding=encoding, correlation_id=task_id, delivery_mode=2,
             headers={CLOCK_HEADER: self._clock.forward()},
         )  # fmt: skip
-        await channel.basic_publish(payload, exchange="", routing_key=reply_to, properties=properties)
+        await channel.basic_publish(body, exchange="", routing_key=message.reply_to, properties=properties)
 
     async def _dead_letter(
         self, channel: aiormq.abc.AbstractChannel, shard: int, message: Message, why: str
     ) -> None:
         log.error("dedup_arrival_refused", why=why, size=len(message.body))
         dead = dead_letter_queue(self._shards[shard].queue)
-        if dead.name not in self._declared:
-            options = dead.declare_options()
-            await channel.queue_declare(dead.name, durable=options["durable"], arguments=options["arguments"])
-            self._declared.add(dead.name)
+        await self._ensure(dead)
         queue = self._shards[shard].queue
         headers = {**(message.headers or {}), DEAD_LETTER_REASON_HEADER: why, DEAD_LETTER_QUEUE_HEADER: queue}
         properties = spec.Basic.Properties(
