@@ -25,7 +25,13 @@ from broker_svc.routes import route_for
 from broker_svc.settings import Settings
 from broker_svc.signature import Signature
 from broker_svc.topology import DEFAULT_EXCHANGE, QueueSpec, task_states_stream
-from broker_svc.wire.dedup import DEADLINE_HEADER, KEY_HEADER, TIMEOUT_HEADER, dedup_headers
+from broker_svc.wire.dedup import (
+    DEADLINE_HEADER,
+    KEY_HEADER,
+    MAX_DEDUP_TIMEOUT_S,
+    TIMEOUT_HEADER,
+    dedup_headers,
+)
 from broker_svc.wire.task_message import TaskMessage
 from broker_svc.wire.task_state import CONTENT_TYPE as STATE_CONTENT_TYPE
 from broker_svc.wire.task_state import JobState, StateRecord
@@ -110,6 +116,15 @@ def build_message(
         if dedup is not None:
             if exchange is not None:
                 raise TypeError("dedup_key sends to a queue, not to a named exchange; drop exchange=")
+            if eta is not None:
+                # Its safety timeout runs from its ETA, and the gate holds its head marker till then.
+                held_s = (eta - dt.datetime.now(dt.UTC)).total_seconds() + dedup.timeout_s
+                if held_s > MAX_DEDUP_TIMEOUT_S:
+                    raise ValueError(
+                        f"task {sig.task!r}: an ETA {held_s - dedup.timeout_s:.0f} s away plus its "
+                        f"dedup_timeout passes {MAX_DEDUP_TIMEOUT_S:.0f} s, longer than the broker lets "
+                        "the gate hold a task (consumer_timeout); send it closer to its time"
+                    )
             # To the key's gate shard (``prepare_publish``), which sends it on to ``destination``.
             extra_headers.update(dedup_headers(dedup.key, dedup.timeout_s, destination.queue))
     message = TaskMessage(

@@ -15,6 +15,7 @@ message of the gate's own travel in the same queue, each an empty body with head
 
 from __future__ import annotations
 
+import datetime as dt
 import math
 import zlib
 from collections.abc import Mapping
@@ -36,7 +37,9 @@ __all__ = [
     "TIMEOUT_HEADER",
     "TOKEN_HEADER",
     "GateMessage",
+    "deadline_header",
     "dedup_headers",
+    "eta_wait_s",
     "gate_headers",
     "gate_message",
     "head_deadline",
@@ -121,6 +124,20 @@ def gate_message(headers: Mapping[str, Any] | None) -> GateMessage | None:
 def deadline_header(deadline: float) -> int:
     """A deadline (epoch seconds) as the header's integer milliseconds."""
     return round(deadline * 1000)
+
+
+def eta_wait_s(headers: Mapping[str, Any]) -> float:
+    """Seconds until a task message's ETA (protocol 2's ``eta`` header); 0 when none or past."""
+    eta = headers.get("eta")
+    if not isinstance(eta, str):
+        return 0.0
+    try:
+        when = dt.datetime.fromisoformat(eta)
+    except ValueError:
+        return 0.0
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt.UTC)
+    return max(0.0, (when - dt.datetime.now(dt.UTC)).total_seconds())
 
 
 def head_deadline(headers: Mapping[str, Any]) -> float | None:

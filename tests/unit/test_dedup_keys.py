@@ -366,7 +366,7 @@ def test_a_keyed_send_to_a_named_exchange_is_a_type_error(app: App):
 
 
 def test_a_keyed_task_is_published_to_its_gate_shard_never_to_a_delay_queue(app: App):
-    eta = dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)
+    eta = dt.datetime.now(dt.UTC) + dt.timedelta(minutes=10)
     sig = Signature("t.x", (), {}, {"queue": "work", "dedup_key": "k1", "eta": eta})
     message, (queue, exchange) = _built(app, sig)
     pending = prepare_publish(message, settings=app.settings, clock=app.clock, queue=queue, exchange=exchange)
@@ -403,3 +403,10 @@ def test_a_keyed_task_cannot_also_wait_for_dependencies():
     with pytest.raises(TypeError, match="'j.keyed' has a dedup_key: depends_on cannot hold it back too"):
         jobs_app.enqueue(keyed, 1, depends_on=["other-task-id"])
     jobs_app.close()
+
+
+def test_an_eta_too_far_for_the_gate_to_hold_its_head_is_refused(app: App):
+    far = {"queue": "work", "dedup_key": "k1", "countdown": 1000, "dedup_timeout": 600}
+    with pytest.raises(ValueError, match="consumer_timeout"):
+        _built(app, Signature("t.x", (), {}, far))
+    _built(app, Signature("t.x", (), {}, {**far, "countdown": 800}))  # 800 + 600 <= 1500

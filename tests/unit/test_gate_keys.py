@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import random
 
+from broker_svc.wire.dedup import eta_wait_s
 from worker.gate.keys import GateKeys, Verdict
 
 
@@ -100,3 +102,10 @@ def test_the_invariants_hold_over_random_histories():
             if ended.promoted is not None:
                 running[ended.key] = waiting.pop(ended.key)
         assert len(keys) == len(running) and keys.waiting() == len(waiting)
+
+
+def test_an_eta_lengthens_the_safety_timeout_by_the_wait_before_it():
+    soon = (dt.datetime.now(dt.UTC) + dt.timedelta(seconds=100)).isoformat()
+    assert 99 < eta_wait_s({"eta": soon}) <= 100
+    assert eta_wait_s({"eta": "2001-01-01T00:00:00"}) == 0.0  # past: none
+    assert eta_wait_s({"eta": "not a date"}) == 0.0 and eta_wait_s({}) == 0.0

@@ -53,6 +53,7 @@ from broker_svc.wire.dedup import (
     TIMEOUT_HEADER,
     GateMessage,
     deadline_header,
+    eta_wait_s,
     gate_headers,
     gate_message,
     shard_of,
@@ -271,7 +272,8 @@ class Gatekeeper:
         ):
             await self._dead_letter(channel, shard, message, "no id, dedup key, target queue or timeout")
             return
-        timeout_s = min(float(timeout_s), MAX_DEDUP_TIMEOUT_S)
+        # A head's safety timeout runs from its ETA (the client keeps the sum under the cap).
+        timeout_s = min(float(timeout_s) + eta_wait_s(headers), MAX_DEDUP_TIMEOUT_S)
         verdict = self.keys.arrive(key, task_id, message, timeout_s=timeout_s, now=time.time())
         self._decided(verdict.value, task_id, key)
         if verdict is Verdict.ACCEPT:
