@@ -162,6 +162,20 @@ class FeedReplies:
         )  # fmt: skip
         self._publish(message, queue.name, kind="internal", declare=(queue,))
 
+    def release(self, headers: Mapping[str, Any], *, queue: QueueSpec) -> None:
+        """Tell a dedup gate its key's head ended, without waiting for the confirm: it follows the
+        delivery's ack on the same channel, and the child's next task should not wait on a quorum
+        queue's confirm. A release lost with the connection ends at the head's deadline instead.
+
+        Raises:
+            ConnectionLost: the write failed.
+        """
+        message = WireMessage(
+            body=b"", content_type="", content_encoding="",
+            headers={**headers, CLOCK_HEADER: self._clock.forward()}, delivery_mode=2,
+        )  # fmt: skip
+        self._connection.publish_nowait(message, queue.name, exchange="")
+
     def _publish(
         self, message: WireMessage, routing_key: str, *, kind: str, declare: Sequence[QueueSpec] = ()
     ) -> None:

@@ -68,11 +68,8 @@ class FeedSettler:
         self._connection.ack(delivery)
         if fate is not Fate.REPUBLISH and (release := release_of(delivery.headers)) is not None:
             # A dedup key's head ended for good: its gate may send the next one. After the ack, on
-            # the same channel, so a confirmed release means the ack took and it never runs again.
+            # the same channel, so the broker takes the ack first: the head never runs again.
             try:
-                queue = dedup_gate_queue(shard_of(release.key))
-                self._replies.internal(
-                    b"", content_type="", encoding="", queue=queue, headers=gate_headers(release)
-                )
+                self._replies.release(gate_headers(release), queue=dedup_gate_queue(shard_of(release.key)))
             except BrokerSvcError as exc:  # the gate's safety timeout ends the head instead
                 log.warning("dedup_release_lost", key=release.key, error=str(exc))
