@@ -6,14 +6,17 @@ from __future__ import annotations
 import json
 import signal
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import pytest
 
 from broker_svc import App, Settings, TaskDeclined, TaskError
-from broker_svc.wire.dedup import shard_of
+from broker_svc.topology import dedup_gate_queue
+from broker_svc.wire.dedup import GATE_SHARDS, shard_of
 from tests.infra.session_broker import SessionBroker
 from tests.integration import dedup_tasks
 from tests.support.waiting import wait_for
@@ -173,3 +176,33 @@ def _failover(url: str, client: App, journal: Path) -> None:
 def _held(client: App, worker: WorkerProcess) -> int:
     stats = client.control.inspect(destination=[worker.name], timeout=5).dedup().get(worker.name) or {}
     return int(stats.get("waiting", 0))
+
+
+def test_a_gate_whose_connection_is_closed_consumes_each_shard_once(
+    session_broker: SessionBroker, tmp_path: Path
+):
+    ctl = session_broker.rabbitmqctl
+    if ctl is None:
+        pytest.fail("this test needs rabbitmqctl for the broker (to close connections from the broker side)")
+    journal = tmp_path / "reconnect.jsonl"
+    with (
+        session_broker.own_vhost("clockwork-dedup-reconnect") as url,
+        App("dedup-reconnect", settings=Settings(broker_url=url)) as client,
+        WorkerProcess(url, app=APP, queues=[QUEUE], concurrency=1) as worker,
+    ):
+        worker.wait_ready()
+        first = client.send_task(REFRESH, (str(journal), "k9", 0.0), queue=QUEUE, dedup_key="k9")
+        assert first.get(timeout=30) == first.id
+        vhost = unquote(urlsplit(url).path[1:])
+        out = ctl("list_connections", "-p", vhost, "-q", "--no-table-headers", "pid", "client_properties")
+        for line in out.splitlines():
+            if worker.name in line and f"{worker.name}.child-" not in line:
+                ctl("close_connection", line.split("\t", 1)[0], "dedup test: forced disconnect")
+        wait_for(lambda: worker.count("dedup_gate_subscribed") >= 2, timeout_s=30, message="subscribed again")
+        again = client.send_task(REFRESH, (str(journal), "k9", 0.0), queue=QUEUE, dedup_key="k9")
+        assert again.get(timeout=30) == again.id
+        # The new subscription's consumer alone: a robust channel would have come back too, with
+        # its consumers, beside it and outside its transaction.
+        consumers = ctl("list_consumers", "-p", vhost, "-q", "--no-table-headers", "queue_name").split()
+        gates = Counter(name for name in consumers if name.startswith("clockwork.dedup."))
+        assert gates == {dedup_gate_queue(shard).name: 1 for shard in range(GATE_SHARDS)}

@@ -63,6 +63,7 @@ from broker_svc.wire.task_message import CLOCK_HEADER
 from broker_svc.wire.task_state import CONTENT_TYPE as STATE_CONTENT_TYPE
 from broker_svc.wire.task_state import JobState, StateRecord
 from control.aio.declare import declare_queue
+from worker.amqp.connection import one_time_channel
 from worker.consume.resubscribe import resubscribing
 from worker.events import EventDispatcher
 from worker.gate.keys import Ended, GateKeys, Verdict, Waiting
@@ -142,7 +143,9 @@ class Gatekeeper:
         self._inbox = asyncio.Queue()
 
     async def _serve(self, connection: aio_pika.abc.AbstractRobustConnection) -> bool:
-        channel = await connection.channel(publisher_confirms=False)
+        # Not robust: reopened by aio-pika, it would consume beside ours, outside any transaction.
+        channel = await one_time_channel(connection)
+        records: aio_pika.abc.AbstractChannel | None = None
         try:
             await channel.set_qos(prefetch_count=0)  # heads and tails are held until they end
             underlay = await channel.get_underlay_channel()
@@ -152,9 +155,8 @@ class Gatekeeper:
                 queue = await declare_queue(channel, dedup_gate_queue(shard))
                 await queue.consume(functools.partial(self._received, shard))
             log.info("dedup_gate_subscribed", shards=GATE_SHARDS)
-            records = (
-                await connection.channel(publisher_confirms=False) if self._settings.task_states else None
-            )
+            if self._settings.task_states:
+                records = await one_time_channel(connection)
             deciding = asyncio.create_task(self._decide(underlay, records))
             try:
                 await asyncio.wait(
@@ -166,10 +168,12 @@ class Gatekeeper:
                 log.warning("dedup_gate_failed", error=repr(deciding.exception()))
             return True
         finally:
-            if not channel.is_closed:
+            for each in (channel, records):
+                if each is None or each.is_closed:
+                    continue
                 try:
                     async with asyncio.timeout(5):
-                        await channel.close()
+                        await each.close()
                 except Exception as exc:  # closing a channel of a lost connection
                     log.debug("dedup_gate_channel_close_failed", error=str(exc))
 
