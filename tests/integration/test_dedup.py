@@ -19,12 +19,14 @@ from broker_svc.topology import dedup_gate_queue
 from broker_svc.wire.dedup import GATE_SHARDS, shard_of
 from tests.infra.session_broker import SessionBroker
 from tests.integration import dedup_tasks
+from tests.support.events import EventTap
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerProcess
 
 APP = "tests.integration.dedup_tasks:app"
 QUEUE = "dedup-work"
 REFRESH = dedup_tasks.refresh.name
+MISMATCHED = "dedup-mismatched"
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +178,33 @@ def _failover(url: str, client: App, journal: Path) -> None:
 def _held(client: App, worker: WorkerProcess) -> int:
     stats = client.control.inspect(destination=[worker.name], timeout=5).dedup().get(worker.name) or {}
     return int(stats.get("waiting", 0))
+
+
+def test_a_gate_tells_no_decision_whose_transaction_did_not_commit(
+    session_broker: SessionBroker, tmp_path: Path
+):
+    journal = tmp_path / "uncommitted.jsonl"
+    with (
+        session_broker.own_vhost("clockwork-dedup-uncommitted") as url,
+        App("dedup-uncommitted", settings=Settings(broker_url=url)) as client,
+        # A client that declares the queue quorum where the worker declares it classic: they
+        # disagree (docs/guide.md asks them not to), so the gate's declare fails.
+        App("dedup-quorum", settings=Settings(broker_url=url, quorum_queues=(MISMATCHED,))) as other,
+        EventTap(url, routing_key="dedup.#") as tap,
+        WorkerProcess(url, app=APP, queues=[QUEUE], concurrency=1, extra_args=["-E"]) as worker,
+    ):
+        worker.wait_ready()
+        first = client.send_task(REFRESH, (str(journal), "k6", 0.0), queue=QUEUE, dedup_key="k6")
+        assert first.get(timeout=30) == first.id
+        tap.wait(lambda _: bool(tap.of("dedup-released", uuid=first.id)), message="the gate's events")
+        # The gate's declare closes its channel in the middle of the accept, so that transaction
+        # never commits; the gate subscribes again, commits its sync marker, replays the arrival
+        # and fails again.
+        stuck = other.send_task(REFRESH, (str(journal), "k7", 0.0), queue=MISMATCHED, dedup_key="k7")
+        wait_for(lambda: worker.count("dedup_gate_failed") >= 3, timeout_s=60, message="three failed commits")
+        tap.poll()
+        # Events are facts the gate committed: none for an accept that was rolled back.
+        assert tap.of("dedup-accepted", uuid=stuck.id) == []
 
 
 def test_a_gate_whose_connection_is_closed_consumes_each_shard_once(

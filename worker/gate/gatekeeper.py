@@ -141,6 +141,9 @@ class Gatekeeper:
         self.keys.clear()
         self._shards = {s: _Shard(dedup_gate_queue(s).name) for s in range(GATE_SHARDS)}
         self._inbox = asyncio.Queue()
+        # Decided in a transaction that never committed: the broker hands those deliveries back.
+        self._decisions.clear()
+        self._records.clear()
 
     async def _serve(self, connection: aio_pika.abc.AbstractRobustConnection) -> bool:
         # Not robust: reopened by aio-pika, it would consume beside ours, outside any transaction.
@@ -202,12 +205,13 @@ class Gatekeeper:
                 dirty = True
             if dirty:
                 await channel.tx_commit()
-            if self._records:
-                written, self._records = self._records, []
-                if records is not None:
-                    await self._write(records, written)
-            if self._decisions:
-                decisions, self._decisions = self._decisions, []
+            # Facts only now: told once their transaction committed (a failed commit raised, and
+            # ``_forget`` drops them).
+            decisions, self._decisions = self._decisions, []
+            written, self._records = self._records, []
+            if written and records is not None:
+                await self._write(records, written)
+            if decisions:
                 await self._tell(decisions)
 
     async def _take(self, channel: aiormq.abc.AbstractChannel, shard: int, message: Message) -> bool:
