@@ -64,6 +64,7 @@ from broker_svc.wire.task_state import CONTENT_TYPE as STATE_CONTENT_TYPE
 from broker_svc.wire.task_state import JobState, StateRecord
 from control.aio.declare import declare_queue
 from worker.amqp.connection import one_time_channel
+from worker.consume.admission import BROKER_COUNT_HEADER
 from worker.consume.resubscribe import resubscribing
 from worker.events import EventDispatcher
 from worker.gate.keys import Ended, GateKeys, Verdict, Waiting
@@ -141,8 +142,7 @@ class Gatekeeper:
         self.keys.clear()
         self._shards = {s: _Shard(dedup_gate_queue(s).name) for s in range(GATE_SHARDS)}
         self._inbox = asyncio.Queue()
-        # Decided in a transaction that never committed: the broker hands those deliveries back.
-        self._decisions.clear()
+        self._decisions.clear()  # decided in a transaction that never committed (handed back)
         self._records.clear()
 
     async def _serve(self, connection: aio_pika.abc.AbstractRobustConnection) -> bool:
@@ -205,8 +205,7 @@ class Gatekeeper:
                 dirty = True
             if dirty:
                 await channel.tx_commit()
-            # Facts only now: told once their transaction committed (a failed commit raised, and
-            # ``_forget`` drops them).
+            # Facts only now, once committed (a failed commit raised; ``_forget`` drops them).
             decisions, self._decisions = self._decisions, []
             written, self._records = self._records, []
             if written and records is not None:
@@ -310,7 +309,8 @@ class Gatekeeper:
     ) -> None:
         # The task to its queue with its deadline, its head marker to the shard, its arrival acked.
         message = task.message
-        headers = dict(message.headers or {})
+        # Not the shard queue's count of gates that held it: the task's first delivery is to come.
+        headers = {k: v for k, v in (message.headers or {}).items() if k != BROKER_COUNT_HEADER}
         target = str(headers[TARGET_QUEUE_HEADER])
         if target not in self._declared:
             options = self._settings.task_queue(target).declare_options()
