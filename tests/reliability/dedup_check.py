@@ -201,6 +201,10 @@ def check(
         verdict.fail(f"{len(unexplained)} tasks ran again with no kill of the run before", unexplained)
     if unmarked:
         verdict.fail(f"{len(unmarked)} tasks ran again unmarked (not redelivered)", unmarked)
+    # A first run is marked only if a kill handed its delivery back before it started.
+    marked_first = sorted(each[0].task_id for each in by_id.values() if each[0].redelivered)
+    if exact and marked_first:
+        verdict.fail(f"{len(marked_first)} first runs marked redelivered without a fault", marked_first)
     if unended := [r.task_id for r in runs if r.end is None and r.killed_at is None]:
         verdict.fail(f"{len(unended)} runs never ended and no kill explains it", unended)
     # One running per key.
@@ -244,19 +248,23 @@ def check(
         "released": found.events["released"],
         "evicted": found.events["evicted"],
         "runs": len(runs),
-        "killed_runs": sum(1 for r in runs if r.end is None),
         "reruns": reruns,
-        "recovery_s": _recovery(kills, sends, done, succeeded),
         "overlaps": len(overlaps),
         "lost_final_updates": len(lost_final),
         "model_mismatches": found.mismatch_count,
-        "shard_takeovers": sum(len(gates) - 1 for gates in found.gates.values()),
-        "keys_moved_to_next_gate": found.takeovers,
-        "seeded_heads": found.seeded_heads,
-        "calls_without_arrival_event": len(missing),
-        "declines_without_event": len(declined - declined_events),
         "max_waiting_per_key": found.max_tails,
     }
+    if kills:
+        verdict.figures |= {
+            "killed_runs": sum(1 for r in runs if r.end is None),
+            "first_runs_marked": len(marked_first),
+            "recovery_s": _recovery(kills, sends, done, succeeded),
+            "shard_takeovers": sum(len(gates) - 1 for gates in found.gates.values()),
+            "keys_moved_to_next_gate": found.takeovers,
+            "seeded_heads": found.seeded_heads,
+            "calls_without_arrival_event": len(missing),
+            "declines_without_event": len(declined - declined_events),
+        }
     return verdict
 
 

@@ -21,7 +21,6 @@ faults, the model starts empty and the replay is exact.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -156,5 +155,8 @@ def _end(model: GateKeys[None], event: GateEvent, found: Replay, key_of: Mapping
     if event.decision == "released":
         model.release(event.key, ending, now=0.0)
     else:
-        model.expired(math.inf)  # one key per model: its head
+        # At the head's own deadline: the tail it promotes gets a later one and stays the head.
+        deadline = model.next_deadline()
+        assert deadline is not None
+        model.expired(deadline)
     found.model[event.decision] += 1

@@ -74,6 +74,12 @@ def test_declines_must_match_the_events_exactly():
     assert "declines: model 0, events 0, calls 1" in problems and "no arrival event" in problems
 
 
+def test_a_first_run_marked_redelivered_fails_without_a_fault():
+    sends, outcomes, _, events = _good()
+    marks = [*_run("a", 0.5, 1.0), *_run("b", 1.1, 1.5, pid=11, again=True)]
+    assert "first runs marked redelivered" in _problems(check(sends, outcomes, marks, events))
+
+
 def test_a_declined_call_that_ran_fails():
     sends, outcomes, marks, events = _good()
     assert "DECLINED calls ran" in _problems(check(sends, outcomes, [*marks, *_run("c", 2.0, 2.1)], events))
@@ -140,3 +146,10 @@ def test_without_kills_a_takeover_or_a_call_decided_twice_fails():
     ]
     problems = _problems(check(sends, outcomes, marks, moved))
     assert "more than one gate" in problems and "decided more than once" in problems
+
+
+def test_an_eviction_promotes_the_tail_which_stays_the_head():
+    events = _events("accepted a", "blocked b", "evicted a", "blocked c", "declined d", "evicted b")
+    found = replay([*events, *_events("released c")], key_of=dict.fromkeys("abcd", "k"))
+    assert found.mismatch_count == 0, found.mismatches
+    assert (found.model["evicted"], found.model["blocked"], found.model["released"]) == (2, 2, 1)
