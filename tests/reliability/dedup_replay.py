@@ -60,6 +60,7 @@ class Replay:
         seeded_heads: heads a later gate held that no event of its own had made (see above).
         max_tails: the most tails the model held for one key (never more than one).
         arrivals: per task id, the decisions of its arrival events, in order.
+        endings: per task id, its ``released`` and ``evicted`` events.
         gates: per shard, the gates that sent its events, in order of their first event.
     """
 
@@ -71,6 +72,7 @@ class Replay:
     seeded_heads: int = 0
     max_tails: int = 0
     arrivals: dict[str, list[str]] = field(default_factory=dict)
+    endings: Counter[str] = field(default_factory=Counter)
     gates: dict[int, list[str]] = field(default_factory=dict)
 
     def mismatch(self, what: str) -> None:
@@ -112,6 +114,7 @@ def replay(events: Iterable[GateEvent], *, key_of: Mapping[str, str]) -> Replay:
         if event.decision in ARRIVALS:
             _arrive(model, event, found)
         elif event.decision in ENDINGS:
+            found.endings[event.task_id] += 1
             _end(model, event, found, key_of)
         else:
             found.mismatch(f"{event.key}: unknown decision {event.decision!r} ({event.task_id})")

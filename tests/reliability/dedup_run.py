@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from broker_svc import App, Settings
 from tests.reliability.dedup_check import DedupVerdict, Kill, Mark, Sent, check
@@ -31,7 +31,7 @@ from tests.support.amqp import channel
 from tests.support.waiting import wait_for
 from tests.support.workers import ROOT, WorkerProcess
 
-__all__ = ["Plan", "Stress", "run_stress"]
+__all__ = ["Journals", "Plan", "Stress", "load", "run_stress"]
 
 APP = "tests.reliability.dedup_stress_tasks:app"
 QUEUE = "dedup-stress"
@@ -191,6 +191,40 @@ def _drained(client: App, fleet: _Fleet, events: _Events) -> bool:
     return True
 
 
+class Journals(NamedTuple):
+    """A run's records, as the checker takes them."""
+
+    sends: list[Sent]
+    outcomes: dict[str, str]
+    marks: list[Mark]
+    events: list[GateEvent]
+    kills: list[Kill]
+
+
+def load(directory: Path) -> Journals:
+    """Read the journals a run left in ``directory`` (after the run, or for a post-mortem)."""
+    sends: list[Sent] = []
+    outcomes: dict[str, str] = {}
+    for path in sorted(directory.glob("producer-*.jsonl")):
+        for line in _lines(path):
+            if line["event"] == "sent":
+                sends.append(Sent(line["key"], line["id"], float(line["at"])))
+            else:
+                outcomes[line["id"]] = line["state"]
+    marks = [
+        Mark(line["event"], line["key"], line["id"], int(line["pid"]), float(line["at"]),
+             bool(line.get("redelivered")))
+        for path in sorted((directory / "runs").glob("*.jsonl"))
+        for line in _lines(path)
+    ]  # fmt: skip
+    events = [GateEvent(**line) for line in _lines(directory / "events.jsonl")]
+    kills = [
+        Kill(float(line["at"]), frozenset(line["pids"]), line["worker"], frozenset(line["gate_shards"]))
+        for line in _lines(directory / "kills.jsonl")
+    ]
+    return Journals(sends, outcomes, marks, events, kills)
+
+
 def run_stress(url: str, directory: Path, plan: Plan) -> Stress:
     """Run ``plan`` against the vhost of ``url`` and check it; files go under ``directory``.
 
@@ -224,32 +258,13 @@ def run_stress(url: str, directory: Path, plan: Plan) -> Stress:
         logs.mkdir()
         for worker in fleet.started:  # kept for a post-mortem: WorkerProcess deletes its own
             (logs / f"{worker.name}.log").write_text(worker.log_text())
-    sends: list[Sent] = []
-    outcomes: dict[str, str] = {}
-    for path in sorted(directory.glob("producer-*.jsonl")):
-        for line in _lines(path):
-            if line["event"] == "sent":
-                sends.append(Sent(line["key"], line["id"], float(line["at"])))
-            else:
-                outcomes[line["id"]] = line["state"]
-    marks = [
-        Mark(
-            line["event"],
-            line["key"],
-            line["id"],
-            int(line["pid"]),
-            float(line["at"]),
-            bool(line.get("redelivered")),
-        )
-        for path in sorted(journal_dir.glob("*.jsonl"))
-        for line in _lines(path)
-    ]
     with (directory / "events.jsonl").open("w") as out:  # kept for a post-mortem, as the logs
         out.writelines(json.dumps(asdict(event)) + "\n" for event in events.events)
     with (directory / "kills.jsonl").open("w") as out:
         out.writelines(json.dumps(asdict(kill), default=sorted) + "\n" for kill in kills)
-    verdict = check(sends, outcomes, marks, events.events, kills=kills)
-    ends = [m.at for m in marks if m.event == "end"]
+    journals = load(directory)
+    verdict = check(journals.sends, journals.outcomes, journals.marks, journals.events, kills=journals.kills)
+    ends = [m.at for m in journals.marks if m.event == "end"]
     figures: dict[str, Any] = {
         "producers": plan.producers,
         "workers": plan.workers,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from broker_svc.wire.dedup import shard_of
 from tests.reliability.dedup_check import DedupVerdict, Kill, Mark, Sent, check, runs_of
 from tests.reliability.dedup_replay import GateEvent, replay
 
@@ -78,6 +79,19 @@ def test_a_first_run_marked_redelivered_fails_without_a_fault():
     sends, outcomes, _, events = _good()
     marks = [*_run("a", 0.5, 1.0), *_run("b", 1.1, 1.5, pid=11, again=True)]
     assert "first runs marked redelivered" in _problems(check(sends, outcomes, marks, events))
+
+
+def test_every_head_ends_once():
+    sends, outcomes, marks, events = _good()
+    problems = _problems(check(sends, outcomes, marks, events[:-1]))  # b never released
+    assert "whose head never ended" in problems
+    twice = [*events, GateEvent("released", "b", "k", GATE)]
+    assert "ended more than once" in _problems(check(sends, outcomes, marks, twice))
+    # With kills, a lost end event is allowed only for a shard whose gate was killed after.
+    kill = Kill(at=0.3, pids=frozenset({99}), worker="w1@test", gate_shards=frozenset({shard_of("k")}))
+    assert check(sends, outcomes, marks, events[:-1], kills=[kill]).ok
+    other = Kill(at=0.3, pids=frozenset({99}), worker="w9@test")
+    assert "no end event" in _problems(check(sends, outcomes, marks, events[:-1], kills=[other]))
 
 
 def test_a_declined_call_that_ran_fails():
