@@ -25,6 +25,16 @@ def refresh(self: object, path: str, key: str, seconds: float = 0.0) -> str:
     return task_id
 
 
+@app.task(bind=True)
+def refresh_counted(self: object, path: str, key: str, seconds: float = 0.0) -> dict[str, object]:
+    """``refresh`` that also answers how its delivery was marked (a first run: neither)."""
+    task_id, info = str(self.request.id), self.request.delivery_info  # type: ignore[attr-defined]
+    _note(path, event="start", key=key, task_id=task_id)
+    time.sleep(seconds)
+    _note(path, event="end", key=key, task_id=task_id)
+    return {"id": task_id, "redelivered": info["redelivered"], "delivery_count": info["delivery_count"]}
+
+
 @app.task(dedup_key="user_id", dedup_timeout=60)
 def refresh_user(path: str, user_id: int) -> int:
     _note(path, event="start", key=str(user_id))

@@ -10,11 +10,13 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import pytest
 
 from broker_svc import App, Settings, TaskDeclined, TaskError
-from broker_svc.wire.dedup import shard_of
+from broker_svc.topology import dedup_gate_queue
+from broker_svc.wire.dedup import GATE_SHARDS, shard_of
 from tests.infra.session_broker import SessionBroker
 from tests.integration import dedup_tasks
 from tests.support.events import EventTap
@@ -25,6 +27,8 @@ from tests.support.workers import WorkerProcess
 APP = "tests.integration.dedup_tasks:app"
 QUEUE = "dedup-work"
 REFRESH = dedup_tasks.refresh.name
+COUNTED = dedup_tasks.refresh_counted.name
+MISMATCHED = "dedup-mismatched"
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +177,7 @@ def _failover(url: str, client: App, journal: Path) -> None:
         second.wait_ready()
         head = client.send_task(REFRESH, (str(journal), "k4", 4.0), queue=QUEUE, dedup_key="k4")
         wait_for(lambda: len(_journal(journal)) == 1, timeout_s=30, message="the head started")
-        tail = client.send_task(REFRESH, (str(journal), "k4", 0.0), queue=QUEUE, dedup_key="k4")
+        tail = client.send_task(COUNTED, (str(journal), "k4", 0.0), queue=QUEUE, dedup_key="k4")
         keeper = next(w for w in (first, second) if w.count("dedup_gate_active") > 0)
         wait_for(lambda: _held(client, keeper) == 1, timeout_s=30, message="the tail held by the gate")
         keeper.signal_tree(signal.SIGKILL)
@@ -182,7 +186,9 @@ def _failover(url: str, client: App, journal: Path) -> None:
         declined = client.send_task(REFRESH, (str(journal), "k4", 0.0), queue=QUEUE, dedup_key="k4")
         with pytest.raises(TaskDeclined):
             declined.get(timeout=60)  # the survivor replayed the head and the tail
-        assert tail.get(timeout=60) == tail.id
+        # Handed to the survivor, the held tail came back to the gate redelivered; it still runs
+        # as a first delivery (the shard queue's count is not the task's delivery count).
+        assert tail.get(timeout=60) == {"id": tail.id, "redelivered": False, "delivery_count": 0}
         survivor.first("dedup_gate_active")
     runs = _runs(journal, "k4")
     assert [r[2] for r in runs][-1] == tail.id
@@ -212,3 +218,57 @@ def test_the_worker_consumes_design_releases_its_heads_too(dedup_url: str, clien
             calls[2].get(timeout=30)
     (_, first_end, _), (second_start, _, _) = _runs(journal, "k5")
     assert second_start >= first_end
+
+
+def test_a_target_queue_declared_otherwise_does_not_stall_its_shard(
+    session_broker: SessionBroker, tmp_path: Path
+):
+    journal = tmp_path / "mismatched.jsonl"
+    with (
+        session_broker.own_vhost("clockwork-dedup-mismatch") as url,
+        App("dedup-mismatch", settings=Settings(broker_url=url)) as client,
+        # A client that declares the queue quorum where the worker declares it classic: they
+        # disagree (docs/guide.md asks them not to), so the gate's own declare gets a 406.
+        App("dedup-quorum", settings=Settings(broker_url=url, quorum_queues=(MISMATCHED,))) as other,
+        EventTap(url, routing_key="dedup.#") as tap,
+        WorkerProcess(url, app=APP, queues=[QUEUE], concurrency=1, extra_args=["-E"]) as worker,
+    ):
+        worker.wait_ready()
+        odd = other.send_task(REFRESH, (str(journal), "k6", 0.0), queue=MISMATCHED, dedup_key="k6")
+        tap.wait(lambda _: bool(tap.of("dedup-accepted", uuid=odd.id)), message="the odd task sent on")
+        worker.first("dedup_queue_declared_otherwise")  # on a side channel: the gate's is untouched
+        # Its shard goes on deciding: a key of the same shard is accepted and runs.
+        neighbour = next(k for k in (f"n{i}" for i in range(1000)) if shard_of(k) == shard_of("k6"))
+        after = client.send_task(REFRESH, (str(journal), neighbour, 0.0), queue=QUEUE, dedup_key=neighbour)
+        assert after.get(timeout=30) == after.id
+        assert worker.count("dedup_gate_failed") == 0
+
+
+def test_a_gate_whose_connection_is_closed_consumes_each_shard_once(
+    session_broker: SessionBroker, tmp_path: Path
+):
+    ctl = session_broker.rabbitmqctl
+    if ctl is None:
+        pytest.fail("this test needs rabbitmqctl for the broker (to close connections from the broker side)")
+    journal = tmp_path / "reconnect.jsonl"
+    with (
+        session_broker.own_vhost("clockwork-dedup-reconnect") as url,
+        App("dedup-reconnect", settings=Settings(broker_url=url)) as client,
+        WorkerProcess(url, app=APP, queues=[QUEUE], concurrency=1) as worker,
+    ):
+        worker.wait_ready()
+        first = client.send_task(REFRESH, (str(journal), "k9", 0.0), queue=QUEUE, dedup_key="k9")
+        assert first.get(timeout=30) == first.id
+        vhost = unquote(urlsplit(url).path[1:])
+        out = ctl("list_connections", "-p", vhost, "-q", "--no-table-headers", "pid", "client_properties")
+        for line in out.splitlines():
+            if worker.name in line and f"{worker.name}.child-" not in line:
+                ctl("close_connection", line.split("\t", 1)[0], "dedup test: forced disconnect")
+        wait_for(lambda: worker.count("dedup_gate_subscribed") >= 2, timeout_s=30, message="subscribed again")
+        again = client.send_task(REFRESH, (str(journal), "k9", 0.0), queue=QUEUE, dedup_key="k9")
+        assert again.get(timeout=30) == again.id
+        # The new subscription's consumer alone: a robust channel would have come back too, with
+        # its consumers, beside it and outside its transaction.
+        consumers = ctl("list_consumers", "-p", vhost, "-q", "--no-table-headers", "queue_name").split()
+        gates = Counter(name for name in consumers if name.startswith("clockwork.dedup."))
+        assert gates == {dedup_gate_queue(shard).name: 1 for shard in range(GATE_SHARDS)}

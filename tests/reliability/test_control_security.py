@@ -202,7 +202,9 @@ def test_s2_the_broker_refuses_a_spoofed_user_id(vhost: str):
 # default queue ``celery`` and namespace ``celery``. Keep the two in step.
 _NODE = r".+@.+\.celery\.pidbox"
 _REPLY = r"[-0-9a-f]+\.reply\.celery\.pidbox"
-_OWN = r"clockwork\.(expired|chords\.celery|dedup\.celery\.\d+)(\.dead)?"  # expired, chord parts, dedup shards
+_OWN = (
+    r"clockwork\.(expired|chords\.celery|dedup\.celery\.\d+)(\.dead)?"  # expired, chord parts, dedup shards
+)
 PERMISSIONS = {
     "producer": (
         r"^(celery|celery\.delay\.\d+ms|clockwork\.reply\..+)$",

@@ -22,7 +22,7 @@ from yarl import URL
 from broker_svc.errors import BrokerUnavailable
 from broker_svc.settings import Settings, redact_url
 
-__all__ = ["FailoverConnection", "connect", "describe_error", "worker_urls"]
+__all__ = ["FailoverConnection", "connect", "describe_error", "one_time_channel", "worker_urls"]
 
 log = structlog.get_logger(__name__)
 
@@ -193,6 +193,23 @@ async def connect(
                 await _until_stopped(asyncio.sleep(delay), stop)
             except _Stopped:
                 raise BrokerUnavailable("stopped while waiting for the broker") from None
+
+
+async def one_time_channel(
+    connection: aio_pika.abc.AbstractRobustConnection, *, publisher_confirms: bool = False
+) -> aio_pika.abc.AbstractChannel:
+    """A channel on ``connection`` that aio-pika never reopens, for a subscriber that renews itself.
+
+    A robust channel closed by the broker (a 406) or by a lost connection is reopened with its
+    consumers and QoS, but not its transaction mode, and the subscriber that owned it knows
+    nothing of it: beside the subscriber's own new channel it keeps consuming into the same
+    callbacks, acking outside any transaction, and can hold a single-active-consumer slot.
+
+    Raises:
+        aiormq.exceptions.AMQPError: the channel could not be opened (the connection is down).
+    """
+    await connection.ready()
+    return await aio_pika.Channel(connection, publisher_confirms=publisher_confirms)
 
 
 class _Stopped(RuntimeError):

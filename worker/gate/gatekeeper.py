@@ -62,6 +62,8 @@ from broker_svc.wire.task_message import CLOCK_HEADER
 from broker_svc.wire.task_state import CONTENT_TYPE as STATE_CONTENT_TYPE
 from broker_svc.wire.task_state import JobState, StateRecord
 from control.aio.declare import declare_queue
+from worker.amqp.connection import one_time_channel
+from worker.consume.admission import BROKER_COUNT_HEADER
 from worker.consume.resubscribe import resubscribing
 from worker.events import EventDispatcher
 from worker.gate.declined import declined_record, declined_result
@@ -141,10 +143,14 @@ class Gatekeeper:
         self.keys.clear()
         self._shards = {s: _Shard(dedup_gate_queue(s).name) for s in range(GATE_SHARDS)}
         self._inbox = asyncio.Queue()
+        self._decisions.clear()  # decided in a transaction that never committed (handed back)
+        self._records.clear()
 
     async def _serve(self, connection: aio_pika.abc.AbstractRobustConnection) -> bool:
         self._connection = connection
-        channel = await connection.channel(publisher_confirms=False)
+        # Not robust: reopened by aio-pika, it would consume beside ours, outside any transaction.
+        channel = await one_time_channel(connection)
+        records: aio_pika.abc.AbstractChannel | None = None
         try:
             await channel.set_qos(prefetch_count=0)  # heads and tails are held until they end
             underlay = await channel.get_underlay_channel()
@@ -154,9 +160,8 @@ class Gatekeeper:
                 queue = await declare_queue(channel, dedup_gate_queue(shard))
                 await queue.consume(functools.partial(self._received, shard))
             log.info("dedup_gate_subscribed", shards=GATE_SHARDS)
-            records = (
-                await connection.channel(publisher_confirms=False) if self._settings.task_states else None
-            )
+            if self._settings.task_states:
+                records = await one_time_channel(connection)
             deciding = asyncio.create_task(self._decide(underlay, records))
             try:
                 await asyncio.wait(
@@ -168,10 +173,12 @@ class Gatekeeper:
                 log.warning("dedup_gate_failed", error=repr(deciding.exception()))
             return True
         finally:
-            if not channel.is_closed:
+            for each in (channel, records):
+                if each is None or each.is_closed:
+                    continue
                 try:
                     async with asyncio.timeout(5):
-                        await channel.close()
+                        await each.close()
                 except Exception as exc:  # closing a channel of a lost connection
                     log.debug("dedup_gate_channel_close_failed", error=str(exc))
 
@@ -200,12 +207,12 @@ class Gatekeeper:
                 dirty = True
             if dirty:
                 await channel.tx_commit()
-            if self._records:
-                written, self._records = self._records, []
-                if records is not None:
-                    await self._write(records, written)
-            if self._decisions:
-                decisions, self._decisions = self._decisions, []
+            # Facts only now, once committed (a failed commit raised; ``_forget`` drops them).
+            decisions, self._decisions = self._decisions, []
+            written, self._records = self._records, []
+            if written and records is not None:
+                await self._write(records, written)
+            if decisions:
                 await self._tell(decisions)
 
     async def _take(self, channel: aiormq.abc.AbstractChannel, shard: int, message: Message) -> bool:
@@ -303,7 +310,8 @@ class Gatekeeper:
     ) -> None:
         # The task to its queue with its deadline, its head marker to the shard, its arrival acked.
         message = task.message
-        headers = dict(message.headers or {})
+        # Not the shard queue's count of gates that held it: the task's first delivery is to come.
+        headers = {k: v for k, v in (message.headers or {}).items() if k != BROKER_COUNT_HEADER}
         target = str(headers[TARGET_QUEUE_HEADER])
         await self._ensure(self._settings.task_queue(target))
         headers[DEADLINE_HEADER] = deadline_header(deadline)
@@ -324,7 +332,7 @@ class Gatekeeper:
         if queue.name in self._declared or self._connection is None:
             return
         try:
-            async with await self._connection.channel(publisher_confirms=False) as side:
+            async with await one_time_channel(self._connection) as side:
                 await declare_queue(side, queue)
         except aio_pika.exceptions.ChannelPreconditionFailed as exc:
             log.warning("dedup_queue_declared_otherwise", queue=queue.name, error=str(exc))
