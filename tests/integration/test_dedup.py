@@ -244,7 +244,7 @@ def test_a_target_queue_declared_otherwise_does_not_stall_its_shard(
         assert worker.count("dedup_gate_failed") == 0
 
 
-def test_a_gate_whose_connection_is_closed_consumes_each_shard_once(
+def test_a_worker_whose_connection_is_closed_renews_each_transactional_subscription_once(
     session_broker: SessionBroker, tmp_path: Path
 ):
     ctl = session_broker.rabbitmqctl
@@ -254,7 +254,9 @@ def test_a_gate_whose_connection_is_closed_consumes_each_shard_once(
     with (
         session_broker.own_vhost("clockwork-dedup-reconnect") as url,
         App("dedup-reconnect", settings=Settings(broker_url=url)) as client,
-        WorkerProcess(url, app=APP, queues=[QUEUE], concurrency=1) as worker,
+        WorkerProcess(
+            url, app=APP, queues=[QUEUE], concurrency=1, env={"CLOCKWORK_TASK_STATES": "1"}
+        ) as worker,
     ):
         worker.wait_ready()
         first = client.send_task(REFRESH, (str(journal), "k9", 0.0), queue=QUEUE, dedup_key="k9")
@@ -272,3 +274,8 @@ def test_a_gate_whose_connection_is_closed_consumes_each_shard_once(
         consumers = ctl("list_consumers", "-p", vhost, "-q", "--no-table-headers", "queue_name").split()
         gates = Counter(name for name in consumers if name.startswith("clockwork.dedup."))
         assert gates == {dedup_gate_queue(shard).name: 1 for shard in range(GATE_SHARDS)}
+        # The chord joiner and the dependents' joiner renew their transactional subscriptions alike.
+        joiners = Counter(
+            name for name in consumers if name in ("clockwork.chords.celery", "clockwork.dependents.celery")
+        )
+        assert joiners == {"clockwork.chords.celery": 1, "clockwork.dependents.celery": 1}

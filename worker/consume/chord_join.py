@@ -48,6 +48,7 @@ from broker_svc.wire.result_message import Outcome, wire_exception
 from broker_svc.wire.states import State
 from broker_svc.wire.task_message import CLOCK_HEADER, TaskMessage, encode_task
 from control.aio.declare import declare_queue
+from worker.amqp.connection import one_time_channel
 from worker.consume.canvas_plan import follow_up_queue
 from worker.consume.publish import task_properties
 from worker.consume.resubscribe import resubscribing
@@ -112,7 +113,7 @@ class ChordJoiner:
 
     async def _serve(self, connection: aio_pika.abc.AbstractRobustConnection) -> bool:
         # Returns once the subscription is lost; True if it was made at all.
-        channel = await connection.channel(publisher_confirms=False)
+        channel = await one_time_channel(connection)  # not robust: see gatekeeper._serve
         try:
             queue = await declare_queue(channel, self._queue)
             await channel.set_qos(prefetch_count=0)  # a chord's parts are all held until it settles

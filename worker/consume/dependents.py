@@ -51,6 +51,7 @@ from broker_svc.wire.task_state import (
     StateRecord,
 )
 from control.aio.declare import declare_queue
+from worker.amqp.connection import one_time_channel
 from worker.consume.resubscribe import resubscribing
 
 __all__ = ["DependentsJoiner"]
@@ -107,8 +108,8 @@ class DependentsJoiner:
         )
 
     async def _serve(self, connection: aio_pika.abc.AbstractRobustConnection) -> bool:
-        channel = await connection.channel(publisher_confirms=False)
-        records = await connection.channel(publisher_confirms=False)
+        channel = await one_time_channel(connection)  # not robust: see gatekeeper._serve
+        records = await one_time_channel(connection)
         try:
             queue = await declare_queue(channel, self._queue)
             await channel.set_qos(prefetch_count=0)  # every waiting task is held until released
