@@ -12,6 +12,7 @@ the model starts again, and a head that gate learned from a marker is seeded fro
 
 - ``blocked``: it had a head, id unknown until that head's ``released``/``evicted`` names it;
 - ``released``/``evicted``: it had that head, and no tail (tails replay after releases);
+- ``promoted``: told right after the ending that sent it on; it is then the model's head;
 - anything else: nothing seeded; ``declined`` then mismatches (a gate sets a tail only by
   ``blocked``, whose event comes first), as it must.
 
@@ -116,6 +117,12 @@ def replay(events: Iterable[GateEvent], *, key_of: Mapping[str, str]) -> Replay:
         elif event.decision in ENDINGS:
             found.endings[event.task_id] += 1
             _end(model, event, found, key_of)
+        elif event.decision == "promoted":
+            # Told right after the ending that promoted it: the model's new head must be this one.
+            if model.head_of(event.key) != event.task_id:
+                found.mismatch(
+                    f"{event.key}: promoted {event.task_id}, the model's head is {model.head_of(event.key)}"
+                )
         else:
             found.mismatch(f"{event.key}: unknown decision {event.decision!r} ({event.task_id})")
         found.max_tails = max(found.max_tails, model.waiting())

@@ -167,3 +167,11 @@ def test_an_eviction_promotes_the_tail_which_stays_the_head():
     found = replay([*events, *_events("released c")], key_of=dict.fromkeys("abcd", "k"))
     assert found.mismatch_count == 0, found.mismatches
     assert (found.model["evicted"], found.model["blocked"], found.model["released"]) == (2, 2, 1)
+
+
+def test_a_promotion_must_name_the_tail_the_model_promotes():
+    sends, outcomes, marks, _ = _good()
+    good = _events("accepted a", "blocked b", "declined c", "released a", "promoted b", "released b")
+    assert check(sends, outcomes, marks, good).ok
+    wrong = _events("accepted a", "blocked b", "declined c", "released a", "promoted c", "released b")
+    assert "promoted c, the model's head is b" in _problems(check(sends, outcomes, marks, wrong))
