@@ -300,7 +300,7 @@ class WorkerService:
                 settings=config.settings, clock=self._clock, hostname=config.hostname
             )
             background.spawn(dependents.run(publishing), name="dependents")
-        background.spawn(gate.run(publishing), name="dedup-gate")
+        background.spawn(gate.run(lambda: self._connect("gate")), name="dedup-gate")
         log.info(
             "worker_ready",
             hostname=config.hostname,

@@ -159,7 +159,7 @@ def test_keys_of_different_shards_go_to_different_gate_queues(url: str, client: 
 
 def test_a_keyed_task_with_an_eta_goes_to_the_gate_not_to_a_delay_queue(url: str, client: App, target: str):
     key = f"eta-{uuid.uuid4()}"
-    client.send_task("dedup_send.plain", queue=target, countdown=3600, dedup_key=key)
+    client.send_task("dedup_send.plain", queue=target, countdown=600, dedup_key=key)
     client.flush(timeout=10)
     [got] = _take(url, key)
     assert got.headers["eta"] is not None  # the worker holds it until then, after the gate

@@ -24,6 +24,7 @@ import asyncio
 import functools
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -41,7 +42,6 @@ from broker_svc.topology import (
     QueueSpec,
     dead_letter_queue,
     dedup_gate_queue,
-    task_states_stream,
 )
 from broker_svc.wire.dedup import (
     DEADLINE_HEADER,
@@ -59,14 +59,13 @@ from broker_svc.wire.dedup import (
     shard_of,
 )
 from broker_svc.wire.task_message import CLOCK_HEADER
-from broker_svc.wire.task_state import CONTENT_TYPE as STATE_CONTENT_TYPE
-from broker_svc.wire.task_state import JobState, StateRecord
+from broker_svc.wire.task_state import StateRecord
 from control.aio.declare import declare_queue
 from worker.amqp.connection import one_time_channel
 from worker.consume.admission import BROKER_COUNT_HEADER
 from worker.consume.resubscribe import resubscribing
 from worker.events import EventDispatcher
-from worker.gate.declined import declined_record, declined_result
+from worker.gate.declined import declined_record, declined_result, write_records
 from worker.gate.keys import Ended, GateKeys, Verdict, Waiting
 from worker.metrics import WorkerMetrics
 
@@ -130,11 +129,24 @@ class Gatekeeper:
             **self.keys.counts.as_dict(),
         }
 
-    async def run(self, connection: aio_pika.abc.AbstractRobustConnection) -> None:
-        """Subscribe to every shard, and again whenever the subscription is lost; until cancelled."""
-        await resubscribing(
-            lambda: self._serve(connection), forget=self._forget, log=log, event="dedup_gate_resubscribing"
-        )
+    async def run(self, connect: Callable[[], Awaitable[aio_pika.abc.AbstractRobustConnection]]) -> None:
+        """On a connection of the gate's own, subscribe to every shard, and again whenever the
+        subscription is lost; until cancelled.
+
+        Its own connection: workers that start together declare and consume the same new quorum
+        queues at once, and RabbitMQ 3.10 may answer a consume that races a queue's start with a
+        541 that closes the whole connection; the worker's control plane must not go with it.
+        """
+        connection = await connect()
+        try:
+            await resubscribing(
+                lambda: self._serve(connection),
+                forget=self._forget,
+                log=log,
+                event="dedup_gate_resubscribing",
+            )
+        finally:
+            await connection.close()
 
     async def _received(self, shard: int, message: Message) -> None:
         self._inbox.put_nowait((shard, message))
@@ -211,7 +223,7 @@ class Gatekeeper:
             decisions, self._decisions = self._decisions, []
             written, self._records = self._records, []
             if written and records is not None:
-                await self._write(records, written)
+                await write_records(records, written)
             if decisions:
                 await self._tell(decisions)
 
@@ -372,19 +384,6 @@ class Gatekeeper:
             delivery_mode=2, headers={**headers, CLOCK_HEADER: self._clock.forward()}
         )
         await channel.basic_publish(body, exchange="", routing_key=queue, properties=properties)
-
-    async def _write(self, channel: aio_pika.abc.AbstractChannel, written: list[StateRecord]) -> None:
-        stream = task_states_stream()
-        try:
-            for record in written:
-                message = aio_pika.Message(
-                    record.encode(),
-                    content_type=STATE_CONTENT_TYPE,
-                    delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-                )
-                await channel.default_exchange.publish(message, routing_key=stream.name)
-        except aio_pika.exceptions.AMQPError as exc:
-            log.warning("task_state_not_written", state=JobState.DECLINED.value, error=str(exc))
 
     def _decided(self, what: str, task_id: str, key: str) -> None:
         log.debug("dedup_decided", decision=what, task_id=task_id, key=key)
