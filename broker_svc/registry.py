@@ -55,8 +55,9 @@ class TaskRegistry:
         counts), or a callable taking the task's ``(*args, **kwargs)`` and returning the key.
         The key is ``"<task name>:<value>"`` (the value's ``str()``), so two tasks with equal
         arguments do not share keys; it must fit in 200 UTF-8 bytes. ``dedup_timeout``
-        (seconds, 0 < t <= 1500, default 600) bounds how long a run holds its key if its worker
-        never reports. A send's own ``dedup_key=`` (``apply_async``, ``send_task``) is a literal
+        (seconds, 0 < t <= 1500, default 600) bounds how long a run holds its key: it is also
+        the run's hard time limit, and past it the waiting call is sent on. A send's own
+        ``dedup_key=`` (``apply_async``, ``send_task``) is a literal
         key that replaces the task's. Only tasks a client sends are deduplicated, to a queue
         (not ``exchange=``), and only by Clockwork workers; a chord's header tasks and tasks a
         worker sends later (callbacks, errbacks, a chain's steps after the first, a chord's

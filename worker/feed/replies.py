@@ -142,15 +142,7 @@ class FeedReplies:
         except Unroutable:  # declared as the worker's settings declare it (type, ordered)
             self._publish(message, queue.name, kind="task", declare=(queue,))
 
-    def internal(
-        self,
-        body: bytes,
-        *,
-        content_type: str,
-        encoding: str,
-        queue: QueueSpec,
-        headers: Mapping[str, Any] | None = None,
-    ) -> None:
+    def internal(self, body: bytes, *, content_type: str, encoding: str, queue: QueueSpec) -> None:
         """Send a persistent message to one of Clockwork's own queues (declared first); confirmed.
 
         Raises:
@@ -158,7 +150,7 @@ class FeedReplies:
         """
         message = WireMessage(
             body=body, content_type=content_type, content_encoding=encoding,
-            headers={**(headers or {}), CLOCK_HEADER: self._clock.forward()}, delivery_mode=2,
+            headers={CLOCK_HEADER: self._clock.forward()}, delivery_mode=2,
         )  # fmt: skip
         self._publish(message, queue.name, kind="internal", declare=(queue,))
 
