@@ -47,8 +47,11 @@ chromium:
 run: $(VENV)/.runtime
 	@$(WITH_BROKER); CLOCKWORK_BROKER_URL="$$url" $(BIN)/python -m examples.demo
 
+# The suite in TEST_WORKERS pytest processes (pytest-xdist), a test file to each at a time, so a
+# module's shared worker stays one; each process makes its own vhost. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: lint typecheck chromium
-	@$(WITH_BROKER); AMQP_URL="$$url" $(BIN)/pytest
+	@$(WITH_BROKER); AMQP_URL="$$url" $(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile
 
 worker: $(VENV)/.runtime
 	@$(WITH_BROKER); CLOCKWORK_BROKER_URL="$$url" $(BIN)/python -m worker -A examples.tasks:app -l info
