@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from typing import TYPE_CHECKING
 
 import aio_pika.abc
 import structlog
@@ -18,9 +19,11 @@ from worker.consume.publish import ReplyPublisher
 from worker.consume.rate_limits import RateLimits, parse_rate
 from worker.events import EventDispatcher
 from worker.feed.spec import FeedSpec
-from worker.metrics import WorkerMetrics
 from worker.pool.pool import ProcessPool
 from worker.remote.revoked_set import RevokedSet
+
+if TYPE_CHECKING:
+    from worker.metrics import WorkerMetrics
 
 __all__ = ["feed_spec", "task_consumer", "warn_time_limits"]
 
@@ -125,6 +128,10 @@ def task_consumer(
     """
     metrics = None
     if config.metrics_port is not None:
+        # Imported here: prometheus_client (and the HTTP server it brings) costs a worker without
+        # --metrics-port about 3 MiB it never uses.
+        from worker.metrics import WorkerMetrics
+
         # Read at each scrape, so the figures are now's; the consumer exists once this returns.
         metrics = WorkerMetrics(
             config.hostname, pool_size=lambda: pool.target, busy=lambda: consumer.running_count

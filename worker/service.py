@@ -6,7 +6,7 @@ import asyncio
 import os
 import signal
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import aio_pika
 import aio_pika.abc
@@ -34,7 +34,6 @@ from worker.consume.dependents import DependentsJoiner
 from worker.consume.rate_limits import RateLimits
 from worker.events import Heart, software_version
 from worker.gate.gatekeeper import Gatekeeper
-from worker.metrics import WorkerMetrics
 from worker.pool.autoscale import Autoscaler, PoolSizer
 from worker.pool.demand import BacklogDemand, Demand, SlotDemand
 from worker.pool.handle import EXIT_GRACE_S
@@ -43,6 +42,9 @@ from worker.remote.commands import WorkerCommands
 from worker.remote.revocation_log import RevocationLog
 from worker.remote.revoked_set import RevokedSet
 from worker.remote.revoker import Revoker
+
+if TYPE_CHECKING:
+    from worker.metrics import WorkerMetrics
 
 __all__ = ["WorkerService"]
 

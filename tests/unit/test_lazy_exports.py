@@ -21,6 +21,14 @@ def test_a_pool_child_imports_neither_amqp_client_nor_the_control_plane() -> Non
     assert out.stdout.strip() == "[]"
 
 
+def test_a_worker_without_a_metrics_port_never_imports_prometheus_client() -> None:
+    # About 3 MiB of PSS (the client and the HTTP server it serves with) in every worker otherwise.
+    probe = "import sys, worker.__main__, worker.service; print('prometheus_client' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
 def test_every_lazy_export_resolves() -> None:
     for package in (broker_svc, control, worker):
         for name in package.__all__:

@@ -26,7 +26,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import aio_pika
 import aio_pika.abc
@@ -67,7 +67,9 @@ from worker.consume.resubscribe import resubscribing
 from worker.events import EventDispatcher
 from worker.gate.declined import declined_record, declined_result, write_records
 from worker.gate.keys import Ended, GateKeys, Verdict, Waiting
-from worker.metrics import WorkerMetrics
+
+if TYPE_CHECKING:
+    from worker.metrics import WorkerMetrics
 
 __all__ = ["Gatekeeper"]
 
