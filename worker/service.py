@@ -212,7 +212,7 @@ class WorkerService:
         # Every revoke we can know of is known before the first task is taken: the state file,
         # then the broker's log read up to now.
         revoker.load()
-        await revocation_log.follow(await consuming.channel(publisher_confirms=False), publish_channel)
+        await revocation_log.follow(lambda: consuming.channel(publisher_confirms=False), publish_channel)
         heart = Heart(
             events,
             lambda: (

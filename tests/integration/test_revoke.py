@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import uuid
 from pathlib import Path
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import pika
 import pytest
@@ -13,6 +14,7 @@ from pika.adapters.blocking_connection import BlockingChannel
 from broker_svc import App, Settings, State, TaskRevokedError
 from broker_svc.topology import revocation_log
 from control.protocol.revoke_log import RevokeEntry
+from tests.infra.session_broker import SessionBroker
 from tests.support.amqp import channel
 from tests.support.events import EventTap
 from tests.support.pidbox import call
@@ -196,3 +198,46 @@ def test_a_task_sent_after_a_revoke_with_reply_is_skipped_by_consuming_children(
                     timeout=30
                 )
     assert not ran.exists()
+
+
+def test_a_revocation_log_refused_at_start_is_followed_once_a_retry_gets_through(
+    session_broker: SessionBroker, vhost_url: str, queue: str, tmp_path: Path
+):
+    # Workers that start together race to declare the new stream, and the broker may refuse the
+    # first consume; a refusal the test controls (no configure permission on the log) stands in
+    # for that race. The worker tries again and reads the log before it takes a task.
+    ctl = session_broker.rabbitmqctl
+    if ctl is None:
+        pytest.fail("this test sets permissions, which needs rabbitmqctl for the broker")
+    vhost, user, password = unquote(urlsplit(vhost_url).path[1:]), f"revlog-{uuid.uuid4().hex[:8]}", "pw"
+    parts = urlsplit(vhost_url)
+    user_url = urlunsplit(parts._replace(netloc=f"{user}:{password}@{parts.hostname}:{parts.port or 5672}"))
+    ran, ids = tmp_path / "ran.txt", _ids(2)
+    client = App("revlog-retry", settings=Settings(broker_url=vhost_url))
+    ctl("add_user", user, password)
+    try:
+        ctl("set_permissions", "-p", vhost, user, r"^(?!clockwork\.revoked\.).*", ".*", ".*")
+        results = [client.send_task(RECORD, args=(str(ran), i), queue=queue, task_id=i) for i in ids]
+        client.flush()
+        with channel(vhost_url) as ch:
+            ch.confirm_delivery()
+            _declare_log(ch)
+            ch.basic_publish(
+                "", LOG, RevokeEntry.new(ids[:1], hostname="test").encode(),
+                pika.BasicProperties(content_type="application/json", delivery_mode=2, headers={"clock": 7}),
+            )  # fmt: skip
+        with WorkerProcess(user_url, queues=[queue], concurrency=1) as worker:
+            retrying = worker.first("revocation_log_retrying", timeout_s=30)
+            assert "ACCESS_REFUSED" in retrying["error"] or "403" in retrying["error"], retrying
+            ctl("set_permissions", "-p", vhost, user, ".*", ".*", ".*")
+            worker.wait_ready()
+            read = worker.first("revocation_log_read", timeout_s=30)
+            assert read["revoked"] >= 1
+            assert worker.count("revocation_log_unavailable") == 0
+            with pytest.raises(TaskRevokedError):
+                results[0].get(timeout=30)
+            assert results[1].get(timeout=30) == ids[1]
+        assert _ran(ran) == {ids[1]}
+    finally:
+        client.close(timeout=10)
+        ctl("delete_user", user)

@@ -8,8 +8,10 @@ held has been read.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Final
 
 import aio_pika
@@ -28,6 +30,11 @@ __all__ = ["RevocationLog"]
 log = structlog.get_logger(__name__)
 
 _LOG_PREFETCH: Final = 1000
+# A first follow that fails is tried again (a fresh channel each time) with these pauses: workers
+# that start together race to declare the new stream, and RabbitMQ may answer a consume that races
+# its start with an error; past them the worker goes on without the log, as on a broker without
+# streams.
+_RETRY_PAUSES_S: Final = (0.25, 0.5, 1.0, 2.0, 4.0)
 
 
 class RevocationLog:
@@ -52,29 +59,46 @@ class RevocationLog:
 
     async def follow(
         self,
-        channel: aio_pika.abc.AbstractChannel,
+        channel: Callable[[], Awaitable[aio_pika.abc.AbstractChannel]],
         publish_channel: aio_pika.abc.AbstractChannel,
         *,
         catch_up_s: float = 10.0,
+        retry_pauses_s: tuple[float, ...] = _RETRY_PAUSES_S,
     ) -> None:
         """Declare the revocation log, read it from its start, and keep following it.
 
         Returns once everything the log held when it was called has been read (or after
         ``catch_up_s``), so tasks consumed afterwards are checked against every earlier revoke.
-        A broker without streams (or a refused declare) leaves revokes to broadcasts, Mingle and
-        the state file; that is logged, not fatal.
+        A failed attempt is tried again on a new ``channel()`` after each of ``retry_pauses_s``.
+        A broker without streams (or a declare refused every time) leaves revokes to broadcasts,
+        Mingle and the state file; that is logged, not fatal.
         """
         self._publish_channel = publish_channel
+        spec = self._log_spec
+        for attempt, pause_s in enumerate((*retry_pauses_s, None), start=1):
+            try:
+                await self._subscribe(await channel())
+                break
+            except (aio_pika.exceptions.AMQPError, ConnectionError) as exc:
+                if pause_s is None:
+                    log.error("revocation_log_unavailable", queue=spec.name, error=str(exc), attempts=attempt)
+                    return
+                log.warning("revocation_log_retrying", queue=spec.name, error=str(exc), retry_in_s=pause_s)
+                await asyncio.sleep(pause_s)
+        self.available = True
+        await self.catch_up(timeout_s=catch_up_s)
+
+    async def _subscribe(self, channel: aio_pika.abc.AbstractChannel) -> None:
         spec = self._log_spec
         try:
             await channel.set_qos(prefetch_count=_LOG_PREFETCH)
             queue = await channel.declare_queue(spec.name, durable=spec.durable, arguments=spec.arguments)
             await queue.consume(self._on_entry, arguments={"x-stream-offset": "first"})
-        except aio_pika.exceptions.AMQPError as exc:
-            log.error("revocation_log_unavailable", queue=spec.name, error=str(exc))
-            return
-        self.available = True
-        await self.catch_up(timeout_s=catch_up_s)
+        except aio_pika.exceptions.AMQPError:
+            if not channel.is_closed:  # a failed attempt leaves no channel open behind it
+                with contextlib.suppress(aio_pika.exceptions.AMQPError, ConnectionError):
+                    await channel.close()
+            raise
 
     async def catch_up(self, *, timeout_s: float) -> bool:
         """Wait until the log has been read up to now: True if it was within ``timeout_s``."""
