@@ -1,7 +1,9 @@
 """Every private pika name Clockwork relies on, each behind a small named class or function.
 
 - ``GatheringConnection`` overrides ``Connection._output_marshaled_frames`` and calls
-  ``_adapter_emit_data``: fewer socket writes, one per message, one per gathered batch.
+  ``_adapter_emit_data``: fewer socket writes, one per message, one per gathered batch. It also
+  sends straight to a plaintext transport's socket (``_transport``, ``_sock``, ``_state``) when
+  nothing is buffered ahead.
 - ``abort_connection`` calls ``_adapter_disconnect_stream``: drop the socket without a close-ok.
 - ``EncodedProperties`` gives pika's content header (``frame.Header.marshal``) properties encoded
   already, through the ``INDEX`` and ``encode()`` it reads.
@@ -16,6 +18,14 @@ caller's thread wants too. When enqueueing, those sends were the larger part of 
 time. Here a message's frames go out as one buffer, and the frames marshaled inside
 ``gathered()`` (a drain of the outbox) as one buffer per ``_GATHER_BYTES``.
 
+Sending at once: pika's transport only buffers a write and asks the loop to watch for writability
+(an ``epoll_ctl``), sends on the loop's next turn (an ``epoll_wait``), then stops watching (another
+``epoll_ctl``). For a call whose caller waits on the reply, that turn was 10-30 µs of the round
+trip (of 0.7-0.9 ms on loopback). With nothing buffered ahead, the socket takes the bytes now;
+what it does not take (a full send buffer) and any error go to pika's transport, which sends the
+rest in order or reports the error as usual. TLS keeps pika's path: an SSL socket's partial
+writes have rules of their own.
+
 The integration tests publish through it.
 """
 
@@ -27,6 +37,7 @@ from typing import Any, Final
 
 import pika
 import pika.channel
+from pika.adapters.utils.io_services_utils import _AsyncPlaintextTransport
 
 __all__ = ["EncodedProperties", "GatheringConnection", "abort_connection", "underlying_channel"]
 
@@ -61,7 +72,7 @@ class GatheringConnection(pika.SelectConnection):  # type: ignore[misc]  # pika 
         self.frames_sent += len(marshaled_frames)
         gathered = self._gathered
         if gathered is None:
-            self._adapter_emit_data(data)
+            self._emit(data)
             return
         gathered.append(data)
         self._gathered_bytes += len(data)
@@ -74,7 +85,24 @@ class GatheringConnection(pika.SelectConnection):  # type: ignore[misc]  # pika 
         # Marshaled frames of a connection that closed meanwhile are dropped, as pika drops what
         # its transport still buffered; unconfirmed messages are sent again on the next connection.
         if parts and not self.is_closed:
-            self._adapter_emit_data(b"".join(parts))
+            self._emit(b"".join(parts))
+
+    def _emit(self, data: bytes) -> None:
+        # Straight to the socket if nothing is buffered ahead (see the module's docstring).
+        transport = self._transport
+        if (
+            type(transport) is _AsyncPlaintextTransport
+            and transport._state == transport._STATE_ACTIVE
+            and transport.get_write_buffer_size() == 0
+        ):
+            try:
+                sent: int = transport._sock.send(data)
+            except OSError:  # EAGAIN, or an error pika's own send meets again and reports
+                sent = 0
+            if sent == len(data):
+                return
+            data = data[sent:]
+        self._adapter_emit_data(data)
 
 
 def abort_connection(conn: pika.SelectConnection) -> None:
