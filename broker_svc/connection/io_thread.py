@@ -3,10 +3,10 @@
 Callers on any thread hand messages over and return at once; the I/O thread publishes them with
 publisher confirms (pipelined, never one round trip per message), tracks each confirm, republishes
 what a lost connection left unconfirmed, and delivers consumed messages to callbacks. This module
-holds the connection's life cycle: connect, failover, reconnect with backoff, resource alarms and
-the tick that drops a broker which stopped confirming. Sending and confirms are in ``confirms.py``,
-where each message is in ``outbox.py``; pika's parameters in ``parameters.py`` and the reading of
-its failures in ``failures.py``. pika's exceptions are translated here and in the control client.
+holds the connection's life cycle: connect, failover, reconnect with backoff, resource alarms.
+Sending and confirms are in ``confirms.py``, where each message is in ``outbox.py``, the timers
+(confirm timeout, reopen) in ``watchdog.py``; pika's parameters in ``parameters.py`` and the
+reading of its failures in ``failures.py``. pika's exceptions are translated here and in the control client.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from broker_svc.connection.failures import describe_connect_error, is_permanent
 from broker_svc.connection.outbox import Outbox
 from broker_svc.connection.parameters import connection_parameters
 from broker_svc.connection.pending import PendingPublish
-from broker_svc.connection.pika_internals import GatheringConnection, abort_connection
+from broker_svc.connection.pika_internals import GatheringConnection
+from broker_svc.connection.watchdog import Watchdog
 from broker_svc.errors import BrokerSvcError, BrokerUnavailable
 from broker_svc.library_log import get_logger
 from broker_svc.settings import Settings, redact_url
@@ -37,8 +38,6 @@ log = get_logger(__name__)
 
 _BACKOFF_START_S = 0.2
 _BACKOFF_MAX_S = 5.0
-_TICK_S = 0.5
-_CLOSE_GRACE_S = 1.0
 
 
 class BrokerConnection:
@@ -73,7 +72,10 @@ class BrokerConnection:
             name=name,
             declared=self._declared,
             declare_then_drain=lambda spec: self._declare(spec, on_done=self._drain),
-            reopen_later=self._reopen_later,
+            reopen_later=lambda pause_s: self._watchdog.reopen_later(self._conn, pause_s),
+        )
+        self._watchdog = Watchdog(
+            settings, self._outbox, self._confirms, name=name, blocked=lambda: self._blocked_since is not None
         )
         self._lock = threading.Lock()
         # Set by close(); the I/O thread's reconnect backoff waits on it, so close() ends it at once.
@@ -302,7 +304,8 @@ class BrokerConnection:
         self._ready.set()
         log.debug("broker_connected", connection=self._name)
         self._drain()
-        self._schedule_tick()
+        if self._conn is not None:
+            self._watchdog.start(self._conn)
 
     def _declare(self, spec: QueueSpec, on_done: Callable[[], None] | None = None) -> None:
         """Declare a queue (and its exchange and binding); ``on_done`` runs after the bind-ok."""
@@ -325,50 +328,6 @@ class BrokerConnection:
             return
         with conn.gathered():  # the batch goes to the socket in a few large writes
             self._confirms.send(self._channel, blocked=self._blocked_since is not None)
-
-    def _reopen_later(self, pause_s: float) -> bool:
-        conn = self._conn
-        if conn is None or not conn.is_open:
-            return False
-        conn.ioloop.call_later(pause_s, lambda: self._reopen(conn, "reopen after nack"))
-        return True
-
-    def _reopen(self, conn: pika.SelectConnection, why: str) -> None:
-        # The whole connection, not just the channel: the confirm sequence restarts at 1 and
-        # unconfirmed messages are republished by the usual path (``_on_closed``).
-        if conn.is_open:
-            conn.close(reply_code=320, reply_text=why)
-            # pika waits for the broker's close-ok without a limit, and a frozen or partitioned
-            # broker never sends it: drop the socket if it has not come soon.
-            conn.ioloop.call_later(_CLOSE_GRACE_S, lambda: self._abort(conn))
-
-    def _schedule_tick(self) -> None:
-        if self._conn is not None:
-            self._conn.ioloop.call_later(_TICK_S, self._tick)
-
-    def _tick(self) -> None:
-        # A broker that never confirms (frozen node, alarm) must not block callers forever:
-        # drop the connection so unconfirmed messages are republished on a fresh one.
-        conn = self._conn
-        if conn is None or not conn.is_open:
-            return
-        if self._blocked_since is not None:
-            # An alarm, not a dead broker: a new connection would be blocked too.
-            self._confirms.expire_blocked()
-            self._schedule_tick()
-            return
-        oldest = self._outbox.oldest_sent_at()
-        if oldest is not None and time.monotonic() - oldest > self._settings.confirm_timeout_s:
-            log.warning("confirm_timeout", timeout_s=self._settings.confirm_timeout_s)
-            self._reopen(conn, "confirm timeout")
-            return
-        self._schedule_tick()
-
-    def _abort(self, conn: pika.SelectConnection) -> None:
-        if conn.is_closed:
-            return
-        log.warning("broker_unresponsive", connection=self._name, grace_s=_CLOSE_GRACE_S)
-        abort_connection(conn)  # ends in on_close_callback
 
     def _on_channel_closed(self, _ch: pika.channel.Channel, reason: BaseException) -> None:
         # A channel error (e.g. a 406 on a declare) ends the channel, not the process: start
