@@ -2,11 +2,13 @@
 
 Callers on any thread hand messages over and return at once; the I/O thread publishes them with
 publisher confirms (pipelined, never one round trip per message), tracks each confirm, republishes
-what a lost connection left unconfirmed, and delivers consumed messages to callbacks. This module
-holds the connection's life cycle: connect, failover, reconnect with backoff, resource alarms.
-Sending and confirms are in ``confirms.py``, where each message is in ``outbox.py``, the timers
-(confirm timeout, reopen) in ``watchdog.py``; pika's parameters in ``parameters.py`` and the
-reading of its failures in ``failures.py``. pika's exceptions are translated here and in the control client.
+what a lost connection left unconfirmed, and delivers consumed messages to callbacks. A lone
+message on an idle connection is written by its caller instead, under the lock the I/O thread
+releases only while it waits for events (``_send_here``). This module holds the connection's life
+cycle: connect, failover, reconnect with backoff, resource alarms. Sending and confirms are in
+``confirms.py``, where each message is in ``outbox.py``, the timers (confirm timeout, reopen) in
+``watchdog.py``; pika's parameters in ``parameters.py`` and the reading of its failures in
+``failures.py``. pika's exceptions are translated here and in the control client.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from broker_svc.connection.failures import describe_connect_error, is_permanent
 from broker_svc.connection.outbox import Outbox
 from broker_svc.connection.parameters import connection_parameters
 from broker_svc.connection.pending import PendingPublish
-from broker_svc.connection.pika_internals import GatheringConnection
+from broker_svc.connection.pika_internals import GatheringConnection, release_while_polling
 from broker_svc.connection.watchdog import Watchdog
 from broker_svc.errors import BrokerSvcError, BrokerUnavailable
 from broker_svc.library_log import get_logger
@@ -78,6 +80,9 @@ class BrokerConnection:
             settings, self._outbox, self._confirms, name=name, blocked=lambda: self._blocked_since is not None
         )
         self._lock = threading.Lock()
+        # Held by the I/O thread except while its loop waits for events: a caller holding it may
+        # use the connection itself (``_send_here``).
+        self._io_lock = threading.Lock()
         # Set by close(); the I/O thread's reconnect backoff waits on it, so close() ends it at once.
         self._stopping = threading.Event()
         self._ready = threading.Event()
@@ -128,8 +133,25 @@ class BrokerConnection:
         )
         if not self._started:
             self.start()
-        if wake:
+        if wake and not self._send_here(len(items)):
             self._call_soon(self._drain)
+
+    def _send_here(self, count: int) -> bool:
+        # The ``count`` messages just handed over, with nothing else unsent and at most as many
+        # awaiting a confirm (a caller that waits for each reply, whose previous confirm may come
+        # after the reply): this thread writes them as the I/O thread would, while that thread
+        # waits for events, sparing a wake-up of it (2-4 % of a round trip). A stream of messages
+        # still goes through the I/O thread, whose drains send many in one write (enqueue rate).
+        unsent, pending = self._outbox.unsent(), len(self._outbox)
+        if unsent != count or pending > 2 * count or not self._io_lock.acquire(blocking=False):
+            return False
+        try:
+            if self._conn is None or not self._ready.is_set():
+                return False
+            self._drain()
+            return True
+        finally:
+            self._io_lock.release()
 
     def call(self, fn: Callable[[pika.channel.Channel, Callable[[], None]], None], timeout: float) -> None:
         """Run ``fn(channel, done)`` on the I/O thread and wait until it calls ``done``.
@@ -220,6 +242,10 @@ class BrokerConnection:
         self._outbox.fail_all(BrokerUnavailable("the connection was closed before the broker confirmed"))
 
     def _run_connection(self) -> None:
+        with self._io_lock:  # released only while the loop waits for events (``_send_here``)
+            self._run_connection_locked()
+
+    def _run_connection_locked(self) -> None:
         url = self._urls[self._url_index]
         try:
             params = connection_parameters(self._settings, connection_name=self._name, url=url)
@@ -239,6 +265,7 @@ class BrokerConnection:
             return
         conn.add_on_connection_blocked_callback(self._on_blocked)
         conn.add_on_connection_unblocked_callback(self._on_unblocked)
+        release_while_polling(conn, self._io_lock)
         self._conn = conn
         try:
             conn.ioloop.start()

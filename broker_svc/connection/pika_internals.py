@@ -5,6 +5,8 @@
   sends straight to a plaintext transport's socket (``_transport``, ``_sock``, ``_state``) when
   nothing is buffered ahead.
 - ``abort_connection`` calls ``_adapter_disconnect_stream``: drop the socket without a close-ok.
+- ``release_while_polling`` swaps the ``select.epoll`` (or ``select.poll``) object of the I/O loop's
+  poller (``IOLoop._poller``, its ``_create_poller`` and ``_poll``) for one whose wait releases a lock.
 - ``EncodedProperties`` gives pika's content header (``frame.Header.marshal``) properties encoded
   already, through the ``INDEX`` and ``encode()`` it reads.
 - ``underlying_channel`` reaches ``BlockingChannel._impl``, the channel under the blocking wrapper.
@@ -31,6 +33,7 @@ The integration tests publish through it.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Final
@@ -39,7 +42,13 @@ import pika
 import pika.channel
 from pika.adapters.utils.io_services_utils import _AsyncPlaintextTransport
 
-__all__ = ["EncodedProperties", "GatheringConnection", "abort_connection", "underlying_channel"]
+__all__ = [
+    "EncodedProperties",
+    "GatheringConnection",
+    "abort_connection",
+    "release_while_polling",
+    "underlying_channel",
+]
 
 # A gathered batch goes to the transport whenever it reaches this size, so a drain of thousands of
 # messages never builds one buffer of megabytes.
@@ -112,6 +121,52 @@ def abort_connection(conn: pika.SelectConnection) -> None:
     which a frozen or partitioned broker never sends.
     """
     conn._adapter_disconnect_stream()
+
+
+def release_while_polling(conn: pika.SelectConnection, lock: threading.Lock) -> bool:
+    """Have ``conn``'s I/O loop, run by a thread holding ``lock``, release it while it waits for events.
+
+    Then whoever takes ``lock`` may use the connection while the loop waits (between its waits, the
+    loop's thread holds it). Call it before the loop starts (it makes its poller then). Returns
+    False, changing nothing, for a poller without a poll object (``select.select``'s): then
+    ``lock`` stays held while the loop runs, and nobody else gets it.
+    """
+    poller: Any = getattr(conn.ioloop, "_poller", None)
+    create = getattr(poller, "_create_poller", None)
+    if poller is None or create is None or getattr(poller, "_poll", True) is not None:
+        return False
+    poller._create_poller = lambda: _PollReleasing(create(), lock)
+    return True
+
+
+class _PollReleasing:
+    """A ``select.epoll``/``select.poll`` object whose ``poll`` releases ``lock`` while it waits."""
+
+    __slots__ = ("_lock", "_poll")
+
+    def __init__(self, poll: Any, lock: threading.Lock) -> None:
+        self._poll, self._lock = poll, lock
+
+    def poll(self, timeout: float) -> Any:
+        self._lock.release()
+        try:
+            return self._poll.poll(timeout)
+        finally:
+            self._lock.acquire()
+
+    def register(self, fd: int, events: int) -> None:
+        self._poll.register(fd, events)
+
+    def modify(self, fd: int, events: int) -> None:
+        self._poll.modify(fd, events)
+
+    def unregister(self, fd: int) -> None:
+        self._poll.unregister(fd)
+
+    def close(self) -> None:
+        close = getattr(self._poll, "close", None)  # select.poll has none
+        if close is not None:
+            close()
 
 
 class EncodedProperties(pika.BasicProperties):  # type: ignore[misc]  # pika is untyped here

@@ -96,6 +96,15 @@ PINS = [
     ),
     Pin(io_services._AsyncTransportBase, "_state", attribute=True),
     Pin(io_services._AsyncTransportBase, "_STATE_ACTIVE"),
+    # pika: release_while_polling swaps the poll object the loop's poller waits on.
+    Pin(pika.adapters.select_connection.IOLoop, "_poller", attribute=True),
+    Pin(pika.adapters.select_connection.PollPoller, "_create_poller", ()),
+    Pin(
+        pika.adapters.select_connection.PollPoller,
+        "_poll",
+        attribute=True,
+        read_by=(pika.adapters.select_connection.PollPoller.poll,),
+    ),
     # pika: abort_connection.
     Pin(_Connection, "_adapter_disconnect_stream", ("self",)),
     # pika: underlying_channel (control/blocking/members_feed.py closes it directly).
