@@ -2,11 +2,13 @@
 
 Callers on any thread hand messages over and return at once; the I/O thread publishes them with
 publisher confirms (pipelined, never one round trip per message), tracks each confirm, republishes
-what a lost connection left unconfirmed, and delivers consumed messages to callbacks. This module
-holds the connection's life cycle: connect, failover, reconnect with backoff, resource alarms and
-the tick that drops a broker which stopped confirming. Sending and confirms are in ``confirms.py``,
-where each message is in ``outbox.py``; pika's parameters in ``parameters.py`` and the reading of
-its failures in ``failures.py``. pika's exceptions are translated here and in the control client.
+what a lost connection left unconfirmed, and delivers consumed messages to callbacks. A lone
+message on an idle connection is written by its caller instead, under the lock the I/O thread
+releases only while it waits for events (``_send_here``). This module holds the connection's life
+cycle: connect, failover, reconnect with backoff, resource alarms. Sending and confirms are in
+``confirms.py``, where each message is in ``outbox.py``, the timers (confirm timeout, reopen) in
+``watchdog.py``; pika's parameters in ``parameters.py`` and the reading of its failures in
+``failures.py``. pika's exceptions are translated here and in the control client.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from broker_svc.connection.failures import describe_connect_error, is_permanent
 from broker_svc.connection.outbox import Outbox
 from broker_svc.connection.parameters import connection_parameters
 from broker_svc.connection.pending import PendingPublish
-from broker_svc.connection.pika_internals import GatheringConnection, abort_connection
+from broker_svc.connection.pika_internals import GatheringConnection, release_while_polling
+from broker_svc.connection.watchdog import Watchdog
 from broker_svc.errors import BrokerSvcError, BrokerUnavailable
 from broker_svc.library_log import get_logger
 from broker_svc.settings import Settings, redact_url
@@ -37,8 +40,6 @@ log = get_logger(__name__)
 
 _BACKOFF_START_S = 0.2
 _BACKOFF_MAX_S = 5.0
-_TICK_S = 0.5
-_CLOSE_GRACE_S = 1.0
 
 
 class BrokerConnection:
@@ -73,9 +74,15 @@ class BrokerConnection:
             name=name,
             declared=self._declared,
             declare_then_drain=lambda spec: self._declare(spec, on_done=self._drain),
-            reopen_later=self._reopen_later,
+            reopen_later=lambda pause_s: self._watchdog.reopen_later(self._conn, pause_s),
+        )
+        self._watchdog = Watchdog(
+            settings, self._outbox, self._confirms, name=name, blocked=lambda: self._blocked_since is not None
         )
         self._lock = threading.Lock()
+        # Held by the I/O thread except while its loop waits for events: a caller holding it may
+        # use the connection itself (``_send_here``).
+        self._io_lock = threading.Lock()
         # Set by close(); the I/O thread's reconnect backoff waits on it, so close() ends it at once.
         self._stopping = threading.Event()
         self._ready = threading.Event()
@@ -126,8 +133,25 @@ class BrokerConnection:
         )
         if not self._started:
             self.start()
-        if wake:
+        if wake and not self._send_here(len(items)):
             self._call_soon(self._drain)
+
+    def _send_here(self, count: int) -> bool:
+        # The ``count`` messages just handed over, with nothing else unsent and at most as many
+        # awaiting a confirm (a caller that waits for each reply, whose previous confirm may come
+        # after the reply): this thread writes them as the I/O thread would, while that thread
+        # waits for events, sparing a wake-up of it (2-4 % of a round trip). A stream of messages
+        # still goes through the I/O thread, whose drains send many in one write (enqueue rate).
+        unsent, pending = self._outbox.unsent(), len(self._outbox)
+        if unsent != count or pending > 2 * count or not self._io_lock.acquire(blocking=False):
+            return False
+        try:
+            if self._conn is None or not self._ready.is_set():
+                return False
+            self._drain()
+            return True
+        finally:
+            self._io_lock.release()
 
     def call(self, fn: Callable[[pika.channel.Channel, Callable[[], None]], None], timeout: float) -> None:
         """Run ``fn(channel, done)`` on the I/O thread and wait until it calls ``done``.
@@ -218,6 +242,10 @@ class BrokerConnection:
         self._outbox.fail_all(BrokerUnavailable("the connection was closed before the broker confirmed"))
 
     def _run_connection(self) -> None:
+        with self._io_lock:  # released only while the loop waits for events (``_send_here``)
+            self._run_connection_locked()
+
+    def _run_connection_locked(self) -> None:
         url = self._urls[self._url_index]
         try:
             params = connection_parameters(self._settings, connection_name=self._name, url=url)
@@ -237,6 +265,7 @@ class BrokerConnection:
             return
         conn.add_on_connection_blocked_callback(self._on_blocked)
         conn.add_on_connection_unblocked_callback(self._on_unblocked)
+        release_while_polling(conn, self._io_lock)
         self._conn = conn
         try:
             conn.ioloop.start()
@@ -302,7 +331,8 @@ class BrokerConnection:
         self._ready.set()
         log.debug("broker_connected", connection=self._name)
         self._drain()
-        self._schedule_tick()
+        if self._conn is not None:
+            self._watchdog.start(self._conn)
 
     def _declare(self, spec: QueueSpec, on_done: Callable[[], None] | None = None) -> None:
         """Declare a queue (and its exchange and binding); ``on_done`` runs after the bind-ok."""
@@ -325,50 +355,6 @@ class BrokerConnection:
             return
         with conn.gathered():  # the batch goes to the socket in a few large writes
             self._confirms.send(self._channel, blocked=self._blocked_since is not None)
-
-    def _reopen_later(self, pause_s: float) -> bool:
-        conn = self._conn
-        if conn is None or not conn.is_open:
-            return False
-        conn.ioloop.call_later(pause_s, lambda: self._reopen(conn, "reopen after nack"))
-        return True
-
-    def _reopen(self, conn: pika.SelectConnection, why: str) -> None:
-        # The whole connection, not just the channel: the confirm sequence restarts at 1 and
-        # unconfirmed messages are republished by the usual path (``_on_closed``).
-        if conn.is_open:
-            conn.close(reply_code=320, reply_text=why)
-            # pika waits for the broker's close-ok without a limit, and a frozen or partitioned
-            # broker never sends it: drop the socket if it has not come soon.
-            conn.ioloop.call_later(_CLOSE_GRACE_S, lambda: self._abort(conn))
-
-    def _schedule_tick(self) -> None:
-        if self._conn is not None:
-            self._conn.ioloop.call_later(_TICK_S, self._tick)
-
-    def _tick(self) -> None:
-        # A broker that never confirms (frozen node, alarm) must not block callers forever:
-        # drop the connection so unconfirmed messages are republished on a fresh one.
-        conn = self._conn
-        if conn is None or not conn.is_open:
-            return
-        if self._blocked_since is not None:
-            # An alarm, not a dead broker: a new connection would be blocked too.
-            self._confirms.expire_blocked()
-            self._schedule_tick()
-            return
-        oldest = self._outbox.oldest_sent_at()
-        if oldest is not None and time.monotonic() - oldest > self._settings.confirm_timeout_s:
-            log.warning("confirm_timeout", timeout_s=self._settings.confirm_timeout_s)
-            self._reopen(conn, "confirm timeout")
-            return
-        self._schedule_tick()
-
-    def _abort(self, conn: pika.SelectConnection) -> None:
-        if conn.is_closed:
-            return
-        log.warning("broker_unresponsive", connection=self._name, grace_s=_CLOSE_GRACE_S)
-        abort_connection(conn)  # ends in on_close_callback
 
     def _on_channel_closed(self, _ch: pika.channel.Channel, reason: BaseException) -> None:
         # A channel error (e.g. a 406 on a declare) ends the channel, not the process: start

@@ -41,6 +41,11 @@ class Outbox:
         with self._lock:
             return self._pending_locked()
 
+    def unsent(self) -> int:
+        """Messages handed over and not sent yet (queued or to be retried)."""
+        with self._lock:
+            return len(self._queued) + len(self._retry)
+
     def _pending_locked(self) -> int:
         return len(self._queued) + len(self._retry) + len(self._unconfirmed)
 

@@ -78,6 +78,40 @@ def test_many_threads_share_one_app(test_vhost_url: str, queue: str):
         worker.close()
 
 
+def test_each_threads_sends_keep_their_order_whether_it_or_the_io_thread_writes_them(
+    test_vhost_url: str, queue: str
+):
+    # A send on an idle connection is written by its caller, the rest by the I/O thread
+    # (BrokerConnection._send_here): lone sends (a flush before each) and bursts, from threads
+    # at once, must all arrive, each thread's in the order it sent them.
+    app = App("order", settings=Settings(broker_url=test_vhost_url))
+    errors: list[BaseException] = []
+
+    def work(n: int) -> None:
+        try:
+            seq = 0
+            for burst in (1, 1, 50, 1, 200, 1, 1, 20, 1):
+                for _ in range(burst):
+                    app.send_task("t.x", (n, seq), queue=queue, ignore_result=True)
+                    seq += 1
+                app.flush(timeout=30)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(6)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        app.close()
+    assert errors == []
+    got = [_args(m.body) for m in drain(test_vhost_url, queue)]
+    for n in range(6):
+        assert [seq for thread, seq in got if thread == n] == list(range(276))
+
+
 def test_interpreter_exit_waits_for_every_confirm(test_vhost_url: str, queue: str):
     script = textwrap.dedent(
         f"""

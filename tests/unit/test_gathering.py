@@ -12,6 +12,7 @@ class _Recorder(GatheringConnection):
         self.bytes_sent = 0
         self.frames_sent = 0
         self.emitted: list[bytes] = []
+        self._transport = None  # no plaintext transport: every write goes through the adapter
 
     def _adapter_emit_data(self, data: bytes) -> None:
         self.emitted.append(data)

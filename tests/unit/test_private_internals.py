@@ -20,6 +20,9 @@ import aio_pika.connection
 import aio_pika.robust_connection
 import pamqp.encode
 import pika
+import pika.adapters.base_connection
+import pika.adapters.select_connection
+import pika.adapters.utils.io_services_utils as io_services
 import pika.connection
 import pika.frame
 import pytest
@@ -82,6 +85,26 @@ PINS = [
         read_by=(_Connection._send_message, _Connection._send_frame),
     ),
     Pin(_Connection, "_adapter_emit_data", ("self", "data")),
+    # pika: GatheringConnection._emit writes to a plaintext transport's socket when nothing is buffered.
+    Pin(pika.adapters.base_connection.BaseConnection, "_transport", attribute=True),
+    Pin(io_services, "_AsyncPlaintextTransport"),
+    Pin(
+        io_services._AsyncTransportBase,
+        "_sock",
+        attribute=True,
+        read_by=(io_services._AsyncTransportBase._produce,),
+    ),
+    Pin(io_services._AsyncTransportBase, "_state", attribute=True),
+    Pin(io_services._AsyncTransportBase, "_STATE_ACTIVE"),
+    # pika: release_while_polling swaps the poll object the loop's poller waits on.
+    Pin(pika.adapters.select_connection.IOLoop, "_poller", attribute=True),
+    Pin(pika.adapters.select_connection.PollPoller, "_create_poller", ()),
+    Pin(
+        pika.adapters.select_connection.PollPoller,
+        "_poll",
+        attribute=True,
+        read_by=(pika.adapters.select_connection.PollPoller.poll,),
+    ),
     # pika: abort_connection.
     Pin(_Connection, "_adapter_disconnect_stream", ("self",)),
     # pika: underlying_channel (control/blocking/members_feed.py closes it directly).
