@@ -78,6 +78,7 @@ class FeedConnection(FrameSocket):
         self._queues = tuple(queues)
         self._declare_on_connect = tuple(declare)
         self._prefetch = prefetch
+        self._held = 0  # parked copies on this connection, each one more unacked (``hold``)
         # Ordered queues (x-single-active-consumer) are consumed with prefetch 1 whatever ``prefetch``.
         self._ordered = frozenset(spec.name for spec in declare if spec.single_active)
         self._deliveries: collections.deque[TaskDelivery] = collections.deque()
@@ -99,11 +100,14 @@ class FeedConnection(FrameSocket):
             BrokerUnavailable: no broker could be reached or none let us in (each reason named).
         """
         url = self._open_first(self._open)
-        self.generation += 1
         self._start_beating()
         log.debug("feed_connected", connection=self._name, url=redact_url(url))
 
     def _open(self, url: str) -> None:
+        # A new generation before the socket exists: a delivery read during the consumes below (a
+        # second queue's) is this connection's, and a settle of an older one never reaches it.
+        self.generation += 1
+        self._held = 0
         tls = self._handshake(url)
         self._deliveries.clear()
         self._checked = False
@@ -144,8 +148,11 @@ class FeedConnection(FrameSocket):
             self._pump()
         return self._deliveries.popleft()
 
-    def check(self) -> None:
+    def check(self, delivery: TaskDelivery | None = None) -> None:
         """Handle what arrived meanwhile, without waiting: a close the broker sent raises here.
+
+        ``delivery``: the one just settled (a shared connection tells from it whether the settle
+        went out on the connection that delivered it).
 
         Raises:
             ConnectionLost: the connection failed, or the broker closed the channel.
@@ -155,15 +162,20 @@ class FeedConnection(FrameSocket):
         # call need not look again (a select() per task saved).
         self._checked = True
 
-    def set_prefetch(self, prefetch: int) -> None:
-        """Let the broker send up to ``prefetch`` unacked deliveries (this connection, and after a reconnect).
+    def hold(self, delta: int, generation: int) -> None:
+        """Let the broker send ``delta`` more (or fewer) unacked deliveries: a parked copy is one.
+
+        Ignored for an older ``generation``: a new connection starts with the prefetch alone.
 
         Raises:
             ConnectionLost: the connection failed meanwhile.
         """
-        self._prefetch = prefetch
+        if generation != self.generation:
+            return
+        self._held += delta
         if self._sock is not None:
-            self._expect((60, 11), send=frames.method(_CHANNEL, 60, 10, struct.pack(">IHB", 0, prefetch, 0)))
+            qos = struct.pack(">IHB", 0, self._prefetch + self._held, 0)
+            self._expect((60, 11), send=frames.method(_CHANNEL, 60, 10, qos))
 
     def ack(self, delivery: TaskDelivery) -> None:
         """Ack ``delivery``; not sent if its connection is gone (the broker requeued it).
@@ -171,8 +183,7 @@ class FeedConnection(FrameSocket):
         Raises:
             ConnectionLost: the write failed.
         """
-        if self._current(delivery):
-            self._write(frames.method(_CHANNEL, 60, 80, _U64_BIT.pack(delivery.tag, 0)))
+        self._settle_frame(delivery, frames.method(_CHANNEL, 60, 80, _U64_BIT.pack(delivery.tag, 0)))
 
     def nack(self, delivery: TaskDelivery, *, requeue: bool) -> None:
         """Nack ``delivery`` (back to its queue with ``requeue``); not sent if its connection is gone.
@@ -180,8 +191,19 @@ class FeedConnection(FrameSocket):
         Raises:
             ConnectionLost: the write failed.
         """
+        self._settle_frame(
+            delivery, frames.method(_CHANNEL, 60, 120, _U64_BIT.pack(delivery.tag, 2 if requeue else 0))
+        )
+
+    def _settle_frame(self, delivery: TaskDelivery, frame: bytes) -> None:
+        # Written only on the connection that delivered it: a tag means nothing on another.
         if self._current(delivery):
-            self._write(frames.method(_CHANNEL, 60, 120, _U64_BIT.pack(delivery.tag, 2 if requeue else 0)))
+            self._write(frame)
+
+    @property
+    def prefetch(self) -> int:
+        """Unacked deliveries the broker may send at once, parked copies aside."""
+        return self._prefetch
 
     @property
     def queues(self) -> tuple[str, ...]:
@@ -225,9 +247,8 @@ class FeedConnection(FrameSocket):
             try:
                 self._subscribe(queue)
             finally:
-                self._expect(
-                    (60, 11), send=frames.method(_CHANNEL, 60, 10, struct.pack(">IHB", 0, self._prefetch, 0))
-                )
+                qos = struct.pack(">IHB", 0, self._prefetch + self._held, 0)
+                self._expect((60, 11), send=frames.method(_CHANNEL, 60, 10, qos))
             return
         self._subscribe(queue)
 

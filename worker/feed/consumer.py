@@ -185,9 +185,9 @@ class Consumer:
                     settler.settle(late, HAND_BACK)
 
     def _connect(self) -> None:
-        self.redeliveries.forget()  # what it parked went back with the old connection
         self.connection.connect()
-        log.info("feed_child_consuming", queues=list(self._spec.queues), prefetch=self._spec.prefetch)
+        self.redeliveries.forget()  # what it parked went back with the old connection
+        log.info("feed_child_consuming", queues=list(self._spec.queues), prefetch=self.connection.prefetch)
 
     def _take(self, delivery: TaskDelivery) -> None:
         # One delivery from read to settle; it shows on the board from its run's start until then.
@@ -195,7 +195,7 @@ class Consumer:
         with handler.ledger.settling(delivery):  # its --dedupe-window claim ends once settled
             try:
                 settled = _one(delivery, handler, self.settler, self.watchdog)
-                self.connection.check()  # a close that came with the ack: the ack was lost
+                self.connection.check(delivery)  # a close that came with the ack: the ack was lost
             except BrokerUnavailable as exc:
                 if handler.concluding is None:
                     raise  # nothing ran: the broker has the delivery back, and it runs again
