@@ -1,24 +1,16 @@
 """A consuming child's one connection, shared by its task threads (``--threads N``): whoever waits reads.
 
-Under ``--threads N`` a child's threads consume on one connection and one channel with prefetch N
-(times ``--prefetch-multiplier``): the broker pays for one consumer per child instead of one per
-thread, and sends several deliveries per socket write. Every prefetched delivery has an idle thread
-to run it, so a child still holds nothing it is not about to run.
+One channel, one consumer per queue, prefetch N × ``--prefetch-multiplier``: every delivery held
+has an idle thread to take it (docs/architecture.md). Leader/follower, no reader thread: a thread
+waiting for the broker (a delivery, its publish's confirm, a method's answer) reads the socket
+when no other thread does and dispatches all it reads; the others wait on a condition.
 
-Leader/follower, no reader thread: a thread that waits for the broker (its next delivery, the
-confirm of its publish, a method's answer) reads the socket itself when no other thread does, and
-dispatches every frame it reads: deliveries go to a queue any idle thread takes from, confirms
-mark the publishes waiting for them. The others wait on a condition until what they wait for is
-there or the reader leaves and one of them takes over. A delivery read by a thread that wanted one
-needs no hand-off to another thread, and a thread that runs a task never reads.
-
-Locks, always taken in this order: the *role* (who reads: held across a read and the dispatch of
-what it brought, and by a method and its answer: ``_expect``, connect, cancel), the socket lock
-(writes; held by connect while the socket changes, so no settle of an old connection reaches a
-new one), and ``_state`` (deliveries, publishes awaiting confirms, who waits), held only briefly.
-
-A lost connection fails every waiting thread with ``ConnectionLost``; each consumer connects again
-through :meth:`SharedFeedConnection.connect`, which only the first of them does.
+Locks, always taken in this order: the *role* (who reads, held across a read and its dispatch, and
+by a method and its answer), the socket lock (writes; connect holds it while the socket changes,
+so no settle of an old connection reaches a new one), ``_state`` (deliveries, publishes awaiting
+confirms, who waits), held briefly. A lost connection fails every waiting thread with
+``ConnectionLost``; each consumer calls :meth:`SharedFeedConnection.connect`, which only the first
+of them carries out.
 """
 
 from __future__ import annotations
@@ -38,7 +30,6 @@ from broker_svc.settings import Settings
 from broker_svc.topology import QueueSpec
 from broker_svc.wire import amqp_frames as frames
 from broker_svc.wire import amqp_methods as methods
-from broker_svc.wire.amqp_fields import encode_properties
 from broker_svc.wire.task_message import WireMessage
 
 __all__ = ["SharedFeedConnection"]
@@ -263,20 +254,12 @@ class SharedFeedConnection(FeedConnection):
             super()._settle_frame(delivery, frame)
 
     def hold(self, delta: int, generation: int) -> None:
-        """``FeedConnection.hold``, for one of the threads (each counts its own parked copies).
-
-        Raises:
-            ConnectionLost: the connection failed meanwhile.
-        """
+        """``FeedConnection.hold`` (each thread counts its own parked copies), with the role held."""
         with self._role():
             super().hold(delta, generation)
 
     def set_queues(self, queues: Sequence[str]) -> None:
-        """Consume ``queues`` from now on (the first thread to see the change makes it).
-
-        Raises:
-            ConnectionLost: the connection failed meanwhile (a reconnect consumes ``queues``).
-        """
+        """``FeedConnection.set_queues``, made once by the first thread to see the change."""
         with self._role():
             if tuple(dict.fromkeys(queues)) != self._queues:
                 super().set_queues(queues)
@@ -305,20 +288,7 @@ class SharedFeedConnection(FeedConnection):
         for spec in declare:
             if spec.name not in self._declared:
                 self._declare(spec)
-        properties = encode_properties(
-            content_type=message.content_type,
-            content_encoding=message.content_encoding,
-            headers=message.headers,
-            delivery_mode=message.delivery_mode,
-            priority=message.priority,
-            correlation_id=message.correlation_id,
-            reply_to=message.reply_to,
-            expiration=message.expiration,
-        )
-        data = frames.publish_frames(
-            _CHANNEL, exchange=exchange, routing_key=routing_key, mandatory=True, properties=properties,
-            body=message.body, frame_max=self._frame_max,
-        )  # fmt: skip
+        data = self._publish_frames(message, routing_key, exchange=exchange, mandatory=True)
         waiting = _Publish(exchange, routing_key, message.body)
         with self._lock:  # a publish's sequence number is its place among the channel's writes
             generation = self.generation
@@ -376,16 +346,7 @@ class SharedFeedConnection(FeedConnection):
         Raises:
             ConnectionLost: the write failed.
         """
-        properties = encode_properties(
-            content_type=message.content_type,
-            content_encoding=message.content_encoding,
-            headers=message.headers,
-            delivery_mode=message.delivery_mode,
-        )
-        data = frames.publish_frames(
-            _CHANNEL, exchange=exchange, routing_key=routing_key, mandatory=False, properties=properties,
-            body=message.body, frame_max=self._frame_max,
-        )  # fmt: skip
+        data = self._publish_frames(message, routing_key, exchange=exchange, mandatory=False)
         with self._lock:
             self._write(data)
             self._published += 1  # it takes a sequence number too: its confirm is nobody's

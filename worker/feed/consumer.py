@@ -194,7 +194,8 @@ class Consumer:
     def _connect(self) -> None:
         self.connection.connect()
         self.redeliveries.forget()  # what it parked went back with the old connection
-        log.info("feed_child_consuming", queues=list(self._spec.queues), prefetch=self.connection.prefetch)
+        spec = self._spec
+        log.info("feed_child_consuming", queues=list(spec.queues), prefetch=spec.prefetch * spec.threads)
 
     def _take(self, delivery: TaskDelivery) -> None:
         # One delivery from read to settle; it shows on the board from its run's start until then.
