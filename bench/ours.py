@@ -66,14 +66,8 @@ class Clockwork:
         args = [*WORKER_ARGS.split(), *self._extra_worker_args]
         if "--worker-consumes" in args:
             return 1  # the main process consumes for its children
-        threads = 1
-        for flag, value in zip(args, args[1:], strict=False):
-            if flag == "--threads":
-                threads = int(value)  # the last one wins, as in the worker's parser
-        if shape is Shape.PAIR:
-            return 2 * threads  # each child consumes, one connection per thread
-        if self._wide_threads:
-            return 2 * max(1, self._wide // 2)  # two children, a consumer per thread
+        if shape is Shape.PAIR or self._wide_threads:
+            return 2  # each child consumes, its threads (--threads) on one shared consumer
         return self._wide
 
     def fill(self, queue: str, count: int, task: Task, *, wait_queued: bool = True) -> None:

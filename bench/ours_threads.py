@@ -1,8 +1,8 @@
 """Our worker in Dramatiq's drain shape: ``-c 2 --threads 8`` (two processes, 16 consumers).
 
 Dramatiq's benchmark worker is ``-p 2 -t 8``: 16 tasks run at once, with 32 prefetched. Ours with
-``--threads 8`` runs 16 at once too, each thread consuming on a connection of its own with prefetch
-1, so the load-balancing guarantee holds (a worker holds no task it is not running). The default
+``--threads 8`` runs 16 at once too, each child's 8 threads sharing one connection with prefetch 8,
+so the load-balancing guarantee holds (a worker holds no task it cannot start at once). The default
 ``-c 2`` runs 2 at once. Only the task-path scenarios where the shape matters are run.
 """
 

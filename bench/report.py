@@ -154,7 +154,7 @@ def settings_text(sizes: Mapping[str, int], wide: Mapping[str, int]) -> str:
   per task there, Dramatiq does not); persistent messages; ack after the task ran. Figures are read from the
   broker's side the same way for all (passive `queue.declare` every 10 ms): *drain* is the
   deliveries between the first one seen with every consumer of the worker on the queue (2 for
-  Dramatiq, 1 per child or thread for our consuming children) and the moment no message is left
+  Dramatiq, 1 per child for our consuming children, threads or not) and the moment no message is left
   ready, over that time (in
   steady state deliveries and completions match; the prefetch at either end is at most a few
   hundred of {sizes["drain"]:,}); *end to end* is {sizes["e2e"]:,} tasks over the time from the
@@ -165,7 +165,7 @@ def settings_text(sizes: Mapping[str, int], wide: Mapping[str, int]) -> str:
   client `App.send_task` with its default pipelined confirms (a call returns once handed to the
   I/O thread; *calls/s* counts those, *confirmed* waits for all); results over the client's reply
   queue. Sleepers: `-c 2 --threads {wide.get("clockwork", 0) // 2}` ({wide.get("clockwork", 0)}
-  threads, each with its own connection and prefetch 1).
+  threads; each child's threads share one connection with prefetch = its threads).
   *Clockwork, --threads 8*: the same worker in Dramatiq's drain shape, `-c 2 --threads 8`
   (16 at once, 16 unacked), drain and end to end only.
 - **Celery**: `celery worker -P prefork -c 2 --without-mingle --without-gossip`, `task_acks_late`,

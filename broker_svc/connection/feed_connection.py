@@ -9,10 +9,10 @@ a queue. Frames are read and written by ``broker_svc/wire/amqp_frames.py``.
 The socket, its frames, the handshake and the heartbeat thread are ``FrameSocket``'s
 (``broker_svc/connection/feed_socket.py``); this class is the channel's conversation on top.
 
-Threads. The child's main thread does everything while no task runs. While one does
-(:meth:`FeedConnection.running`), a heartbeat thread writes heartbeats, and the hard time limit's
-watchdog may take the socket over to answer and ack; the lock gives the socket to one of them at a
-time. Broker heartbeats that arrive meanwhile wait in the socket: only our silence would end it.
+Threads. The child's main thread does everything while no task runs; while one does
+(:meth:`FeedConnection.running`), a heartbeat thread writes heartbeats and the hard time limit's
+watchdog may take the socket over, one at a time (the lock). Under ``--threads``, see
+``SharedFeedConnection``.
 
 Any failure is :class:`ConnectionLost`: the socket is dropped, what it delivered is the broker's
 again (settles of an earlier ``generation`` are not sent), and the caller connects again. Each
@@ -78,6 +78,7 @@ class FeedConnection(FrameSocket):
         self._queues = tuple(queues)
         self._declare_on_connect = tuple(declare)
         self._prefetch = prefetch
+        self._held = 0  # parked copies on this connection, each one more unacked (``hold``)
         # Ordered queues (x-single-active-consumer) are consumed with prefetch 1 whatever ``prefetch``.
         self._ordered = frozenset(spec.name for spec in declare if spec.single_active)
         self._deliveries: collections.deque[TaskDelivery] = collections.deque()
@@ -99,11 +100,13 @@ class FeedConnection(FrameSocket):
             BrokerUnavailable: no broker could be reached or none let us in (each reason named).
         """
         url = self._open_first(self._open)
-        self.generation += 1
         self._start_beating()
         log.debug("feed_connected", connection=self._name, url=redact_url(url))
 
     def _open(self, url: str) -> None:
+        # A new generation before the socket: what the consumes below deliver is this connection's.
+        self.generation += 1
+        self._held = 0
         tls = self._handshake(url)
         self._deliveries.clear()
         self._checked = False
@@ -111,12 +114,9 @@ class FeedConnection(FrameSocket):
         self._declared.clear()
         self._published = self._confirmed = 0
         self._nacked.clear()
-        self._write(frames.method(_CHANNEL, 20, 10, b"\x00"))
-        self._expect((20, 11))
-        self._write(frames.method(_CHANNEL, 85, 10, b"\x00"))  # confirm.select
-        self._expect((85, 11))
-        self._write(frames.method(_CHANNEL, 60, 10, struct.pack(">IHB", 0, self._prefetch, 0)))
-        self._expect((60, 11))
+        self._expect((20, 11), send=frames.method(_CHANNEL, 20, 10, b"\x00"))
+        self._expect((85, 11), send=frames.method(_CHANNEL, 85, 10, b"\x00"))  # confirm.select
+        self._qos(self._prefetch)
         for spec in self._declare_on_connect:
             self._declare(spec)
         for queue in self._queues:
@@ -144,7 +144,7 @@ class FeedConnection(FrameSocket):
             self._pump()
         return self._deliveries.popleft()
 
-    def check(self) -> None:
+    def check(self, delivery: TaskDelivery | None = None) -> None:
         """Handle what arrived meanwhile, without waiting: a close the broker sent raises here.
 
         Raises:
@@ -155,15 +155,15 @@ class FeedConnection(FrameSocket):
         # call need not look again (a select() per task saved).
         self._checked = True
 
-    def set_prefetch(self, prefetch: int) -> None:
-        """Let the broker send up to ``prefetch`` unacked deliveries (this connection, and after a reconnect).
+    def hold(self, delta: int, generation: int) -> None:
+        """``delta`` more (or fewer) unacked deliveries (parked copies); ignored for an older generation.
 
         Raises:
             ConnectionLost: the connection failed meanwhile.
         """
-        self._prefetch = prefetch
-        if self._sock is not None:
-            self._expect((60, 11), send=frames.method(_CHANNEL, 60, 10, struct.pack(">IHB", 0, prefetch, 0)))
+        if generation == self.generation:
+            self._held += delta
+            self._qos(self._prefetch + self._held)
 
     def ack(self, delivery: TaskDelivery) -> None:
         """Ack ``delivery``; not sent if its connection is gone (the broker requeued it).
@@ -171,8 +171,7 @@ class FeedConnection(FrameSocket):
         Raises:
             ConnectionLost: the write failed.
         """
-        if self._current(delivery):
-            self._write(frames.method(_CHANNEL, 60, 80, _U64_BIT.pack(delivery.tag, 0)))
+        self._settle_frame(delivery, frames.method(_CHANNEL, 60, 80, _U64_BIT.pack(delivery.tag, 0)))
 
     def nack(self, delivery: TaskDelivery, *, requeue: bool) -> None:
         """Nack ``delivery`` (back to its queue with ``requeue``); not sent if its connection is gone.
@@ -180,8 +179,14 @@ class FeedConnection(FrameSocket):
         Raises:
             ConnectionLost: the write failed.
         """
+        self._settle_frame(
+            delivery, frames.method(_CHANNEL, 60, 120, _U64_BIT.pack(delivery.tag, 2 if requeue else 0))
+        )
+
+    def _settle_frame(self, delivery: TaskDelivery, frame: bytes) -> None:
+        # Written only on the connection that delivered it: a tag means nothing on another.
         if self._current(delivery):
-            self._write(frames.method(_CHANNEL, 60, 120, _U64_BIT.pack(delivery.tag, 2 if requeue else 0)))
+            self._write(frame)
 
     @property
     def queues(self) -> tuple[str, ...]:
@@ -221,15 +226,16 @@ class FeedConnection(FrameSocket):
     def _consume(self, queue: str) -> None:
         if queue in self._ordered and self._prefetch != 1:
             # basic.qos (per consumer) binds the consumers made after it: this one alone gets 1.
-            self._expect((60, 11), send=frames.method(_CHANNEL, 60, 10, struct.pack(">IHB", 0, 1, 0)))
+            self._qos(1)
             try:
                 self._subscribe(queue)
             finally:
-                self._expect(
-                    (60, 11), send=frames.method(_CHANNEL, 60, 10, struct.pack(">IHB", 0, self._prefetch, 0))
-                )
+                self._qos(self._prefetch + self._held)
             return
         self._subscribe(queue)
+
+    def _qos(self, count: int) -> None:
+        self._expect((60, 11), send=frames.method(_CHANNEL, 60, 10, struct.pack(">IHB", 0, count, 0)))
 
     def _subscribe(self, queue: str) -> None:
         arguments = b"\x00\x00" + frames.short_string(queue) + b"\x00" + b"\x00" + encode_table({})
@@ -279,21 +285,8 @@ class FeedConnection(FrameSocket):
         for spec in declare:
             if spec.name not in self._declared:
                 self._declare(spec)
-        properties = encode_properties(
-            content_type=message.content_type,
-            content_encoding=message.content_encoding,
-            headers=message.headers,
-            delivery_mode=message.delivery_mode,
-            priority=message.priority,
-            correlation_id=message.correlation_id,
-            reply_to=message.reply_to,
-            expiration=message.expiration,
-        )
         self._returned = None
-        self._write(frames.publish_frames(
-            _CHANNEL, exchange=exchange, routing_key=routing_key, mandatory=True, properties=properties,
-            body=message.body, frame_max=self._frame_max,
-        ))  # fmt: skip
+        self._write(self._publish_frames(message, routing_key, exchange=exchange, mandatory=True))
         self._published += 1
         sequence = self._published
         deadline = time.monotonic() + self._settings.confirm_timeout_s
@@ -313,17 +306,30 @@ class FeedConnection(FrameSocket):
         Raises:
             ConnectionLost: the write failed.
         """
-        properties = encode_properties(
-            content_type=message.content_type,
-            content_encoding=message.content_encoding,
-            headers=message.headers,
-            delivery_mode=message.delivery_mode,
-        )
-        self._write(frames.publish_frames(
-            _CHANNEL, exchange=exchange, routing_key=routing_key, mandatory=False, properties=properties,
-            body=message.body, frame_max=self._frame_max,
-        ))  # fmt: skip
+        self._write(self._publish_frames(message, routing_key, exchange=exchange, mandatory=False))
         self._published += 1  # its confirm comes in order before any later one's
+
+    def _publish_frames(
+        self, message: WireMessage, routing_key: str, *, exchange: str, mandatory: bool
+    ) -> bytes:
+        # Mandatory (results, copies): every property; best-effort (events, releases): these four.
+        properties = (
+            encode_properties(
+                content_type=message.content_type, content_encoding=message.content_encoding,
+                headers=message.headers, delivery_mode=message.delivery_mode, priority=message.priority,
+                correlation_id=message.correlation_id, reply_to=message.reply_to,
+                expiration=message.expiration,
+            )
+            if mandatory
+            else encode_properties(
+                content_type=message.content_type, content_encoding=message.content_encoding,
+                headers=message.headers, delivery_mode=message.delivery_mode,
+            )
+        )  # fmt: skip
+        return frames.publish_frames(
+            _CHANNEL, exchange=exchange, routing_key=routing_key, mandatory=mandatory,
+            properties=properties, body=message.body, frame_max=self._frame_max,
+        )  # fmt: skip
 
     def _declare(self, spec: QueueSpec) -> None:
         for answer, frame in methods.declare_frames(_CHANNEL, spec):

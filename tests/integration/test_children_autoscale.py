@@ -169,13 +169,13 @@ def test_pool_grow_and_shrink_resize_the_consuming_children(
 def test_a_child_retired_while_busy_ends_its_tasks_and_hands_back_what_it_prefetched(
     session_broker: SessionBroker, test_vhost_url: str, queue: str, client: App, runs: Path, threads: int
 ) -> None:
-    # Prefetch 2 per consumer: each busy consumer (a child, or each of its threads) holds a
-    # delivery it has not started, which it must hand back when it retires (neither run it nor
-    # drop it).
+    # Prefetch 2 per thread: each busy child (one consumer, its threads sharing it) holds a
+    # delivery per thread it has not started, which it must hand back when it retires (neither run
+    # it nor drop it).
     args = ["--prefetch-multiplier", "2", "--threads", str(threads)]
     with feed_worker(test_vhost_url, queue, concurrency=3, args=args) as node:
         node.wait_ready()
-        consumers_are(session_broker, test_vhost_url, queue, [2] * 3 * threads, "every thread consumes")
+        consumers_are(session_broker, test_vhost_url, queue, [2 * threads] * 3, "every child consumes")
         results = [client.send_task(RECORDED, (str(runs), 0.4), queue=queue) for _ in range(24 * threads)]
 
         def all_busy() -> bool:
@@ -195,7 +195,7 @@ def test_a_child_retired_while_busy_ends_its_tasks_and_hands_back_what_it_prefet
         # Each task started exactly once: none dropped, none run twice (a handed-back delivery
         # comes again as a redelivery and runs once, elsewhere).
         assert started_ids(runs) == Counter({result.id: 1 for result in results})
-        consumers_are(session_broker, test_vhost_url, queue, [2] * threads, "one child left")
+        consumers_are(session_broker, test_vhost_url, queue, [2 * threads], "one child left")
         # The hand-back was exercised: each delivery a retiring child held came back redelivered
         # (on a classic queue the child that takes it counts it with a copy, then runs the copy).
         assert node.count("task_redelivery_counted") >= 1

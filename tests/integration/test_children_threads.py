@@ -1,15 +1,18 @@
-"""``--threads N`` with ``--children-consume``: N consumers per child, each in a thread of its own.
+"""``--threads N`` with ``--children-consume``: N task threads per child, on one shared connection.
 
 The behaviours every consuming child has (results, retries, limits, revokes, runtime changes) are
 run with threads too by ``test_children_consume.py`` and ``test_task_semantics.py``; this module
-covers what threads change: they run at once, the soft time limit reaches a thread, and a hard
-time limit ends the child with its other threads' tasks redelivered, not lost.
+covers what threads change: the child's threads share one connection and one consumer with
+prefetch N, they run at once, a connection closed under them loses nothing, the soft time limit
+reaches a thread, and a hard time limit ends the child with its other threads' tasks redelivered,
+not lost.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from urllib.parse import unquote, urlsplit
 
 import pytest
 
@@ -70,6 +73,68 @@ def test_one_child_runs_a_task_in_each_thread_at_once(
     assert time.monotonic() - started < 3.5  # one after another would take 4 s
     assert len({pid for pid, _ in ran}) == 1
     assert len({thread for _, thread in ran}) == THREADS
+
+
+def _vhost(url: str) -> str:
+    return unquote(urlsplit(url).path[1:]) or "/"
+
+
+def _child_connections(session_broker, url: str, worker: WorkerProcess) -> list[str]:
+    # The broker's pids of the worker's children's connections (named ``<hostname>.child-<pid>``).
+    out = session_broker.rabbitmqctl(
+        "list_connections", "-p", _vhost(url), "-q", "--no-table-headers", "pid", "client_properties"
+    )
+    return [line.split("\t", 1)[0] for line in out.splitlines() if f"{worker.name}.child-" in line]
+
+
+def _consumers(session_broker, url: str, queue: str) -> list[tuple[str, int]]:
+    # (channel pid, prefetch) of each consumer of ``queue``.
+    out = session_broker.rabbitmqctl(
+        "list_consumers", "-p", _vhost(url), "-q", "--no-table-headers", "queue_name", "channel_pid",
+        "prefetch_count",
+    )  # fmt: skip
+    rows = [line.split("\t") for line in out.splitlines()]
+    return [(row[1], int(row[2])) for row in rows if len(row) == 3 and row[0] == queue]
+
+
+def test_a_childs_threads_share_one_connection_and_one_consumer_with_prefetch_threads(
+    session_broker, test_vhost_url: str, threads_queue: str, threads_worker: WorkerProcess, app: App
+):
+    if session_broker.rabbitmqctl is None:
+        pytest.fail("this test needs rabbitmqctl for the broker (to list connections and consumers)")
+    assert app.send_task(f"{TASKS}.quick", queue=threads_queue).get(timeout=30) == "done"
+    consumers = wait_for(
+        lambda: _consumers(session_broker, test_vhost_url, threads_queue),
+        timeout_s=20, message="the child's consumer",
+    )  # fmt: skip
+    assert consumers == [(consumers[0][0], THREADS)]  # one consumer, as many unacked as threads
+    assert len(_child_connections(session_broker, test_vhost_url, threads_worker)) == 1
+    assert threads_worker.consumers_per_queue == 1
+
+
+def test_a_connection_closed_under_running_threads_loses_no_task(
+    session_broker, test_vhost_url: str, threads_queue: str, threads_worker: WorkerProcess, app: App
+):
+    if session_broker.rabbitmqctl is None:
+        pytest.fail("this test needs rabbitmqctl for the broker (to close a connection from its side)")
+    lost_before = threads_worker.count("feed_connection_lost")
+    results = [app.send_task(f"{TASKS}.where", (0.2,), queue=threads_queue) for _ in range(12 * THREADS)]
+    wait_for(
+        lambda: len(_active(test_vhost_url, threads_worker)) == THREADS,
+        timeout_s=20, message="every thread busy",
+    )  # fmt: skip
+    (pid,) = _child_connections(session_broker, test_vhost_url, threads_worker)
+    session_broker.rabbitmqctl("close_connection", pid, "threads test: forced disconnect")
+    ran = [r.get(timeout=60) for r in results]  # each task answered: none lost with the connection
+    assert len(ran) == 12 * THREADS
+    assert threads_worker.count("feed_connection_lost") > lost_before
+    wait_for(
+        lambda: len(_child_connections(session_broker, test_vhost_url, threads_worker)) == 1,
+        timeout_s=20, message="one connection again",
+    )  # fmt: skip
+    # And it consumes again: more tasks run, on one consumer.
+    assert app.send_task(f"{TASKS}.quick", queue=threads_queue).get(timeout=30) == "done"
+    assert len(_consumers(session_broker, test_vhost_url, threads_queue)) == 1
 
 
 def test_the_soft_time_limit_reaches_a_task_in_a_thread(

@@ -85,18 +85,12 @@ class WorkerProcess:
     def consumers_per_queue(self) -> int:
         """The consumers the broker lists on each task queue once the worker consumes.
 
-        One (the main process's) by default; one per child, and per thread with ``--threads``,
-        when the children consume (a fixed pool: not with ``--autoscale``).
+        One (the main process's) with ``--worker-consumes``; else one per child (a fixed pool: not
+        with ``--autoscale``), whatever ``--threads`` says: a child's threads share one consumer.
         """
         if not self.children_consume:
             return 1
-        threads = 1
-        for i, arg in enumerate(self.args):
-            if arg == "--threads" and i + 1 < len(self.args):
-                threads = int(self.args[i + 1])
-            elif arg.startswith("--threads="):
-                threads = int(arg.split("=", 1)[1])
-        return self.concurrency * threads
+        return self.concurrency
 
     def signal_tree(self, sig: int) -> list[int]:
         """Send ``sig`` to the worker and every process under it (a frozen machine freezes them all)."""

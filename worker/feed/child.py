@@ -5,11 +5,12 @@ The main thread does the work (``worker/feed/consumer.py``): it reads a delivery
 task body on the way, so the soft time limit (SIGALRM) lands in the task. No thread hands a
 delivery to another.
 
-With ``--threads N`` the child runs N such consumers, each in a thread of its own with its own
-connection (prefetch per connection, so a thread holds only what it runs); the main thread waits
-for them. Their soft time limits come from ``thread_limits`` (a signal reaches only the main
-thread); a hard time limit or a terminate still ends the whole child, and what its other threads
-held goes back to the queues as redeliveries.
+With ``--threads N`` the child runs N such consumers, each in a thread of its own, on one connection
+(``SharedFeedConnection``: one channel, one consumer per queue, prefetch N times the prefetch
+multiplier, so every delivery the child holds has a thread free to run it); the main thread waits
+for them, then closes it. Their soft time limits come from ``thread_limits`` (a signal reaches only
+the main thread); a hard time limit or a terminate still ends the whole child, and what its other
+threads held goes back to the queues as redeliveries.
 
 Beside it:
 
@@ -32,6 +33,7 @@ run, not run again (``worker/feed/redeliveries.py``).
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 
@@ -39,6 +41,7 @@ import structlog
 
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
+from broker_svc.connection.shared_feed_connection import SharedFeedConnection
 from worker.feed.consumer import STOP_CHECK_S, Consumer, Shared
 from worker.feed.hard_limit import signals_blocked
 from worker.feed.spec import FeedSpec
@@ -57,10 +60,24 @@ def serve(app: App, spec: FeedSpec, channel: ChildChannel, soft_limit: SoftLimit
     shared = Shared(revoked=set(spec.revoked), wanted=list(spec.queues))
     clock = LamportClock()
     board = Board.attach(spec.board_path, spec.board_slots) if spec.board_path else None
+    connection = None
     if spec.threads > 1:
         limits = ThreadSoftLimits()
+        connection = SharedFeedConnection(
+            spec.settings, name=f"{spec.hostname}.child-{os.getpid()}", queues=spec.queues,
+            prefetch=spec.prefetch * spec.threads, declare=spec.queue_specs,
+        )  # fmt: skip
         consumers = [
-            Consumer(app, spec, shared, clock=clock, board=board, index=i, soft_limit=limits.for_thread())
+            Consumer(
+                app,
+                spec,
+                shared,
+                clock=clock,
+                board=board,
+                index=i,
+                soft_limit=limits.for_thread(),
+                connection=connection,
+            )  # fmt: skip
             for i in range(spec.threads)
         ]
     else:
@@ -97,6 +114,8 @@ def serve(app: App, spec: FeedSpec, channel: ChildChannel, soft_limit: SoftLimit
     for thread in threads:
         while thread.is_alive():  # joined in steps, so the main thread still takes its signals
             thread.join(STOP_CHECK_S)
+    if connection is not None:
+        connection.close()
 
 
 def _say_retiring(channel: ChildChannel) -> None:

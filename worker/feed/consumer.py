@@ -1,11 +1,11 @@
 """One consumer of a consuming child: its connection's deliveries, one at a time, from read to settle.
 
-A child runs one (its main thread) or, with ``--threads N``, N of them, each in a thread with its
-own connection; ``Shared`` holds what they share, the worker's orders as the child's control thread
-hears them. A lost connection is connected again with a backoff; what it had delivered goes back to
-the queues. When it is lost after a run, before the ack went through, the consumer connects again
-at once and sends the run's outcome, and a copy the broker sends back to any child of the worker is
-joined to that run, not run again (``worker/feed/redeliveries.py``).
+A child runs one (its main thread) or, with ``--threads N``, N of them, each in a thread, all on the
+child's one ``SharedFeedConnection``; ``Shared`` holds what they share, the worker's orders as the
+child's control thread hears them. A lost connection is connected again with a backoff; what it had
+delivered goes back to the queues. When it is lost after a run, before the ack went through, the
+consumer connects again at once and sends the run's outcome, and a copy the broker sends back to any
+child of the worker is joined to that run, not run again (``worker/feed/redeliveries.py``).
 """
 
 from __future__ import annotations
@@ -80,12 +80,17 @@ class Consumer:
         board: Board | None,
         index: int,
         soft_limit: SoftLimit,
+        connection: FeedConnection | None = None,
     ) -> None:
         self.index, self._spec, self._shared = index, spec, shared
-        name = f"{spec.hostname}.child-{os.getpid()}" + (f".{index}" if spec.threads > 1 else "")
-        self.connection = connection = FeedConnection(
-            spec.settings, name=name, queues=spec.queues, prefetch=spec.prefetch, declare=spec.queue_specs
-        )
+        # Under --threads the child's threads share one connection, which the child closes.
+        self._owns_connection = connection is None
+        if connection is None:
+            connection = FeedConnection(
+                spec.settings, name=f"{spec.hostname}.child-{os.getpid()}", queues=spec.queues,
+                prefetch=spec.prefetch, declare=spec.queue_specs,
+            )  # fmt: skip
+        self.connection = connection
         replies = FeedReplies(connection, clock=clock, persistent=spec.settings.result_persistent)
         self.settler = FeedSettler(connection, replies)
         self.watchdog = watchdog = HardLimit(self.settler, connection)
@@ -121,7 +126,8 @@ class Consumer:
             self._consume(retiring)
         finally:
             self.task_loop.close()
-            self.connection.close()
+            if self._owns_connection:
+                self.connection.close()
             self.handler.ledger.close()
             self.redeliveries.close()
             log.info("feed_child_stopped", processed=self.handler.processed)
@@ -170,7 +176,8 @@ class Consumer:
                 # Lost (or never made): what it delivered is the broker's again; connect anew
                 # (declaring the task queues first: a deleted one is back before it is consumed).
                 _log_lost(exc, retry_in_s=backoff_s)
-                connection.drop()
+                if self._owns_connection:  # a shared one was dropped by the failure; maybe replaced
+                    connection.drop()
                 connected = False
                 shared.stopping.wait(backoff_s)
                 backoff_s = min(backoff_s * 2, _BACKOFF_S[1])
@@ -185,9 +192,10 @@ class Consumer:
                     settler.settle(late, HAND_BACK)
 
     def _connect(self) -> None:
-        self.redeliveries.forget()  # what it parked went back with the old connection
         self.connection.connect()
-        log.info("feed_child_consuming", queues=list(self._spec.queues), prefetch=self._spec.prefetch)
+        self.redeliveries.forget()  # what it parked went back with the old connection
+        spec = self._spec
+        log.info("feed_child_consuming", queues=list(spec.queues), prefetch=spec.prefetch * spec.threads)
 
     def _take(self, delivery: TaskDelivery) -> None:
         # One delivery from read to settle; it shows on the board from its run's start until then.
@@ -195,7 +203,7 @@ class Consumer:
         with handler.ledger.settling(delivery):  # its --dedupe-window claim ends once settled
             try:
                 settled = _one(delivery, handler, self.settler, self.watchdog)
-                self.connection.check()  # a close that came with the ack: the ack was lost
+                self.connection.check(delivery)  # a close that came with the ack: the ack was lost
             except BrokerUnavailable as exc:
                 if handler.concluding is None:
                     raise  # nothing ran: the broker has the delivery back, and it runs again
@@ -261,6 +269,8 @@ class Consumer:
 
     def _look_at_parked(self) -> None:
         # Between deliveries: a parked copy whose first run ended is acked (done) or runs (it died).
+        if self.redeliveries.parked:
+            self.redeliveries.forget()  # another thread may have connected again meanwhile
         for parked in list(self.redeliveries.parked):
             verdict = self.redeliveries.verdict(parked.task_id, parked.retries)
             if verdict is Verdict.RUNNING:

@@ -67,7 +67,6 @@ class FeedRedeliveries:
         done: the table of outcomes whose ack was lost (None: none are remembered).
         own_slot: this consumer's board slot (its own runs are not a copy's first run).
         connection: its connection (the prefetch grows by one for each parked copy).
-        prefetch: the connection's prefetch without parked copies.
     """
 
     def __init__(
@@ -77,11 +76,9 @@ class FeedRedeliveries:
         done: SharedDedupe | None,
         own_slot: int,
         connection: FeedConnection,
-        prefetch: int = 1,
     ) -> None:
         self._board, self._done, self._own_slot = board, done, own_slot
         self._connection = connection
-        self._base_prefetch = prefetch  # the consumer's own, without parked copies
         self.parked: list[Parked] = []
 
     @classmethod
@@ -92,7 +89,7 @@ class FeedRedeliveries:
         done = None
         if spec.done_path is not None:
             done = SharedDedupe(Path(spec.done_path), ttl_s=DONE_REMEMBERED_S, owner=False)
-        return cls(board=board, done=done, own_slot=own_slot, connection=connection, prefetch=spec.prefetch)
+        return cls(board=board, done=done, own_slot=own_slot, connection=connection)
 
     def verdict(self, task_id: str, retries: int) -> Verdict:
         """What a redelivered copy of ``(task_id, retries)`` is here."""
@@ -120,7 +117,7 @@ class FeedRedeliveries:
         """
         log.info("task_redelivery_joined_run", task_id=task_id)
         self.parked.append(Parked(delivery, task_id, retries))
-        self._connection.set_prefetch(self._base_prefetch + len(self.parked))
+        self._connection.hold(1, delivery.generation)
 
     def unpark(self, parked: Parked) -> None:
         """``parked`` is settled or runs now: the prefetch shrinks back by one.
@@ -129,12 +126,17 @@ class FeedRedeliveries:
             ConnectionLost: the connection failed.
         """
         self.parked.remove(parked)
-        self._connection.set_prefetch(self._base_prefetch + len(self.parked))
+        self._connection.hold(-1, parked.delivery.generation)
 
     def forget(self) -> None:
-        """The connection is gone, and with it every parked copy (the broker has them back)."""
-        self.parked.clear()
-        self._connection.set_prefetch(self._base_prefetch)  # no socket: taken on the next connect
+        """Drop the copies parked on an earlier connection: gone with it, the broker has them back.
+
+        (A new connection starts with the prefetch alone. Under ``--threads`` another thread may
+        have connected again before this one saw the loss.)
+        """
+        generation = self._connection.generation
+        if any(parked.delivery.generation != generation for parked in self.parked):
+            self.parked = [parked for parked in self.parked if parked.delivery.generation == generation]
 
     def sending_outcome(self, task_id: str, retries: int) -> Claim | None:
         """The connection failed after the run of ``(task_id, retries)``: it shows as running until

@@ -23,7 +23,8 @@ class FeedSpec:
         queue_specs: how the worker declared them (each with its dead-letter queue, type and
             binding); a child declares them again on each connect before it consumes, so a task
             queue deleted under it is back, exactly as before, when it consumes again.
-        prefetch: unacked deliveries per child (1: a busy child holds nothing back).
+        prefetch: unacked deliveries per child, or per thread under ``threads`` (1: a busy child
+            holds nothing back).
         hostname: the worker's node name, for ``task.request.hostname`` and the connection name.
         default_time_limits: the worker's ``(hard, soft)`` time limits, None for none.
         revoked: the ids revoked when the child starts; later ones come over its socket.
@@ -39,8 +40,9 @@ class FeedSpec:
         task_events: send ``task-*`` events from the start (``-E``).
         max_tasks_per_child: a child retires after this many tasks (None: never).
         max_memory_per_child_kib: a child retires once its resident memory passed this after a task.
-        threads: consumers per child, each in a thread with its own connection (``--threads``);
-            the child's board slots are ``slot * threads`` to ``slot * threads + threads - 1``.
+        threads: task threads per child (``--threads``), sharing one connection whose prefetch is
+            ``prefetch * threads``; the child's board slots are ``slot * threads`` to
+            ``slot * threads + threads - 1``.
         dedupe_window_s: ``--dedupe-window``: skip a task id the worker runs or finished this recently.
         dedupe_path: the worker's dedupe window, shared by the children (``worker/feed/dedupe.py``).
         done_path: the worker's table of outcomes whose ack was lost (``worker/feed/redeliveries.py``).
