@@ -14,7 +14,7 @@ import pytest
 from broker_svc import App, Settings
 from tests.support.amqp import delete_queues
 from tests.support.waiting import wait_for
-from tests.support.workers import ROOT, unique_queue
+from tests.support.workers import ROOT, WorkerProcess, unique_queue
 
 SCRIPT = Path(sys.executable).with_name("clockwork-worker")
 
@@ -151,3 +151,21 @@ def test_a_worker_warns_when_another_app_consumes_its_queue(test_vhost_url: str)
             assert a.count("queue_shared_with_another_app") == 0
             assert b.count("queue_shared_with_another_app") == 0
     delete_queues(test_vhost_url, queue, f"{queue}.dead")
+
+
+@pytest.mark.parametrize(
+    ("design", "on_uvloop"), [("--children-consume", False), ("--worker-consumes", True)]
+)
+def test_the_main_process_runs_on_uvloop_only_when_it_consumes(
+    test_vhost_url: str, design: str, on_uvloop: bool
+):
+    # With consuming children the main process is out of the task path: uvloop would cost its
+    # 2 MiB of PSS for nothing. When it consumes for its children, uvloop halves its loop's cost.
+    queue = unique_queue("loop")
+    try:
+        with WorkerProcess(test_vhost_url, queues=[queue], concurrency=1, extra_args=[design]) as worker:
+            worker.wait_ready()
+            maps = Path(f"/proc/{worker.pid}/maps").read_text()
+            assert ("uvloop" in maps) is on_uvloop
+    finally:
+        delete_queues(test_vhost_url, queue)
