@@ -202,6 +202,8 @@ class FrameSocket:
                 sock.sendall(data)
                 self._last_write = time.monotonic()
         except OSError as exc:
+            if self._sock is not sock:  # another thread connected again (--threads): not ours to drop
+                raise ConnectionLost(f"connection {self._name}: write failed: {exc}") from exc
             raise self._lost(f"write failed: {exc}") from exc
 
     def _expect(

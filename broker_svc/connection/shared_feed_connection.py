@@ -170,19 +170,6 @@ class SharedFeedConnection(FeedConnection):
             self._answered.notify_all()
             self._free.notify_all()
 
-    def _write(self, data: bytes) -> None:
-        sock = self._sock
-        if sock is None:
-            raise ConnectionLost("not connected")
-        try:
-            with self._lock:
-                sock.sendall(data)
-                self._last_write = time.monotonic()
-        except OSError as exc:
-            if self._sock is not sock:  # another thread connected again: not this one's to drop
-                raise ConnectionLost(f"connection {self._name}: write failed: {exc}") from exc
-            raise self._lost(f"write failed: {exc}") from exc
-
     def _expect(
         self, wanted: tuple[int, int], *, send: bytes | None = None, timeout_s: float | None = None
     ) -> bytes:
