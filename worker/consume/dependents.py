@@ -204,11 +204,15 @@ class DependentsJoiner:
             channel = self._channel
             if channel is None:
                 return
+            releasing = not failed or held.allow_failure
             try:
-                if failed and not held.allow_failure:
-                    await self._drop(channel, held, failed)
-                else:
+                if releasing:
                     await self._release(channel, held)
+                    # On the stream before the commit lets a worker start the task: its history
+                    # reads QUEUED before STARTED, however busy this process is.
+                    await self._write(held, JobState.QUEUED, {"released_by": "depends_on"})
+                else:
+                    await self._drop(channel, held, failed)
                 await held.message.ack()
                 await channel.tx_commit()  # the release (or the failure reply) and the ack, together
             except Exception as exc:
@@ -216,16 +220,17 @@ class DependentsJoiner:
                     "dependent_release_failed", task_id=held.task_id, error=f"{type(exc).__name__}: {exc}"
                 )
                 await channel.close()  # the broker requeues what is held; the next joiner starts afresh
+                if releasing:  # it waits again, as the stream then says
+                    await self._write(held, JobState.WAITING, {"reason": "release failed"})
                 return
             del self._held[held.task_id]
-        if failed and not held.allow_failure:
+        if releasing:
+            self.released += 1
+            log.info("dependent_released", task_id=held.task_id, queue=held.queue)
+        else:
             await self._write(
                 held, JobState.REVOKED, {"reason": f"dependency {failed[0][0]} ended {failed[0][1]}"}
             )
-        else:
-            self.released += 1
-            log.info("dependent_released", task_id=held.task_id, queue=held.queue)
-            await self._write(held, JobState.QUEUED, {"released_by": "depends_on"})
 
     async def _release(self, channel: aiormq.abc.AbstractChannel, held: _Held) -> None:
         message = held.message
