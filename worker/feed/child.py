@@ -64,8 +64,8 @@ def serve(app: App, spec: FeedSpec, channel: ChildChannel, soft_limit: SoftLimit
     if spec.threads > 1:
         limits = ThreadSoftLimits()
         connection = SharedFeedConnection(
-            spec.settings, name=f"{spec.hostname}.child-{os.getpid()}", queues=spec.queues,
-            prefetch=spec.prefetch * spec.threads, declare=spec.queue_specs,
+            spec.settings, name=spec.connection_name(os.getpid()), queues=spec.queues,
+            prefetch=spec.connection_prefetch, declare=spec.queue_specs,
         )  # fmt: skip
         consumers = [
             Consumer(

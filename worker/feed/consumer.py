@@ -87,8 +87,8 @@ class Consumer:
         self._owns_connection = connection is None
         if connection is None:
             connection = FeedConnection(
-                spec.settings, name=f"{spec.hostname}.child-{os.getpid()}", queues=spec.queues,
-                prefetch=spec.prefetch, declare=spec.queue_specs,
+                spec.settings, name=spec.connection_name(os.getpid()), queues=spec.queues,
+                prefetch=spec.connection_prefetch, declare=spec.queue_specs,
             )  # fmt: skip
         self.connection = connection
         replies = FeedReplies(connection, clock=clock, persistent=spec.settings.result_persistent)
@@ -194,8 +194,9 @@ class Consumer:
     def _connect(self) -> None:
         self.connection.connect()
         self.redeliveries.forget()  # what it parked went back with the old connection
-        spec = self._spec
-        log.info("feed_child_consuming", queues=list(spec.queues), prefetch=spec.prefetch * spec.threads)
+        log.info(
+            "feed_child_consuming", queues=list(self._spec.queues), prefetch=self._spec.connection_prefetch
+        )
 
     def _take(self, delivery: TaskDelivery) -> None:
         # One delivery from read to settle; it shows on the board from its run's start until then.

@@ -70,3 +70,12 @@ class FeedSpec:
     dedupe_window_s: float | None = None
     dedupe_path: str | None = None
     done_path: str | None = None
+
+    @property
+    def connection_prefetch(self) -> int:
+        """The prefetch of a child's one connection: ``prefetch`` for each of its threads."""
+        return self.prefetch * self.threads
+
+    def connection_name(self, pid: int) -> str:
+        """The name the broker lists for the connection of child ``pid``."""
+        return f"{self.hostname}.child-{pid}"
