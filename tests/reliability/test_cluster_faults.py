@@ -32,6 +32,9 @@ from tests.reliability.journal import SIZES, Journal, Verdict, check, report
 from tests.support.waiting import poll, wait_for
 from tests.support.workers import WorkerProcess
 
+# A 3-node cluster starves beside other tests on 2 cores: `make test` runs these after the rest.
+pytestmark = pytest.mark.alone
+
 # Short client timeouts so each fault costs seconds (the defaults are 30 s each).
 CONFIRM_TIMEOUT_S = 5.0
 CONNECT_TIMEOUT_S = 3.0

@@ -84,6 +84,7 @@ def test_no_two_leaders_overlap_through_kill_freeze_disconnect_and_sigterm(
         pytest.param(100, id="100-cycles", marks=[pytest.mark.chaos, pytest.mark.timeout(1800)]),
     ],
 )
+@pytest.mark.alone  # a 3-node cluster: `make test` runs it after the rest, in one process
 def test_no_two_leaders_overlap_on_the_cluster_through_partition_kill_and_disconnect(
     fault_cluster: RabbitCluster, tmp_path: Path, cycles: int
 ):

@@ -13,6 +13,9 @@ from tests.infra.cluster import RabbitCluster, shared_cluster
 from tests.infra.rabbit_node import broker_reachable
 from tests.support.waiting import wait_for
 
+# A 3-node cluster starves beside other tests on 2 cores: `make test` runs these after the rest.
+pytestmark = pytest.mark.alone
+
 
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[RabbitCluster]:
