@@ -266,7 +266,11 @@ def test_a_worker_whose_connection_is_closed_renews_each_transactional_subscript
         for line in out.splitlines():
             if worker.name in line and f"{worker.name}.child-" not in line:
                 ctl("close_connection", line.split("\t", 1)[0], "dedup test: forced disconnect")
-        wait_for(lambda: worker.count("dedup_gate_subscribed") >= 2, timeout_s=30, message="subscribed again")
+        # The gate and both joiners subscribe again, each on its own schedule.
+        lines = ("dedup_gate_subscribed", "chord_joiner_subscribed", "dependents_subscribed")
+        wait_for(
+            lambda: all(worker.count(line) >= 2 for line in lines), timeout_s=30, message="subscribed again"
+        )
         again = client.send_task(REFRESH, (str(journal), "k9", 0.0), queue=QUEUE, dedup_key="k9")
         assert again.get(timeout=30) == again.id
         # The new subscription's consumer alone: a robust channel would have come back too, with
