@@ -1,20 +1,21 @@
 """A consuming child's one connection, shared by its task threads (``--threads N``): whoever waits reads.
 
-One channel, one consumer per queue, prefetch N × ``--prefetch-multiplier``: every delivery held
-has an idle thread to take it (docs/architecture.md). Leader/follower, no reader thread: a thread
-waiting for the broker (a delivery, its publish's confirm, a method's answer) reads the socket
-when no other thread does and dispatches all it reads; the others wait on a condition.
+One channel, one consumer per queue, prefetch N × ``--prefetch-multiplier`` (at 1, every delivery
+held has an idle thread to take it: docs/architecture.md). Leader/follower, no reader thread: a
+thread waiting for the broker (a delivery, a confirm, a method's answer) reads the socket when no
+other does and dispatches all it reads; the others wait on a condition. Acks that queue behind a
+write go out together in the next one.
 
 Locks, always taken in this order: the *role* (who reads, held across a read and its dispatch, and
 by a method and its answer), the socket lock (writes; connect holds it while the socket changes,
 so no settle of an old connection reaches a new one), ``_state`` (deliveries, publishes awaiting
 confirms, who waits), held briefly. A lost connection fails every waiting thread with
 ``ConnectionLost``; each consumer calls :meth:`SharedFeedConnection.connect`, which only the first
-of them carries out.
-"""
+of them carries out."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import socket
 import struct
@@ -25,6 +26,7 @@ from typing import Final
 
 from broker_svc.connection.feed_connection import FeedConnection
 from broker_svc.connection.feed_delivery import ConnectionLost, TaskDelivery
+from broker_svc.connection.feed_waits import PendingPublish, QueuedSettle
 from broker_svc.errors import PublishNacked, Unroutable
 from broker_svc.settings import Settings
 from broker_svc.topology import QueueSpec
@@ -34,24 +36,12 @@ from broker_svc.wire.task_message import WireMessage
 
 __all__ = ["SharedFeedConnection"]
 
-# The longest a waiting thread sleeps before it looks again (a missed wake-up costs no more).
-_WAIT_S: Final = 0.5
+_WAIT_S: Final = 0.5  # the longest a waiting thread sleeps before it looks again
 _CHANNEL: Final = 1
 _CONFIRM_ACK: Final = (60, 80)
 _CONFIRM_NACK: Final = (60, 120)
 _RETURN: Final = (60, 50)
 _U64_BIT: Final = struct.Struct(">QB")
-
-
-class _Publish:
-    """One publish awaiting its confirm; a basic.return is matched to it by what it sent."""
-
-    __slots__ = ("body", "done", "exchange", "nacked", "returned", "routing_key")
-
-    def __init__(self, exchange: str, routing_key: str, body: bytes) -> None:
-        self.exchange, self.routing_key, self.body = exchange, routing_key, body
-        self.done = self.nacked = False
-        self.returned: str | None = None
 
 
 class SharedFeedConnection(FeedConnection):
@@ -83,8 +73,9 @@ class SharedFeedConnection(FeedConnection):
         self._depth = 0
         self._wanting = self._idle = self._confirming = 0  # threads waiting, by what for
         self._taking = False  # the reader waits for a delivery: the first one read is its own
-        self._pending: dict[int, _Publish] = {}  # sequence number -> publish awaiting its confirm
+        self._pending: dict[int, PendingPublish] = {}  # sequence number -> publish awaiting its confirm
         self._connecting = threading.Lock()
+        self._settles: collections.deque[QueuedSettle] = collections.deque()  # acks and nacks to write
         # Any thread may be in a task at any time: the heartbeat thread sends whenever one is due.
         self._busy = True
 
@@ -237,8 +228,32 @@ class SharedFeedConnection(FeedConnection):
             raise ConnectionLost(f"connection {self._name}: lost before a settle went out")
 
     def _settle_frame(self, delivery: TaskDelivery, frame: bytes) -> None:
-        with self._lock:  # connect holds it while the socket changes: never an old tag on a new one
-            super()._settle_frame(delivery, frame)
+        # Threads that settle while another writes queue behind the socket lock; the first to get
+        # it writes every settle waiting, in one system call, and the others find theirs done. Each
+        # raises as if it had written its own. Connect holds the lock while the socket changes:
+        # never an old tag on a new connection.
+        settle = QueuedSettle(delivery, frame)
+        self._settles.append(settle)  # a deque: appends and pops are atomic
+        with self._lock:
+            if not settle.done:
+                self._write_settles()  # raises the write's failure itself
+        if settle.failure is not None:
+            raise ConnectionLost(str(settle.failure)) from settle.failure
+
+    def _write_settles(self) -> None:
+        # Under the socket lock: everything queued, the current connection's tags only.
+        batch = [self._settles.popleft() for _ in range(len(self._settles))]  # only here are they taken
+        try:
+            data = b"".join(each.frame for each in batch if self._current(each.delivery))
+            if data:
+                self._write(data)
+        except ConnectionLost as exc:
+            for each in batch:
+                each.failure = exc
+            raise
+        finally:
+            for each in batch:
+                each.done = True
 
     def hold(self, delta: int, generation: int) -> None:
         """``FeedConnection.hold`` (each thread counts its own parked copies), with the role held."""
@@ -276,7 +291,7 @@ class SharedFeedConnection(FeedConnection):
             if spec.name not in self._declared:
                 self._declare(spec)
         data = self._publish_frames(message, routing_key, exchange=exchange, mandatory=True)
-        waiting = _Publish(exchange, routing_key, message.body)
+        waiting = PendingPublish(exchange, routing_key, message.body)
         with self._lock:  # a publish's sequence number is its place among the channel's writes
             generation = self.generation
             self._published += 1
@@ -297,12 +312,12 @@ class SharedFeedConnection(FeedConnection):
         if waiting.returned is not None:
             raise Unroutable(f"no queue took a message to {routing_key!r} ({waiting.returned})")
 
-    def _forget(self, sequence: int, waiting: _Publish) -> None:
+    def _forget(self, sequence: int, waiting: PendingPublish) -> None:
         with self._state:
             if self._pending.get(sequence) is waiting:  # numbers start again on a new connection
                 del self._pending[sequence]
 
-    def _await_confirm(self, waiting: _Publish, generation: int) -> None:
+    def _await_confirm(self, waiting: PendingPublish, generation: int) -> None:
         deadline = time.monotonic() + self._settings.confirm_timeout_s
         while True:
             with self._state:

@@ -1,0 +1,128 @@
+"""``SharedFeedConnection``: the threads of one ``--threads`` child on one connection, acks coalesced."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+
+import pika
+import pytest
+
+from broker_svc import Settings
+from broker_svc.connection.feed_delivery import ConnectionLost, TaskDelivery
+from broker_svc.connection.shared_feed_connection import SharedFeedConnection
+from tests.support.amqp import channel, delete_queues, publish_raw, queue_depth
+from tests.support.waiting import wait_for
+from tests.support.workers import unique_queue
+
+
+@pytest.fixture
+def queue(test_vhost_url: str) -> Iterator[str]:
+    name = unique_queue("sfc")
+    with channel(test_vhost_url) as ch:
+        ch.queue_declare(name, durable=True)
+    yield name
+    delete_queues(test_vhost_url, name)
+
+
+def _connection(url: str, queue: str, *, prefetch: int) -> SharedFeedConnection:
+    settings = Settings(broker_url=url, heartbeat_s=30, confirm_timeout_s=5.0)
+    connection = SharedFeedConnection(settings, name="test-shared-feed", queues=[queue], prefetch=prefetch)
+    connection.connect()
+    return connection
+
+
+def _fill(url: str, queue: str, count: int) -> None:
+    with channel(url) as ch:
+        for i in range(count):
+            ch.basic_publish("", queue, b"{}", properties=pika.BasicProperties(headers={"id": f"t{i}"}))
+
+
+def test_threads_taking_and_acking_at_once_settle_every_delivery_once(test_vhost_url: str, queue: str):
+    _fill(test_vhost_url, queue, 600)
+    connection = _connection(test_vhost_url, queue, prefetch=8)
+    taken: list[str] = []
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            while (delivery := connection.next_delivery(1.5)) is not None:
+                taken.append(delivery.headers["id"])
+                connection.ack(delivery)
+        except BaseException as exc:  # reported below, not lost in the thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    connection.close()  # anything unacked would go back to the queue now
+    assert not errors
+    assert sorted(taken) == sorted(f"t{i}" for i in range(600))
+    assert queue_depth(test_vhost_url, queue) == 0
+
+
+def _two(connection: SharedFeedConnection) -> tuple[TaskDelivery, TaskDelivery]:
+    first, second = connection.next_delivery(5.0), connection.next_delivery(5.0)
+    assert first is not None and second is not None
+    return first, second
+
+
+def _ack_behind_the_lock(
+    connection: SharedFeedConnection, delivery: TaskDelivery
+) -> tuple[threading.Thread, list[BaseException | None]]:
+    # Another thread acks while the caller holds the socket lock: its ack waits in the queue.
+    outcome: list[BaseException | None] = []
+
+    def ack() -> None:
+        try:
+            connection.ack(delivery)
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=ack)
+    thread.start()
+    wait_for(lambda: len(connection._settles) == 1, timeout_s=5, message="the second ack queued")
+    return thread, outcome
+
+
+def test_an_ack_queued_behind_another_write_goes_out_with_it(test_vhost_url: str, queue: str):
+    for i in range(2):
+        publish_raw(test_vhost_url, queue, b"{}", headers={"id": f"t{i}"})
+    connection = _connection(test_vhost_url, queue, prefetch=2)
+    try:
+        first, second = _two(connection)
+        with connection._lock:  # as a thread in the middle of a write
+            thread, outcome = _ack_behind_the_lock(connection, second)
+            connection.ack(first)  # writes both
+            assert not connection._settles
+        thread.join(5)
+        assert outcome == [None]  # found its ack sent, and returned
+    finally:
+        connection.close()
+    assert queue_depth(test_vhost_url, queue) == 0  # both acked: nothing came back at the close
+
+
+def test_an_ack_queued_behind_a_failed_write_fails_in_its_own_thread_too(test_vhost_url: str, queue: str):
+    for i in range(2):
+        publish_raw(test_vhost_url, queue, b"{}", headers={"id": f"t{i}"})
+    connection = _connection(test_vhost_url, queue, prefetch=2)
+    try:
+        first, second = _two(connection)
+        with connection._lock:
+            thread, outcome = _ack_behind_the_lock(connection, second)
+            sock = connection._sock
+            assert sock is not None
+            sock.shutdown(socket.SHUT_WR)  # the next write fails
+            with pytest.raises(ConnectionLost):
+                connection.ack(first)
+        thread.join(5)
+        assert len(outcome) == 1 and isinstance(outcome[0], ConnectionLost)
+        connection.connect()
+        again = sorted(d.headers["id"] for d in _two(connection) if d.redelivered)
+        assert again == ["t0", "t1"]  # neither ack reached the broker, and neither thread said so
+    finally:
+        connection.close()
