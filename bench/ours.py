@@ -31,6 +31,8 @@ WIDE_THREADS = 50  # the wide worker: two children with 25 threads each, as Dram
 # The default design (each pool child consumes); ``-- --worker-consumes`` (bench.cpu_split) selects
 # the previous one, where the main process consumes for its children.
 WORKER_ARGS = "--without-mingle --statedb none"
+# Under --threads, Dramatiq's prefetch: twice the threads per process (one waiting per thread).
+THREADS_PREFETCH = ("--prefetch-multiplier", "2")
 
 
 class Clockwork:
@@ -57,7 +59,7 @@ class Clockwork:
         # Later options win: bench.cpu_split's -l warning, say.
         extra = [*WORKER_ARGS.split(), *self._extra_worker_args]
         if shape is not Shape.PAIR and self._wide_threads:
-            concurrency, extra = 2, [*extra, "--threads", str(max(1, self._wide // 2))]
+            concurrency, extra = 2, [*extra, "--threads", str(max(1, self._wide // 2)), *THREADS_PREFETCH]
         cmd = worker_command(self._url, queue, concurrency, extra=extra)
         with running(cmd, env=dict(os.environ), cwd=ROOT) as proc:
             yield proc

@@ -165,10 +165,11 @@ def settings_text(sizes: Mapping[str, int], wide: Mapping[str, int]) -> str:
   `--without-mingle --statedb none`);
   client `App.send_task` with its default pipelined confirms (a call returns once handed to the
   I/O thread; *calls/s* counts those, *confirmed* waits for all); results over the client's reply
-  queue. Sleepers: `-c 2 --threads {wide.get("clockwork", 0) // 2}` ({wide.get("clockwork", 0)}
-  threads; each child's threads share one connection with prefetch = its threads).
-  *Clockwork, --threads 8*: the same worker in Dramatiq's drain shape, `-c 2 --threads 8`
-  (16 at once, 16 unacked), drain and end to end only.
+  queue. Sleepers: `-c 2 --threads {wide.get("clockwork", 0) // 2} --prefetch-multiplier 2`
+  ({wide.get("clockwork", 0)} threads; each child's threads share one connection with prefetch
+  twice its threads, as Dramatiq's). *Clockwork, --threads 8*: the same worker in Dramatiq's drain
+  shape, `-c 2 --threads 8 --prefetch-multiplier 2` (16 at once, 32 unacked, as Dramatiq's), drain
+  and end to end only.
 - **Celery**: `celery worker -P prefork -c 2 --without-mingle --without-gossip`, `task_acks_late`,
   default prefetch multiplier 4 (8 unacked), rpc:// results, JSON,
   `broker_transport_options={{"confirm_publish": True}}` (each `apply_async` waits for its confirm).

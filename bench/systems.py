@@ -49,7 +49,7 @@ _THREADS = frozenset({"drain", "e2e"})  # where the shape matters; its sleepers 
 _CEILING = frozenset({"enqueue", "drain", "e2e", "round_trip"})
 
 OURS = "clockwork"
-THREADS = "clockwork-threads"  # the same worker in Dramatiq's drain shape, -c 2 --threads 8
+THREADS = "clockwork-threads"  # the same worker in Dramatiq's drain shape: -c 2 --threads 8, 32 unacked
 OUR_SYSTEMS = (OURS, THREADS)
 SYSTEMS = (
     # Our control scenario also measures Celery's control plane (bench.control runs both).
