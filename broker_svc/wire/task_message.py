@@ -175,7 +175,22 @@ def _wire_limit(value: float | None) -> int | None:
     return whole if whole == value else whole + 1
 
 
+_PLAIN_HEADER_TYPES: Final = frozenset({str, bool, type(None)})
+
+
 def _check_header_ints(value: Any) -> None:
+    # About twenty values per send: exact types first, the isinstance chain for subclasses.
+    kind = type(value)
+    if kind in _PLAIN_HEADER_TYPES:
+        return
+    if kind is dict:
+        for item in value.values():
+            _check_header_ints(item)
+        return
+    if kind is list:
+        for item in value:
+            _check_header_ints(item)
+        return
     if isinstance(value, bool) or value is None or isinstance(value, str):
         return
     if isinstance(value, int):

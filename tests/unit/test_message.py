@@ -104,3 +104,30 @@ def test_header_ints_outside_32_bits_are_refused_on_encode():
 def test_ints_beyond_64_bits_are_a_type_error():
     with pytest.raises(TypeError):
         encode_task(TaskMessage(id="a", task="t", args=[2**70]), serializer="msgpack")
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"x-deep": {"a": [1, {"b": 2**31}]}},  # nested in a table and a list
+        {"x-float": 1.5},  # pika cannot send a float; pamqp sends 32 bits
+        {"x-tuple": (1, 2)},  # not a list: not portable
+    ],
+)
+def test_extra_headers_are_checked_all_the_way_down(extra):
+    with pytest.raises(ValueError):
+        encode_task(TaskMessage(id="a", task="t", extra_headers=extra), serializer="json")
+
+
+def test_subclassed_header_values_still_pass_the_check():
+    class Name(str):
+        pass
+
+    class Table(dict):  # a Mapping that is not exactly a dict
+        pass
+
+    wire = encode_task(
+        TaskMessage(id="a", task="t", extra_headers={"x-name": Name("n"), "x-table": Table(n=2**31 - 1)}),
+        serializer="json",
+    )
+    assert wire.headers["x-table"] == {"n": 2**31 - 1}
