@@ -12,6 +12,7 @@ section of BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
+import compileall
 import datetime as dt
 import json
 import os
@@ -161,6 +162,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     peers_python = None
     if any(s.venv is Venv.PEERS for s in wanted_systems):
         peers_python = ensure_peers_venv()
+    for root in {ROOT, *(s.root for s in wanted_systems if s.root is not None)}:
+        compile_ours(root)
     began, started_at = time.monotonic(), dt.datetime.now(dt.UTC)
     runs: list[dict[str, Any]] = []
     with vhost(args.broker) as url:
@@ -235,6 +238,16 @@ def main(argv: list[str] | None = None) -> int:
     if failed:
         print(f"bench: {len(failed)} measurement(s) failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def compile_ours(root: Path) -> None:
+    """Write our packages' bytecode, as ``pip install`` does for the peers' (their venv has it).
+
+    Without it (an editable install under ``PYTHONDONTWRITEBYTECODE``), every worker process
+    compiles our modules as it imports them: 2 MiB more PSS and a slower start than installed.
+    """
+    for package in ("broker_svc", "control", "worker", "bench"):
+        compileall.compile_dir(root / package, quiet=1)
 
 
 def vars_of(spread: Spread) -> dict[str, float]:

@@ -162,7 +162,8 @@ def settings_text(sizes: Mapping[str, int], wide: Mapping[str, int]) -> str:
   {sizes["enqueue"]:,} sends after one warm-up send, until the broker confirmed the last.
 - **Clockwork**: `python -m worker -c 2` (each pool child consumes with prefetch 1 on a
   connection of its own: 2 unacked; the main process on asyncio's own loop;
-  `--without-mingle --statedb none`);
+  `--without-mingle --statedb none`; our packages' bytecode written first, as `pip install` writes
+  the peers');
   client `App.send_task` with its default pipelined confirms (a call returns once handed to the
   I/O thread; *calls/s* counts those, *confirmed* waits for all); results over the client's reply
   queue. Sleepers: `-c 2 --threads {wide.get("clockwork", 0) // 2} --prefetch-multiplier 2`
