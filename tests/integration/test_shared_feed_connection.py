@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 from collections.abc import Iterator
@@ -64,10 +65,18 @@ def test_threads_taking_and_acking_at_once_settle_every_delivery_once(test_vhost
     assert queue_depth(test_vhost_url, queue) == 0
 
 
-def _two(connection: SharedFeedConnection) -> tuple[TaskDelivery, TaskDelivery]:
-    first, second = connection.next_delivery(5.0), connection.next_delivery(5.0)
-    assert first is not None and second is not None
-    return first, second
+@contextlib.contextmanager
+def _two_delivered(url: str, queue: str) -> Iterator[tuple[SharedFeedConnection, TaskDelivery, TaskDelivery]]:
+    # Two messages delivered and held unacked on a connection closed at the end.
+    for i in range(2):
+        publish_raw(url, queue, b"{}", headers={"id": f"t{i}"})
+    connection = _connection(url, queue, prefetch=2)
+    try:
+        first, second = connection.next_delivery(5.0), connection.next_delivery(5.0)
+        assert first is not None and second is not None
+        yield connection, first, second
+    finally:
+        connection.close()
 
 
 def _ack_behind_the_lock(
@@ -90,28 +99,18 @@ def _ack_behind_the_lock(
 
 
 def test_an_ack_queued_behind_another_write_goes_out_with_it(test_vhost_url: str, queue: str):
-    for i in range(2):
-        publish_raw(test_vhost_url, queue, b"{}", headers={"id": f"t{i}"})
-    connection = _connection(test_vhost_url, queue, prefetch=2)
-    try:
-        first, second = _two(connection)
+    with _two_delivered(test_vhost_url, queue) as (connection, first, second):
         with connection._lock:  # as a thread in the middle of a write
             thread, outcome = _ack_behind_the_lock(connection, second)
             connection.ack(first)  # writes both
             assert not connection._settles
         thread.join(5)
         assert outcome == [None]  # found its ack sent, and returned
-    finally:
-        connection.close()
     assert queue_depth(test_vhost_url, queue) == 0  # both acked: nothing came back at the close
 
 
 def test_an_ack_queued_behind_a_failed_write_fails_in_its_own_thread_too(test_vhost_url: str, queue: str):
-    for i in range(2):
-        publish_raw(test_vhost_url, queue, b"{}", headers={"id": f"t{i}"})
-    connection = _connection(test_vhost_url, queue, prefetch=2)
-    try:
-        first, second = _two(connection)
+    with _two_delivered(test_vhost_url, queue) as (connection, first, second):
         with connection._lock:
             thread, outcome = _ack_behind_the_lock(connection, second)
             sock = connection._sock
@@ -122,7 +121,6 @@ def test_an_ack_queued_behind_a_failed_write_fails_in_its_own_thread_too(test_vh
         thread.join(5)
         assert len(outcome) == 1 and isinstance(outcome[0], ConnectionLost)
         connection.connect()
-        again = sorted(d.headers["id"] for d in _two(connection) if d.redelivered)
-        assert again == ["t0", "t1"]  # neither ack reached the broker, and neither thread said so
-    finally:
-        connection.close()
+        again = [connection.next_delivery(5.0), connection.next_delivery(5.0)]
+        # Neither ack reached the broker, and neither thread said it had.
+        assert sorted(d.headers["id"] for d in again if d is not None and d.redelivered) == ["t0", "t1"]
