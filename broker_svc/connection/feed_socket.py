@@ -184,6 +184,10 @@ class FrameSocket:
             with contextlib.suppress(OSError):
                 sock.close()
 
+    def loss_to_tell(self, exc: BrokerUnavailable) -> BrokerUnavailable | None:
+        """The failure to log for ``exc`` (None: logged already); with one thread, ``exc`` itself."""
+        return exc
+
     def _lost(
         self, why: str, *, consumer_timeout: bool = False, cancelled_queue: str | None = None
     ) -> ConnectionLost:

@@ -15,7 +15,6 @@ of them carries out."""
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import socket
 import struct
@@ -26,8 +25,8 @@ from typing import Final
 
 from broker_svc.connection.feed_connection import FeedConnection
 from broker_svc.connection.feed_delivery import ConnectionLost, TaskDelivery
-from broker_svc.connection.feed_waits import PendingPublish, QueuedSettle
-from broker_svc.errors import PublishNacked, Unroutable
+from broker_svc.connection.feed_waits import PendingPublish, SettleQueue
+from broker_svc.errors import BrokerUnavailable, PublishNacked, Unroutable
 from broker_svc.settings import Settings
 from broker_svc.topology import QueueSpec
 from broker_svc.wire import amqp_frames as frames
@@ -75,7 +74,9 @@ class SharedFeedConnection(FeedConnection):
         self._taking = False  # the reader waits for a delivery: the first one read is its own
         self._pending: dict[int, PendingPublish] = {}  # sequence number -> publish awaiting its confirm
         self._connecting = threading.Lock()
-        self._settles: collections.deque[QueuedSettle] = collections.deque()  # acks and nacks to write
+        self._settles = SettleQueue(self._lock, self._write, self._current)
+        self._told = -1  # the connection (generation) whose loss a thread has logged
+        self._loss: tuple[int, ConnectionLost] | None = None  # the last loss, as first seen
         # Any thread may be in a task at any time: the heartbeat thread sends whenever one is due.
         self._busy = True
 
@@ -225,35 +226,30 @@ class SharedFeedConnection(FeedConnection):
         """
         # No read here (the threads that wait read), so no system call per task.
         if delivery is not None and (delivery.generation != self.generation or self._sock is None):
-            raise ConnectionLost(f"connection {self._name}: lost before a settle went out")
+            lost = ConnectionLost(f"connection {self._name}: lost before a settle went out")
+            lost.reported = delivery.generation != self.generation  # told before it connected again
+            raise lost
+
+    def loss_to_tell(self, exc: BrokerUnavailable) -> BrokerUnavailable | None:
+        """One log line per lost connection, not one per thread: the loss as first seen, for the
+        first thread to ask; None for the others."""
+        if not isinstance(exc, ConnectionLost) or exc.reported:
+            return exc  # a failed connect (only the thread that tried sees it), or told already
+        with self._state:
+            if self._told == self.generation:
+                return None
+            self._told, loss = self.generation, self._loss
+        return loss[1] if loss is not None and loss[0] == self.generation else exc
+
+    def _lost(
+        self, why: str, *, consumer_timeout: bool = False, cancelled_queue: str | None = None
+    ) -> ConnectionLost:
+        lost = super()._lost(why, consumer_timeout=consumer_timeout, cancelled_queue=cancelled_queue)
+        self._loss = (self.generation, lost)  # what the thread that saw it knows (a consumer_timeout)
+        return lost
 
     def _settle_frame(self, delivery: TaskDelivery, frame: bytes) -> None:
-        # Threads that settle while another writes queue behind the socket lock; the first to get
-        # it writes every settle waiting, in one system call, and the others find theirs done. Each
-        # raises as if it had written its own. Connect holds the lock while the socket changes:
-        # never an old tag on a new connection.
-        settle = QueuedSettle(delivery, frame)
-        self._settles.append(settle)  # a deque: appends and pops are atomic
-        with self._lock:
-            if not settle.done:
-                self._write_settles()  # raises the write's failure itself
-        if settle.failure is not None:
-            raise ConnectionLost(str(settle.failure)) from settle.failure
-
-    def _write_settles(self) -> None:
-        # Under the socket lock: everything queued, the current connection's tags only.
-        batch = [self._settles.popleft() for _ in range(len(self._settles))]  # only here are they taken
-        try:
-            data = b"".join(each.frame for each in batch if self._current(each.delivery))
-            if data:
-                self._write(data)
-        except ConnectionLost as exc:
-            for each in batch:
-                each.failure = exc
-            raise
-        finally:
-            for each in batch:
-                each.done = True
+        self._settles.settle(delivery, frame)  # acks that meet at the socket lock go out together
 
     def hold(self, delta: int, generation: int) -> None:
         """``FeedConnection.hold`` (each thread counts its own parked copies), with the role held."""

@@ -175,7 +175,8 @@ class Consumer:
             except BrokerUnavailable as exc:
                 # Lost (or never made): what it delivered is the broker's again; connect anew
                 # (declaring the task queues first: a deleted one is back before it is consumed).
-                _log_lost(exc, retry_in_s=backoff_s)
+                if (told := connection.loss_to_tell(exc)) is not None:  # once, not once per thread
+                    _log_lost(told, retry_in_s=backoff_s)
                 if self._owns_connection:  # a shared one was dropped by the failure; maybe replaced
                     connection.drop()
                 connected = False
@@ -220,7 +221,8 @@ class Consumer:
         # remember it: a copy that reaches any child of this worker is acked, not run again.
         assert self.handler.concluding is not None
         request = self.handler.concluding[0]
-        _log_lost(exc, retry_in_s=0.0)
+        if (told := self.connection.loss_to_tell(exc)) is not None:
+            _log_lost(told, retry_in_s=0.0)
         claim = self.redeliveries.sending_outcome(request.id, request.retries)
         sent = settled is not None and settled is not Fate.HAND_BACK
         try:
