@@ -191,11 +191,15 @@ class FrameSocket:
     def _lost(
         self, why: str, *, consumer_timeout: bool = False, cancelled_queue: str | None = None
     ) -> ConnectionLost:
-        self.drop()
         message = f"connection {self._name}: {why}"
         lost = ConnectionLost(message, consumer_timeout=consumer_timeout, cancelled_queue=cancelled_queue)
         lost.reported = self._close_seen
+        self._losing(lost)
+        self.drop()
         return lost
+
+    def _losing(self, lost: ConnectionLost) -> None:
+        """Told of a failure just before the socket is dropped (which wakes any other thread)."""
 
     def _write(self, data: bytes) -> None:
         sock = self._sock

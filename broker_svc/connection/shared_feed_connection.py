@@ -11,7 +11,8 @@ by a method and its answer), the socket lock (writes; connect holds it while the
 so no settle of an old connection reaches a new one), ``_state`` (deliveries, publishes awaiting
 confirms, who waits), held briefly. A lost connection fails every waiting thread with
 ``ConnectionLost``; each consumer calls :meth:`SharedFeedConnection.connect`, which only the first
-of them carries out."""
+of them carries out.
+"""
 
 from __future__ import annotations
 
@@ -241,12 +242,12 @@ class SharedFeedConnection(FeedConnection):
             self._told, loss = self.generation, self._loss
         return loss[1] if loss is not None and loss[0] == self.generation else exc
 
-    def _lost(
-        self, why: str, *, consumer_timeout: bool = False, cancelled_queue: str | None = None
-    ) -> ConnectionLost:
-        lost = super()._lost(why, consumer_timeout=consumer_timeout, cancelled_queue=cancelled_queue)
-        self._loss = (self.generation, lost)  # what the thread that saw it knows (a consumer_timeout)
-        return lost
+    def _losing(self, lost: ConnectionLost) -> None:
+        # Before the drop wakes the other threads: what the first thread that saw it knows (a
+        # consumer_timeout, say); a read that fails after that drop tells less.
+        with self._state:
+            if self._loss is None or self._loss[0] != self.generation:
+                self._loss = (self.generation, lost)
 
     def _settle_frame(self, delivery: TaskDelivery, frame: bytes) -> None:
         self._settles.settle(delivery, frame)  # acks that meet at the socket lock go out together
