@@ -179,24 +179,13 @@ _PLAIN_HEADER_TYPES: Final = frozenset({str, bool, type(None)})
 
 
 def _check_header_ints(value: Any) -> None:
-    # About twenty values per send: exact types first, the isinstance chain for subclasses.
-    kind = type(value)
-    if kind in _PLAIN_HEADER_TYPES:
-        return
-    if kind is dict:
-        for item in value.values():
-            _check_header_ints(item)
-        return
-    if kind is list:
-        for item in value:
-            _check_header_ints(item)
-        return
-    if isinstance(value, bool) or value is None or isinstance(value, str):
+    # About twenty values per send: exact scalar types first, and a dict before the Mapping ABC.
+    if type(value) in _PLAIN_HEADER_TYPES or isinstance(value, str):
         return
     if isinstance(value, int):
         if not -_INT32 <= value < _INT32:
             raise ValueError(f"header int {value} is outside the signed 32-bit range")
-    elif isinstance(value, Mapping):
+    elif isinstance(value, dict) or isinstance(value, Mapping):
         for item in value.values():
             _check_header_ints(item)
     elif isinstance(value, list):
