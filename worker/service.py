@@ -205,6 +205,7 @@ class WorkerService:
             terminate=consumer.terminate,
             state_path=config.state_path,
             on_new=pool.feeding.send_revoked if pool.feeding is not None else None,
+            known=pool.feeding.revokes_known if pool.feeding is not None else None,
         )
         revocation_log = RevocationLog(
             revoker, clock=self._clock, hostname=config.hostname, namespace=config.namespace

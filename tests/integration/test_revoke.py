@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 import uuid
 from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
@@ -20,6 +23,7 @@ from tests.support.events import EventTap
 from tests.support.pidbox import call
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerProcess, unique_queue
+from worker.pool.feeding import REVOKE_KNOWN_WAIT_S
 
 RECORD = "tests.integration.e2e_tasks.record"
 SLEEP = "tests.integration.e2e_tasks.sleep_s"
@@ -183,9 +187,9 @@ def test_bad_revocation_entries_are_skipped(vhost_url: str):
 def test_a_task_sent_after_a_revoke_with_reply_is_skipped_by_consuming_children(
     test_vhost_url: str, queue: str, client: App, tmp_path: Path
 ):
-    # The worker tells its children before it replies: once revoke(reply=True) returns, a task
-    # sent with that id reaches a child that holds the id. Without a reply nothing orders the
-    # revoke (control queue, worker) before the task (task queue, child): docs/guide.md.
+    # The worker replies once every child has applied the revoke: once revoke(reply=True)
+    # returns, a task sent with that id reaches a child that holds the id. Without a reply nothing
+    # orders the revoke (control queue, worker) before the task (task queue, child): docs/guide.md.
     ran = tmp_path / "ran.txt"
     with WorkerProcess(test_vhost_url, queues=[queue], concurrency=2) as worker:
         worker.wait_ready()
@@ -197,6 +201,20 @@ def test_a_task_sent_after_a_revoke_with_reply_is_skipped_by_consuming_children(
                 client.send_task(RECORD, args=(str(ran), task_id), queue=queue, task_id=task_id).get(
                     timeout=30
                 )
+        # The reply waits for the children: with one stopped, it comes after the bound, logged.
+        stats = call(test_vhost_url, "stats", destination=[worker.name], expect=1)[0][1][worker.name]
+        stopped = stats["pool"]["processes"][0]
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            replies = client.control.revoke(str(uuid.uuid4()), reply=True, timeout=5)
+            waited_s = time.monotonic() - started
+        finally:
+            os.kill(stopped, signal.SIGCONT)
+        assert replies is not None and len(replies) == 1
+        assert "flagged as revoked" in replies[0][worker.name]["ok"]
+        assert waited_s >= REVOKE_KNOWN_WAIT_S
+        assert len(worker.first("feed_revoke_not_confirmed")["slots"]) == 1
     assert not ran.exists()
 
 

@@ -16,7 +16,8 @@ Beside it:
 
 - the connection's heartbeat thread writes heartbeats while a task runs;
 - a control thread reads the worker's socket: "consume" once the worker knows every revoke,
-  revoked ids as it learns them, and end of file or "retire" (the pool shrank), which mean stop:
+  revoked ids as it learns them (each answered "revoke_applied": a revoke command replies after),
+  and end of file or "retire" (the pool shrank), which mean stop:
   the task running ends, what was delivered and not started is handed back, the child exits;
   and, under ``--threads``, "cancel": the worker's terminate of an ``async def`` task, which its
   thread's loop cancels (``worker/pool/task_loop.py``) while the other threads go on;
@@ -137,6 +138,8 @@ def _follow_worker(channel: ChildChannel, shared: Shared, consumers: list[Consum
                 shared.revoked.add(str(frame.get("id")))
             elif op == "revoke":
                 shared.revoked.update(str(task_id) for task_id in frame.get("ids") or ())
+                # Applied: the worker may now answer the revoke command that sent it.
+                channel.send(ipc.encode_frame({"op": "revoke_applied", "seq": frame.get("seq", 0)}))
             elif op == "cancel":  # terminate of an async def task under --threads: in its thread
                 for consumer in consumers:
                     consumer.task_loop.cancel(str(frame.get("id")))

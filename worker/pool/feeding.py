@@ -29,12 +29,15 @@ from worker.feed.tally import Tally
 from worker.pool import ipc
 from worker.pool.board import Board, Running
 
-__all__ = ["Feeding"]
+__all__ = ["REVOKE_KNOWN_WAIT_S", "Feeding"]
 
 _TERMINATED_REMEMBERED = 1000  # terminated ids told to each new child
 # Under --threads, how long an async def task cancelled by terminate has to end before its child
 # is signalled after all (a body that ignores the cancel, or blocks its loop).
 CANCEL_GRACE_S: Final = 5.0
+# How long a revoke command waits for every child to apply it before it replies anyway: well
+# inside Celery's default 1 s reply window, far above the milliseconds a child takes.
+REVOKE_KNOWN_WAIT_S: Final = 0.5
 
 log = structlog.get_logger(__name__)
 
@@ -80,6 +83,11 @@ class Feeding:
         # Tasks whose child the worker ended (terminate) -> the signal: a copy is answered terminated.
         self._terminated: dict[str, int] = {}
         self.on_tally: Callable[[Tally], None] | None = None  # the metrics' share of each report
+        # Revoke frames are numbered; each child answers with the number it has applied, so a
+        # revoke command can wait for every live child before it replies (revokes_known).
+        self._revoke_seq = 0
+        self._applied: dict[int, int] = {}  # slot -> the last revoke number its child applied
+        self._applied_changed = asyncio.Event()
 
     def spec_for(self, slot: int) -> FeedSpec:
         """The start-up order of the child in ``slot``; the board grows to hold its slots first."""
@@ -89,11 +97,14 @@ class Feeding:
     def joined(self, slot: int, writer: asyncio.StreamWriter) -> None:
         """A child is up in ``slot``: it consumes at once if the worker said so already."""
         self._writers[slot] = writer
+        self._applied.pop(slot, None)
         self._let_consume(writer)
 
     def left(self, slot: int) -> list[Running]:
         """The child of ``slot`` exited: what it showed as running is not any more; those tasks."""
         self._writers.pop(slot, None)
+        self._applied.pop(slot, None)
+        self._note_applied()  # nobody waits for an exited child
         lost = [entry for entry in self.board.running() if entry.slot // self._threads == slot]
         for shown in range(slot * self._threads, (slot + 1) * self._threads):  # one per thread
             self._ended_before += self.board.ended(shown)
@@ -120,8 +131,47 @@ class Feeding:
         """Tell every child of newly revoked ids; they skip those tasks."""
         if not task_ids:
             return
-        frame = ipc.encode_frame({"op": "revoke", "ids": list(task_ids)})
+        self._revoke_seq += 1
+        frame = ipc.encode_frame({"op": "revoke", "ids": list(task_ids), "seq": self._revoke_seq})
         self._broadcast(frame)
+
+    def revoke_applied(self, slot: int, frame: dict[str, Any]) -> None:
+        """The child of ``slot`` has applied the revoke frames numbered up to ``frame["seq"]``."""
+        seq = frame.get("seq")
+        if not isinstance(seq, int) or isinstance(seq, bool):
+            log.error("feed_revoke_applied_malformed", slot=slot, seq=repr(seq))
+            return
+        if seq > self._applied.get(slot, 0):
+            self._applied[slot] = seq
+            self._note_applied()
+
+    async def revokes_known(self, timeout_s: float = REVOKE_KNOWN_WAIT_S) -> bool:
+        """Wait until every live child has applied the revokes sent so far; False past ``timeout_s``.
+
+        A revoke command replies only then, so a task sent after ``revoke(reply=True)`` returns
+        meets a child that skips it. A child that does not answer in time (its control thread
+        starved) is logged and the reply goes out anyway: the revoke holds once it applies it.
+        """
+        seq = self._revoke_seq
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self._lagging(seq):
+                    await self._applied_changed.wait()
+        except TimeoutError:
+            log.warning("feed_revoke_not_confirmed", slots=self._lagging(seq), seq=seq, timeout_s=timeout_s)
+            return False
+        return True
+
+    def _lagging(self, seq: int) -> list[int]:
+        return [
+            slot
+            for slot, writer in self._writers.items()
+            if not writer.is_closing() and self._applied.get(slot, 0) < seq
+        ]
+
+    def _note_applied(self) -> None:
+        self._applied_changed.set()
+        self._applied_changed = asyncio.Event()
 
     def set_task_events(self, on: bool) -> None:
         """Turn task events on or off in every child (``enable_events``/``disable_events``)."""
@@ -229,7 +279,8 @@ class Feeding:
     def _let_consume(self, writer: asyncio.StreamWriter) -> None:
         if self._revoked is None or writer.is_closing():
             return
-        writer.write(ipc.encode_frame({"op": "revoke", "ids": list(self._revoked())}))
+        revoked = {"op": "revoke", "ids": list(self._revoked()), "seq": self._revoke_seq}
+        writer.write(ipc.encode_frame(revoked))
         for task_id, signum in self._terminated.items():  # a child started since (the one replaced)
             writer.write(ipc.encode_frame({"op": "terminated", "id": task_id, "signum": signum}))
         writer.write(ipc.encode_frame({"op": "events", "on": self.task_events}))

@@ -61,6 +61,8 @@ class Revoker:
         terminate: signals the child running a task; True if it ran here.
         state_path: the state file, or None to keep the set in memory only.
         on_new: called with ids that were not revoked before (consuming children learn them).
+        known: waits, bounded, until the consuming children have applied what ``on_new`` told
+            them; a revoke command replies after it.
     """
 
     def __init__(
@@ -70,9 +72,11 @@ class Revoker:
         terminate: Callable[[str, int], Awaitable[bool]],
         state_path: Path | None,
         on_new: Callable[[list[str]], None] | None = None,
+        known: Callable[[], Awaitable[object]] | None = None,
     ) -> None:
         self._revoked = revoked
         self._on_new = on_new
+        self._known = known
         self._terminate = terminate
         self._state_path = state_path
         self._save_handle: asyncio.TimerHandle | None = None
@@ -141,6 +145,10 @@ class Revoker:
         """Revoke ids, and with ``terminate`` signal the children running them. Celery's replies."""
         sig = parse_signal(signal_name) if terminate else None
         self.add(task_ids)
+        if self._known is not None:
+            # Even when nothing was new: the same revoke may have come first through the log, and
+            # its frame to the children is what this reply must wait for.
+            await self._known()  # the children skip these ids before anyone learns they are revoked
         if sig is None:
             return ok(f"tasks {_set_repr(task_ids)} flagged as revoked")
         terminated = [task_id for task_id in task_ids if await self._terminated_here(task_id, sig)]
