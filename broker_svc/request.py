@@ -6,10 +6,9 @@ child, the eager runner and the trace need a request without the ``Task`` class'
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import datetime as dt
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -134,14 +133,23 @@ def current_request() -> Request | None:
     return _current.get()
 
 
-@contextlib.contextmanager
-def executing(request: Request) -> Iterator[Request]:
-    """Make ``request`` the current one while a task body runs (used by the worker)."""
-    token = _current.set(request)
-    try:
-        yield request
-    finally:
-        _current.reset(token)
+class executing:
+    """Make ``request`` the current one while a task body runs (used by the worker).
+
+    A class, not a generator: it is entered once per task, and costs a third as much.
+    """
+
+    __slots__ = ("_request", "_token")
+
+    def __init__(self, request: Request) -> None:
+        self._request = request
+
+    def __enter__(self) -> Request:
+        self._token = _current.set(self._request)
+        return self._request
+
+    def __exit__(self, *exc: object) -> None:
+        _current.reset(self._token)
 
 
 def countdown_to_eta(countdown: float) -> dt.datetime:

@@ -22,6 +22,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import Final
 from urllib.parse import unquote, urlsplit
 
@@ -159,16 +160,13 @@ class FrameSocket:
 
     # -- the socket --------------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def running(self) -> Iterator[None]:
+    def running(self) -> AbstractContextManager[None]:
         """While the body runs: the heartbeat thread keeps the connection alive."""
+        return _Busy(self)
+
+    def _set_busy(self, busy: bool) -> None:
         with self._lock:
-            self._busy = True
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._busy = False
+            self._busy = busy
 
     @contextlib.contextmanager
     def taken_over(self) -> Iterator[None]:
@@ -345,3 +343,17 @@ def closed_by_broker(payload: bytes) -> tuple[str, bool]:
     # PRECONDITION_FAILED "... timed out").
     code, text = methods.close_reason(payload)
     return f"closed by the broker: {code} {text}", code == 406 and "timed out" in text
+
+
+class _Busy:
+    # FrameSocket.running's: a class, not a generator, as it is entered once per task.
+    __slots__ = ("_socket",)
+
+    def __init__(self, socket: FrameSocket) -> None:
+        self._socket = socket
+
+    def __enter__(self) -> None:
+        self._socket._set_busy(True)
+
+    def __exit__(self, *exc: object) -> None:
+        self._socket._set_busy(False)

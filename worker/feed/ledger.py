@@ -16,7 +16,8 @@ import contextlib
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
@@ -162,19 +163,21 @@ class FeedLedger:
 
     # -- the child loop's --------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def settling(self, delivery: TaskDelivery) -> Iterator[None]:
+    def settling(self, delivery: TaskDelivery) -> AbstractContextManager[None]:
         """Around ``delivery``, from its read to its settle: then its dedupe claim ends.
 
         A delivery whose run ended in a final outcome is remembered for the window even when its ack
         then fails (the connection is gone): the broker's copy of it is the duplicate it catches.
         """
-        at_hand = self._local.at_hand = _AtHand(delivery.queue)
-        try:
-            yield
-        finally:
-            self._local.at_hand = None
-            self._end_claim(at_hand)
+        return _Settling(self, delivery.queue)
+
+    def _begin(self, queue: str) -> _AtHand:
+        at_hand = self._local.at_hand = _AtHand(queue)
+        return at_hand
+
+    def _settled(self, at_hand: _AtHand) -> None:
+        self._local.at_hand = None
+        self._end_claim(at_hand)
 
     def report_to(self, channel: ChildChannel) -> None:
         """Count from now on and send the counts over ``channel``, at most every ``report_every_s``."""
@@ -239,3 +242,17 @@ class FeedLedger:
         if tally and self._channel is not None:
             with contextlib.suppress(OSError):  # the worker is gone: nobody to tell
                 self._channel.send(ipc.encode_frame(tally.to_frame()))
+
+
+class _Settling:
+    # FeedLedger.settling's: a class, not a generator, as it is entered once per delivery.
+    __slots__ = ("_at_hand", "_ledger", "_queue")
+
+    def __init__(self, ledger: FeedLedger, queue: str) -> None:
+        self._ledger, self._queue = ledger, queue
+
+    def __enter__(self) -> None:
+        self._at_hand = self._ledger._begin(self._queue)
+
+    def __exit__(self, *exc: object) -> None:
+        self._ledger._settled(self._at_hand)

@@ -26,6 +26,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 
 import structlog
 
@@ -117,11 +118,11 @@ class _ThreadSoftLimit(SoftLimit):
         self._limits = limits
         self._token: int | None = None  # while a body with a limit runs
 
+    def guarding(self, limit_s: float | None) -> AbstractContextManager[None]:
+        return self._guarding(limit_s) if limit_s else contextlib.nullcontext()
+
     @contextlib.contextmanager
-    def guarding(self, limit_s: float | None) -> Iterator[None]:
-        if not limit_s:
-            yield
-            return
+    def _guarding(self, limit_s: float) -> Iterator[None]:
         token = self._limits.arm(limit_s)
         self._token, self.limit_s = token, limit_s
         try:

@@ -19,6 +19,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol
@@ -164,14 +165,9 @@ class SoftLimit:
     def disarm(self) -> None:
         self.armed = False
 
-    @contextlib.contextmanager
-    def guarding(self, limit_s: float | None) -> Iterator[None]:
+    def guarding(self, limit_s: float | None) -> AbstractContextManager[None]:
         """Armed while the body runs, disarmed however it ends."""
-        self.arm(limit_s)
-        try:
-            yield
-        finally:
-            self.disarm()
+        return _Armed(self, limit_s)
 
     @contextlib.contextmanager
     def redirected(self, interrupt: Callable[[BaseException], None]) -> Iterator[None]:
@@ -194,6 +190,20 @@ class SoftLimit:
                 self._interrupt(exc)  # only schedules the cancel: safe from a signal handler
                 return
             raise exc
+
+
+class _Armed:
+    # SoftLimit.guarding's: a class, not a generator, as it is entered once per task.
+    __slots__ = ("_limit", "_limit_s")
+
+    def __init__(self, limit: SoftLimit, limit_s: float | None) -> None:
+        self._limit, self._limit_s = limit, limit_s
+
+    def __enter__(self) -> None:
+        self._limit.arm(self._limit_s)
+
+    def __exit__(self, *exc: object) -> None:
+        self._limit.disarm()
 
 
 def main(app_spec: str, sock: socket.socket, feed: FeedSpec | None = None) -> None:
