@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import pytest
+from structlog.testing import capture_logs
 
 from broker_svc import Settings
 from worker.feed.child import _follow_worker
@@ -97,7 +98,10 @@ async def test_a_child_that_never_answers_times_out_and_one_that_exits_is_not_wa
     relay = asyncio.create_task(_relay(feeding, silent))
     try:
         feeding.send_revoked(["a"])
-        assert await feeding.revokes_known(timeout_s=0.2) is False
+        with capture_logs() as logs:
+            assert await feeding.revokes_known(timeout_s=0.2) is False
+        # It never answered: still starting, which is said at info, not as a fault.
+        assert [(e["log_level"], e["slots"], e["starting"]) for e in logs] == [("info", [0], [0])]
         waiting = asyncio.create_task(feeding.revokes_known(timeout_s=10.0))
         await asyncio.sleep(0.05)
         assert not waiting.done()
@@ -108,7 +112,14 @@ async def test_a_child_that_never_answers_times_out_and_one_that_exits_is_not_wa
         feeding.send_revoked(["b"])
         assert ChildChannel(again.theirs).receive() == {"op": "revoke", "ids": ["b"], "seq": 2}
         feeding.revoke_applied(0, {"op": "revoke_applied", "seq": "2"})
-        assert await feeding.revokes_known(timeout_s=0.1) is False
+        feeding.revoke_applied(0, {"op": "revoke_applied", "seq": 1})  # answered once: started
+        with capture_logs() as logs:
+            assert await feeding.revokes_known(timeout_s=0.1) is False
+        assert [
+            (e["log_level"], e["slots"], e["starting"])
+            for e in logs
+            if e["event"] != "feed_revoke_applied_malformed"
+        ] == [("warning", [0], [])]
         again.writer.close()
         again.theirs.close()
     finally:

@@ -158,7 +158,12 @@ class Feeding:
                 while self._lagging(seq):
                     await self._applied_changed.wait()
         except TimeoutError:
-            log.warning("feed_revoke_not_confirmed", slots=self._lagging(seq), seq=seq, timeout_s=timeout_s)
+            lagging = self._lagging(seq)
+            # A child that has not answered once is still starting (importing the app): it takes
+            # the revokes before its first task, so the delay is expected, not a fault.
+            starting = [slot for slot in lagging if slot not in self._applied]
+            say = log.info if starting == lagging else log.warning
+            say("feed_revoke_not_confirmed", slots=lagging, starting=starting, seq=seq, timeout_s=timeout_s)
             return False
         return True
 
