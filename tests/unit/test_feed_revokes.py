@@ -122,3 +122,39 @@ async def test_a_child_that_never_answers_times_out_and_one_that_exits_is_not_wa
         relay.cancel()
         silent.writer.close()
         silent.theirs.close()
+
+
+def test_a_starting_child_applies_every_frame_already_written_before_it_consumes():
+    # The worker wrote the start-up orders, then a revoke, before the child's control thread ran:
+    # the child must hold that revoke before its first task, whatever the threads' timing.
+    ours, theirs = socket.socketpair()
+    shared = Shared(revoked=set(), wanted=["q"])
+    known_when_consuming: list[set[str]] = []
+
+    class Recorded(threading.Event):
+        def set(self) -> None:
+            known_when_consuming.append(set(shared.revoked))
+            super().set()
+
+    shared.may_consume = Recorded()
+    for frame in (
+        {"op": "revoke", "ids": ["old"], "seq": 1},
+        {"op": "consume"},
+        {"op": "revoke", "ids": ["new"], "seq": 2},
+    ):
+        ours.sendall(ipc.encode_frame(frame))
+    control = threading.Thread(target=_follow_worker, args=(ChildChannel(theirs), shared, []), daemon=True)
+    control.start()
+    try:
+        assert shared.may_consume.wait(10.0)
+        answers = ChildChannel(ours)
+        assert [answers.receive(), answers.receive()] == [
+            {"op": "revoke_applied", "seq": 1},
+            {"op": "revoke_applied", "seq": 2},
+        ]
+    finally:
+        ours.close()
+        control.join(10.0)
+        theirs.close()
+    assert known_when_consuming[0] == {"old", "new"}
+    assert not control.is_alive()

@@ -128,11 +128,12 @@ def _say_retiring(channel: ChildChannel) -> None:
 def _follow_worker(channel: ChildChannel, shared: Shared, consumers: list[Consumer]) -> None:
     # "consume" once the worker knows every revoke (its state file, the log, Mingle); revoked ids
     # as it learns them; end of file (the worker closed our socket): stop.
+    consume = False
     try:
         while (frame := channel.receive()) is not None:
             op = frame.get("op")
             if op == "consume":
-                shared.may_consume.set()
+                consume = True
             elif op == "terminated":  # the worker ends the child running it: its copy is answered so
                 shared.terminated[str(frame.get("id"))] = int(frame.get("signum") or 15)
                 shared.revoked.add(str(frame.get("id")))
@@ -155,6 +156,12 @@ def _follow_worker(channel: ChildChannel, shared: Shared, consumers: list[Consum
                 shared.may_consume.set()
             else:
                 log.warning("feed_child_unknown_frame", op=op)
+            # Consume only once every frame already written is applied: a revoke the worker sent
+            # while this child started is known before its first task (the worker's revoke
+            # command may be waiting for this child's answer to it).
+            if consume and not channel.readable():
+                shared.may_consume.set()
+                consume = False
     except OSError:
         pass
     finally:

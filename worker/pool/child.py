@@ -79,6 +79,10 @@ class ChildChannel:
                 raise RuntimeError(f"task {context.job.task_id} has already finished; its updates are closed")
             self._sock.sendall(data)
 
+    def readable(self) -> bool:
+        """Whether a frame (or the end of the socket) is waiting to be read."""
+        return bool(select.select([self._sock], [], [], 0)[0])
+
     def receive(self) -> dict[str, Any] | None:
         header = self._receive_exactly(ipc.HEADER.size)
         body = None if header is None else self._receive_exactly(ipc.frame_length(header))
