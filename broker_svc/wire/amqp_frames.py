@@ -229,20 +229,31 @@ def decode_table(data: bytes) -> dict[str, Any]:
     return table
 
 
+# Header names repeat on every delivery (Celery's twenty, ours, the broker's): each is decoded
+# once. Bounded, as a peer could send names without end.
+_KEYS: Final[dict[bytes, str]] = {}
+_KEYS_MAX: Final = 1024
+
+
 def _table(data: bytes, offset: int) -> tuple[dict[str, Any], int]:
     # A task's header table holds about 20 entries, decoded for every delivery: the common types
-    # (long strings, void, booleans, ints) are read here in the loop, the rest by ``_value``.
+    # (long strings, void, ints, booleans, nested tables), most common first, are read here in the
+    # loop, the rest by ``_value``.
     (length,) = _U32.unpack_from(data, offset)
     offset += 4
     end = offset + length
     if end > len(data):
         raise FrameError("a field table is cut short")
     table: dict[str, Any] = {}
-    unpack_u32, unpack_i32 = _U32.unpack_from, _I32.unpack_from
+    unpack_u32, unpack_i32, keys = _U32.unpack_from, _I32.unpack_from, _KEYS
     while offset < end:
-        size = data[offset]
-        key_end = offset + 1 + size
-        key = data[offset + 1 : key_end].decode(errors="replace")
+        key_end = offset + 1 + data[offset]
+        raw_key = data[offset + 1 : key_end]
+        key = keys.get(raw_key)
+        if key is None:
+            key = raw_key.decode("utf-8", "replace")
+            if len(keys) < _KEYS_MAX:
+                keys[raw_key] = key
         kind = data[key_end]
         offset = key_end + 1
         if kind == 83:  # S
@@ -258,12 +269,14 @@ def _table(data: bytes, offset: int) -> tuple[dict[str, Any], int]:
                 table[key] = raw
         elif kind == 86:  # V
             table[key] = None
-        elif kind == 116:  # t
-            table[key] = bool(data[offset])
-            offset += 1
         elif kind == 73:  # I
             (table[key],) = unpack_i32(data, offset)
             offset += 4
+        elif kind == 116:  # t
+            table[key] = bool(data[offset])
+            offset += 1
+        elif kind == 70:  # F
+            table[key], offset = _table(data, offset)
         else:
             table[key], offset = _value(data, offset - 1)
     if offset != end:
