@@ -10,11 +10,15 @@ import uuid
 from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
+import aio_pika
+import aio_pika.abc
 import pika
 import pytest
 from pika.adapters.blocking_connection import BlockingChannel
+from structlog.testing import capture_logs
 
 from broker_svc import App, Settings, State, TaskRevokedError
+from broker_svc.clock import LamportClock
 from broker_svc.topology import revocation_log
 from control.protocol.revoke_log import RevokeEntry
 from tests.infra.session_broker import SessionBroker
@@ -24,6 +28,9 @@ from tests.support.pidbox import call
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerProcess, unique_queue
 from worker.pool.feeding import REVOKE_KNOWN_WAIT_S
+from worker.remote.revocation_log import RevocationLog
+from worker.remote.revoked_set import RevokedSet
+from worker.remote.revoker import Revoker
 
 RECORD = "tests.integration.e2e_tasks.record"
 SLEEP = "tests.integration.e2e_tasks.sleep_s"
@@ -259,3 +266,35 @@ def test_a_revocation_log_refused_at_start_is_followed_once_a_retry_gets_through
     finally:
         client.close(timeout=10)
         ctl("delete_user", user)
+
+
+async def test_a_follow_whose_connection_the_broker_closed_tries_again_on_a_live_one(test_vhost_url: str):
+    # Workers that start together race the new stream's start, and RabbitMQ can answer the consume
+    # by crashing the channel and closing the whole connection (INTERNAL_ERROR): the next channel
+    # is asked of a closed connection, which aiormq refuses with a RuntimeError. That attempt is
+    # retried like a refused consume, on the connection once it is back.
+    async def never_terminated(_task_id: str, _sig: int) -> bool:
+        return False
+
+    revoker = Revoker(RevokedSet(), terminate=never_terminated, state_path=None)
+    following = RevocationLog(revoker, clock=LamportClock(), hostname="t@h", namespace=uuid.uuid4().hex[:8])
+    closed = await aio_pika.connect(test_vhost_url)
+    await closed.close()
+    live = await aio_pika.connect(test_vhost_url)
+    asked: list[aio_pika.abc.AbstractConnection] = []
+
+    async def channel() -> aio_pika.abc.AbstractChannel:
+        asked.append(closed if not asked else live)
+        return await asked[-1].channel()
+
+    try:
+        with capture_logs() as logs:
+            await following.follow(channel, await live.channel(), retry_pauses_s=(0.05,))
+        assert asked == [closed, live]
+        assert following.available
+        assert [e["event"] for e in logs if e["log_level"] != "debug"] == [
+            "revocation_log_retrying",
+            "revocation_log_read",
+        ]
+    finally:
+        await live.close()

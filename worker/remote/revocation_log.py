@@ -32,8 +32,8 @@ log = structlog.get_logger(__name__)
 _LOG_PREFETCH: Final = 1000
 # A first follow that fails is tried again (a fresh channel each time) with these pauses: workers
 # that start together race to declare the new stream, and RabbitMQ may answer a consume that races
-# its start with an error; past them the worker goes on without the log, as on a broker without
-# streams.
+# its start with an error, or (its channel crashing on stream_not_found) close the whole connection;
+# past them the worker goes on without the log, as on a broker without streams.
 _RETRY_PAUSES_S: Final = (0.25, 0.5, 1.0, 2.0, 4.0)
 
 
@@ -79,7 +79,10 @@ class RevocationLog:
             try:
                 await self._subscribe(await channel())
                 break
-            except (aio_pika.exceptions.AMQPError, ConnectionError) as exc:
+            except (aio_pika.exceptions.AMQPError, ConnectionError, RuntimeError) as exc:
+                # RuntimeError: the connection is closed under us (aiormq's "... closed"), e.g. by the
+                # broker's INTERNAL_ERROR when a consume races the new stream's start; the robust
+                # connection comes back, and the next attempt opens its channel on it.
                 if pause_s is None:
                     log.error("revocation_log_unavailable", queue=spec.name, error=str(exc), attempts=attempt)
                     return
