@@ -77,12 +77,9 @@ class RevocationLog:
         spec = self._log_spec
         for attempt, pause_s in enumerate((*retry_pauses_s, None), start=1):
             try:
-                await self._subscribe(await channel())
+                await self._subscribe(await _open(channel))
                 break
-            except (aio_pika.exceptions.AMQPError, ConnectionError, RuntimeError) as exc:
-                # RuntimeError: the connection is closed under us (aiormq's "... closed"), e.g. by the
-                # broker's INTERNAL_ERROR when a consume races the new stream's start; the robust
-                # connection comes back, and the next attempt opens its channel on it.
+            except (aio_pika.exceptions.AMQPError, ConnectionError) as exc:
                 if pause_s is None:
                     log.error("revocation_log_unavailable", queue=spec.name, error=str(exc), attempts=attempt)
                     return
@@ -181,3 +178,15 @@ async def _ack(message: aio_pika.abc.AbstractIncomingMessage) -> None:
         await message.ack()
     except aio_pika.exceptions.AMQPError as exc:
         log.warning("revocation_entry_ack_failed", error=str(exc))
+
+
+async def _open(
+    channel: Callable[[], Awaitable[aio_pika.abc.AbstractChannel]],
+) -> aio_pika.abc.AbstractChannel:
+    # A channel asked of a connection the broker closed (its INTERNAL_ERROR when a consume races
+    # the new stream's start) fails with aiormq's RuntimeError: a lost connection, which the robust
+    # connection restores, so the attempt is retried like a refused one.
+    try:
+        return await channel()
+    except RuntimeError as exc:
+        raise ConnectionError(f"no channel: {exc}") from exc
