@@ -141,7 +141,7 @@ class Feeding:
         if not isinstance(seq, int) or isinstance(seq, bool):
             log.error("feed_revoke_applied_malformed", slot=slot, seq=repr(seq))
             return
-        if seq > self._applied.get(slot, 0):
+        if seq > self._applied.get(slot, -1):  # 0 too: the child has answered once, so it started
             self._applied[slot] = seq
             self._note_applied()
 
