@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import sys
 import time
@@ -33,7 +34,9 @@ def configure_logging(level: str | int = "INFO", *, json: bool | None = None, ca
         structlog.processors.StackInfoRenderer(),
     ]
     renderer: structlog.types.Processor = (
-        structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer()
+        structlog.processors.JSONRenderer(serializer=_JsonLines())
+        if use_json
+        else structlog.dev.ConsoleRenderer()
     )
     render_exception = structlog.processors.format_exc_info if use_json else _identity
     handler = logging.StreamHandler(sys.stderr)
@@ -84,6 +87,23 @@ class _UtcStamper:
             self._second = (second, text)
         event_dict["timestamp"] = f"{text}.{int((now - second) * 1_000_000):06d}Z"
         return event_dict
+
+
+class _JsonLines:
+    """``json.dumps`` for the renderer, with one encoder for every line instead of one per line.
+
+    The renderer passes the same options (its ``default``) on every call; ``json.dumps`` given any
+    option builds a new ``JSONEncoder`` each time, about a quarter of the line's JSON.
+    """
+
+    def __init__(self) -> None:
+        self._encoder: json.JSONEncoder | None = None
+
+    def __call__(self, obj: Any, **options: Any) -> str:
+        encoder = self._encoder
+        if encoder is None:
+            encoder = self._encoder = json.JSONEncoder(**options)
+        return encoder.encode(obj)
 
 
 def _identity(

@@ -194,12 +194,13 @@ class FeedHandler:
             return recount(count), None
         if request.id in self._revoked:
             return self._answers.skip_revoked(request, expired=False), None
-        now = dt.datetime.now(dt.UTC)
-        if request.expires is not None and request.expires <= now:
+        # The clock is read only for a task that has a date: most have none.
+        now = dt.datetime.now(dt.UTC) if request.expires is not None or request.eta is not None else None
+        if request.expires is not None and now is not None and request.expires <= now:
             return self._answers.skip_revoked(request, expired=True), None
         if past_dedup_deadline(request):
             return self._answers.skip_revoked(request, expired=True), None  # evicted from its key
-        if request.eta is not None and request.eta > now:
+        if request.eta is not None and now is not None and request.eta > now:
             left_s = (request.eta - now).total_seconds()
             bucket_ms = delay_bucket_ms(left_s, hold_window_s=DELAY_HOLD_WINDOW_S)
             if bucket_ms is not None:
