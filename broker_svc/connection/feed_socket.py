@@ -64,6 +64,7 @@ class FrameSocket:
         self._heartbeat_s = 0
         self._last_write = self._last_read = 0.0
         self._busy = False
+        self._running = _Busy(self)  # one for every task: it holds no state of its own
         self._beating = threading.Event()
         # Told (from the heartbeat thread) when the broker closes the connection or channel while a
         # task runs, so it is logged when it happens, not when the task ends (plain sockets).
@@ -162,7 +163,7 @@ class FrameSocket:
 
     def running(self) -> AbstractContextManager[None]:
         """While the body runs: the heartbeat thread keeps the connection alive."""
-        return _Busy(self)
+        return self._running
 
     def _set_busy(self, busy: bool) -> None:
         with self._lock:
@@ -346,7 +347,7 @@ def closed_by_broker(payload: bytes) -> tuple[str, bool]:
 
 
 class _Busy:
-    # FrameSocket.running's: a class, not a generator, as it is entered once per task.
+    # FrameSocket.running's: a class, not a generator, as it is entered once per task; one per socket.
     __slots__ = ("_socket",)
 
     def __init__(self, socket: FrameSocket) -> None:
