@@ -24,6 +24,7 @@ from broker_svc.wire.states import READY_STATES
 __all__ = [
     "CELERY_EXCEPTIONS_MODULE",
     "Outcome",
+    "describe_wire_exception",
     "exception_from_wire",
     "exception_to_wire",
     "wire_exception",
@@ -39,6 +40,15 @@ _PRIMITIVES: Final = (str, int, float, bool, type(None))
 def wire_exception(exc_type: str, *args: Any, module: str = CELERY_EXCEPTIONS_MODULE) -> dict[str, Any]:
     """An exception map for an error that exists only by name (``TaskRevokedError``, ...)."""
     return {"exc_type": exc_type, "exc_message": list(args), "exc_module": module}
+
+
+def describe_wire_exception(error: Mapping[str, Any] | None) -> str:
+    """An exception map in one line, ``Type: message`` (log lines, dead-letter reasons)."""
+    if not error:
+        return "unknown error"
+    message = error.get("exc_message")
+    text = ", ".join(map(str, message)) if isinstance(message, list) else str(message)
+    return f"{error.get('exc_type')}: {text}"
 
 
 def exception_to_wire(exc: BaseException) -> dict[str, Any]:

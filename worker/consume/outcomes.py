@@ -13,7 +13,12 @@ from broker_svc.app import App
 from broker_svc.follow_ups import FollowUp
 from broker_svc.wire.codec import reply_type
 from broker_svc.wire.event_fields import describe_repr
-from broker_svc.wire.result_message import CELERY_EXCEPTIONS_MODULE, Outcome, wire_exception
+from broker_svc.wire.result_message import (
+    CELERY_EXCEPTIONS_MODULE,
+    Outcome,
+    describe_wire_exception,
+    wire_exception,
+)
 from broker_svc.wire.states import State
 from broker_svc.wire.task_message import TaskMessage, safe_repr
 from broker_svc.wire.task_state import WORKER_STATES, result_expiration
@@ -167,7 +172,8 @@ class OutcomeHandler:
             )
         else:
             if self._expected(request.task, outcome.error):
-                log.info("task_failed_expected", runtime_ms=runtime_ms, error=_describe(outcome.error))
+                described = describe_wire_exception(outcome.error)
+                log.info("task_failed_expected", runtime_ms=runtime_ms, error=described)
             else:
                 # Once per task, with its traceback (retries log task_retried without one).
                 log.warning(
@@ -193,7 +199,7 @@ class OutcomeHandler:
         if outcome.retries_exhausted:
             return Disposition.dead_letter(
                 "max_retries_exceeded",
-                f"failed after {request.retries} retries: {_describe(outcome.error)}",
+                f"failed after {request.retries} retries: {describe_wire_exception(outcome.error)}",
                 ran=True,
                 finished=True,
             )
@@ -208,7 +214,8 @@ class OutcomeHandler:
         eta = when.isoformat()
 
         async def announce() -> None:
-            log.info("task_retried", retries=request.retries + 1, eta=eta, error=_describe(outcome.error))
+            described = describe_wire_exception(outcome.error)
+            log.info("task_retried", retries=request.retries + 1, eta=eta, error=described)
             error = outcome.error or wire_exception("Retry", "retry", module=CELERY_EXCEPTIONS_MODULE)
             await self._events.send(
                 "task-retried",
@@ -232,12 +239,12 @@ class OutcomeHandler:
             log.info("task_rejected_requeued")
             return HAND_BACK
         error = outcome.error or wire_exception("Reject", "rejected", module=CELERY_EXCEPTIONS_MODULE)
-        log.warning("task_rejected", error=_describe(error))
+        log.warning("task_rejected", error=describe_wire_exception(error))
         await self.reply(
             request, Outcome(task_id=request.id, status=State.FAILURE, result=error), failed=True
         )
         await self.chord_part(request, State.FAILURE, error)
-        return Disposition.dead_letter("rejected", _describe(error), finished=True)
+        return Disposition.dead_letter("rejected", describe_wire_exception(error), finished=True)
 
     async def _child_lost(
         self, message: aio_pika.abc.AbstractIncomingMessage, request: TaskMessage, outcome: JobOutcome
@@ -306,11 +313,3 @@ _FINISHED: Final = Disposition(Fate.ACK, ran=True, finished=True)
 def _child_tuples(ids: list[str]) -> list[Any]:
     # Celery's AsyncResult.as_tuple(): ((id, parent), None); the parent is this task, known already.
     return [[[task_id, None], None] for task_id in ids]
-
-
-def _describe(error: dict[str, Any] | None) -> str:
-    if not error:
-        return "unknown error"
-    message = error.get("exc_message")
-    text = ", ".join(map(str, message)) if isinstance(message, list) else str(message)
-    return f"{error.get('exc_type')}: {text}"

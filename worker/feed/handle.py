@@ -4,7 +4,8 @@ The child's counterpart of ``worker/consume/consumer.py`` and ``outcomes.py``, o
 every step decides a :class:`~worker.consume.disposition.Disposition` and the child's settle point
 (``worker/feed/settle.py``) carries it out. A canvas field the child cannot honour is refused
 (dead-lettered, its caller answered), never silently skipped. What a task's caller, chord and
-watchers are told on the way is ``worker/feed/answers.py``'s.
+watchers are told on the way is ``worker/feed/answers.py``'s; a finished run's outcome is
+``worker/feed/outcomes.py``'s.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import datetime as dt
 import time
 from collections.abc import Callable, Mapping, Set
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
 import structlog
 from structlog.contextvars import bind_contextvars, clear_contextvars
@@ -25,7 +26,6 @@ from broker_svc.connection.feed_connection import TaskDelivery
 from broker_svc.errors import MessageError
 from broker_svc.topology import DELAY_HOLD_WINDOW_S, delay_bucket_ms
 from broker_svc.wire import codec
-from broker_svc.wire.event_fields import describe_repr
 from broker_svc.wire.result_message import CELERY_EXCEPTIONS_MODULE, Outcome, wire_exception
 from broker_svc.wire.states import State
 from broker_svc.wire.task_message import TaskMessage, decode_task, eta_and_expires, safe_repr
@@ -35,22 +35,22 @@ from worker.consume.admission import (
     UNKNOWN_TASK_HINT,
     carries_count,
     delivery_count,
-    expected_failure,
     recount,
 )
-from worker.consume.disposition import ACK, HAND_BACK, Disposition, retry_copy, retry_eta
+from worker.consume.disposition import ACK, Disposition
 from worker.consume.job_request import delivery_info, past_dedup_deadline, request_context, time_limits
 from worker.consume.rate_limits import RATE_RESERVED_HEADER
 from worker.feed.answers import FeedAnswers, Handled
 from worker.feed.canvas import FeedCanvas
 from worker.feed.events import FeedEvents
 from worker.feed.ledger import FeedLedger
+from worker.feed.outcomes import FeedOutcomes
 from worker.feed.rates import SharedRates
 from worker.feed.replies import FeedReplies
 from worker.feed.spec import FeedSpec
 from worker.feed.states import FeedStates
 from worker.gate.forward import to_gate
-from worker.pool.ipc import Job, JobStatus
+from worker.pool.ipc import Job
 
 __all__ = ["FeedHandler", "Handled"]
 
@@ -109,10 +109,11 @@ class FeedHandler:
             terminated=self._terminated,
             states=self._states,
         )
+        self._outcomes = FeedOutcomes(
+            app=app, answers=self._answers, canvas=self._canvas, events=events, terminated=self._terminated
+        )
         self.processed = 0
         self.current: TaskMessage | None = None  # the request running now (the hard time limit's)
-        # A success's runtime, logged after its ack: the line then overlaps the broker's next delivery.
-        self.succeeded_ms: float | None = None
         # Per-task limits the time_limit command set: (hard, soft), kept by the worker's control thread.
         self.time_limits: dict[str, tuple[float | None, float | None]] = {}
         # The run just ended, until the next delivery: (request, done frame, runtime ms).
@@ -120,7 +121,7 @@ class FeedHandler:
 
     def handle(self, delivery: TaskDelivery) -> Handled:
         """The fate of one delivery (its task run here if it may run)."""
-        self.succeeded_ms = None
+        self._outcomes.succeeded_ms = None
         self.concluding = None
         clear_contextvars()
         raw_id = delivery.headers.get("id")
@@ -155,9 +156,10 @@ class FeedHandler:
 
     def log_success(self) -> None:
         """The ``task_succeeded`` line of the delivery just settled, if its task succeeded."""
-        if self.succeeded_ms is not None:
-            log.info("task_succeeded", runtime_ms=self.succeeded_ms)
-            self.succeeded_ms = None
+        outcomes = self._outcomes
+        if outcomes.succeeded_ms is not None:
+            log.info("task_succeeded", runtime_ms=outcomes.succeeded_ms)
+            outcomes.succeeded_ms = None
 
     def _guarded(self, delivery: TaskDelivery, request: TaskMessage) -> Handled:
         # The guards, in the worker consumer's order; one that passes them all runs.
@@ -194,18 +196,18 @@ class FeedHandler:
             return recount(count), None
         if request.id in self._revoked:
             return self._answers.skip_revoked(request, expired=False), None
-        # The clock is read only for a task that has a date: most have none.
-        now = dt.datetime.now(dt.UTC) if request.expires is not None or request.eta is not None else None
-        if request.expires is not None and now is not None and request.expires <= now:
-            return self._answers.skip_revoked(request, expired=True), None
         if past_dedup_deadline(request):
             return self._answers.skip_revoked(request, expired=True), None  # evicted from its key
-        if request.eta is not None and now is not None and request.eta > now:
-            left_s = (request.eta - now).total_seconds()
-            bucket_ms = delay_bucket_ms(left_s, hold_window_s=DELAY_HOLD_WINDOW_S)
-            if bucket_ms is not None:
-                return Disposition.republish({}, delay_ms=bucket_ms), None  # back when nearly due
-            time.sleep(left_s)  # due within the hold window: this child waits for it
+        if request.expires is not None or request.eta is not None:  # the clock only for a dated task
+            now = dt.datetime.now(dt.UTC)
+            if request.expires is not None and request.expires <= now:
+                return self._answers.skip_revoked(request, expired=True), None
+            if request.eta is not None and request.eta > now:
+                left_s = (request.eta - now).total_seconds()
+                bucket_ms = delay_bucket_ms(left_s, hold_window_s=DELAY_HOLD_WINDOW_S)
+                if bucket_ms is not None:
+                    return Disposition.republish({}, delay_ms=bucket_ms), None  # back when nearly due
+                time.sleep(left_s)  # due within the hold window: this child waits for it
         if (parked := self._rate_limited(delivery, request, in_place=ordered)) is not None:
             return parked, None  # parked until its turn under the task's rate limit
         return self._execute(delivery, request)
@@ -268,7 +270,7 @@ class FeedHandler:
         self.processed += 1
         # From here the run's outcome is owed even if the connection fails while it goes out.
         self.concluding = (request, done, runtime_ms)
-        return self._conclude(request, done, runtime_ms)
+        return self._outcomes.conclude(request, done, runtime_ms)
 
     def conclude_again(self) -> Handled | None:
         """The last run's outcome once more (its connection failed while it went out); None if none ran.
@@ -279,89 +281,7 @@ class FeedHandler:
         if self.concluding is None:
             return None
         request, done, runtime_ms = self.concluding
-        return self.ledger.decided(self._conclude(request, done, runtime_ms))
-
-    def _conclude(self, request: TaskMessage, done: dict[str, Any], runtime_ms: float) -> Handled:
-        # A run's outcome: to its caller, its chord and its callbacks; the delivery's disposition.
-        if _terminated_here(done) and request.id in self._terminated:
-            # An async def task the worker terminated under --threads, cancelled in its thread
-            # (worker/pool/task_loop.py): answered as a terminated task, as when its child dies.
-            return self._answers.skip_revoked(request, expired=False), None
-        events = self.events
-        status = JobStatus(done["status"])
-        if status is JobStatus.SUCCESS:
-            self.succeeded_ms = runtime_ms  # logged once acked (``log_success``)
-            canvas = canvas_plan.wants_anything(request)
-            planned = canvas_plan.after_success(request, done["value"]) if canvas else []
-            # Celery's result.children: what the body sent, then the callbacks and the next step.
-            sent = [*(done.get("children") or ()), *(item.message.id for item in planned)]
-            children = [[[child, None], None] for child in sent]
-            value = done["value"]
-            self._answers.reply(
-                request, Outcome(task_id=request.id, status=State.SUCCESS, result=value, children=children)
-            )
-            self._canvas.chord_part(request, State.SUCCESS, value)
-            if planned:
-                self._canvas.send(planned, why="after_success")
-            if events.enabled:
-                events.send(
-                    "task-succeeded", uuid=request.id, result=safe_repr(value), runtime=runtime_ms / 1000
-                )
-            return _FINISHED, None
-        if status is JobStatus.IGNORED:
-            log.info("task_ignored", runtime_ms=runtime_ms)
-            return _FINISHED, None
-        error = done.get("error") or wire_exception("Exception", "unknown failure", module="builtins")
-        if status is JobStatus.RETRY:
-            return self._retry(request, done, error)
-        if status is JobStatus.REJECTED:
-            if isinstance(done.get("value"), dict) and done["value"].get("requeue"):
-                log.info("task_rejected_requeued")
-                events.send("task-rejected", uuid=request.id, requeue=True)
-                return HAND_BACK, None
-            log.warning("task_rejected", error=_describe(error))
-            self._answers.reply(
-                request, Outcome(task_id=request.id, status=State.FAILURE, result=error), failed=True
-            )
-            self._canvas.chord_part(request, State.FAILURE, error)
-            rejected = Disposition.dead_letter("rejected", _describe(error), finished=True)
-            return rejected, self._answers.rejected(request.id)
-        task = self._app.tasks.get(request.task)
-        if task is not None and expected_failure(task.throws, error):  # part of its contract: no traceback
-            log.info("task_failed_expected", runtime_ms=runtime_ms, error=_describe(error))
-        else:
-            log.warning("task_failed", runtime_ms=runtime_ms, error=error, traceback=done.get("traceback"))
-        self._answers.failed(request, error, done.get("traceback"))
-        if done.get("retries_exhausted"):
-            why = f"failed after {request.retries} retries: {_describe(error)}"
-            return Disposition.dead_letter("max_retries_exceeded", why, ran=True, finished=True), None
-        return _FINISHED, None
-
-    def _retry(self, request: TaskMessage, done: dict[str, Any], error: dict[str, Any]) -> Handled:
-        # The copy (same id, retries + 1, new eta) is confirmed before the original is acked; only
-        # then are the log line and the RETRY state true.
-        value = done["value"] if isinstance(done.get("value"), dict) else {}
-        when = retry_eta(value)
-        eta = when.isoformat()
-        left_s = (when - dt.datetime.now(dt.UTC)).total_seconds()
-        delay_ms = delay_bucket_ms(left_s, hold_window_s=DELAY_HOLD_WINDOW_S)
-
-        def announce() -> None:
-            log.info("task_retried", retries=request.retries + 1, eta=eta, error=_describe(error))
-            self.events.send(
-                "task-retried",
-                uuid=request.id,
-                exception=describe_repr(error),
-                traceback=done.get("traceback") or "",
-            )
-            self._answers.reply(
-                request,
-                Outcome(
-                    task_id=request.id, status=State.RETRY, result=error, traceback=done.get("traceback")
-                ),
-            )
-
-        return retry_copy(request, value, eta, delay_ms=delay_ms), announce
+        return self.ledger.decided(self._outcomes.conclude(request, done, runtime_ms))
 
     def update(self, payload: dict[str, Any]) -> None:
         """The running task reported a state (``update_state``, STARTED): to its caller, confirmed."""
@@ -380,22 +300,3 @@ class FeedHandler:
         """Answer a task past its hard time limit as failed (its child is about to end)."""
         self._answers.failed(request, wire_exception("TimeLimitExceeded", limit_s), None)
         self.ledger.time_limit_exceeded(request, limit_s or 0.0)
-
-
-# A run that ended in a final outcome: its delivery is simply acked.
-_FINISHED: Final = Disposition(ACK.fate, ran=True, finished=True)
-
-
-def _describe(error: dict[str, Any]) -> str:
-    message = error.get("exc_message")
-    text = ", ".join(map(str, message)) if isinstance(message, list) else str(message)
-    return f"{error.get('exc_type')}: {text}"
-
-
-def _terminated_here(done: Mapping[str, Any]) -> bool:
-    error = done.get("error")
-    return (
-        done.get("status") == str(JobStatus.FAILURE)
-        and isinstance(error, Mapping)
-        and error.get("exc_type") == "TaskRevokedError"
-    )
