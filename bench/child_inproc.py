@@ -36,15 +36,14 @@ from bench.scenarios import SLEEP_S
 from bench.tasks import app as bench_app
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
-from broker_svc.connection.shared_feed_connection import SharedFeedConnection
 from broker_svc.logging import configure_logging
 from broker_svc.settings import Settings
 from broker_svc.signature import Signature
 from broker_svc.topology import task_queue
 from broker_svc.wire.ids import uuid4_str
+from worker.feed.child import build_consumers
 from worker.feed.consumer import Consumer, Shared
 from worker.feed.spec import FeedSpec
-from worker.feed.thread_limits import ThreadSoftLimits
 from worker.pool.child import SoftLimit
 
 _TASKS = {"noop": ("bench.tasks.noop", ()), "sleep": ("bench.tasks.timed", (SLEEP_S,))}
@@ -102,28 +101,9 @@ def _consumers(spec: FeedSpec) -> tuple[list[Consumer], Shared]:
     # As worker/feed/child.py's serve builds them, without the control thread and the board.
     shared = Shared(revoked=set(), wanted=list(spec.queues))
     shared.may_consume.set()
-    clock = LamportClock()
-    if spec.threads == 1:
-        only = Consumer(bench_app, spec, shared, clock=clock, board=None, index=0, soft_limit=SoftLimit())
-        return [only], shared
-    connection = SharedFeedConnection(
-        spec.settings, name="bench-child-inproc", queues=spec.queues, prefetch=spec.connection_prefetch,
-        declare=spec.queue_specs,
-    )  # fmt: skip
-    limits = ThreadSoftLimits()
-    consumers = [
-        Consumer(
-            bench_app,
-            spec,
-            shared,
-            clock=clock,
-            board=None,
-            index=i,
-            soft_limit=limits.for_thread(),
-            connection=connection,
-        )  # fmt: skip
-        for i in range(spec.threads)
-    ]
+    consumers, _ = build_consumers(
+        bench_app, spec, shared, clock=LamportClock(), board=None, soft_limit=SoftLimit()
+    )
     return consumers, shared
 
 

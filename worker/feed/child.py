@@ -51,7 +51,7 @@ from worker.pool import ipc
 from worker.pool.board import Board
 from worker.pool.child import ChildChannel, SoftLimit
 
-__all__ = ["serve"]
+__all__ = ["build_consumers", "serve"]
 
 log = structlog.get_logger(__name__)
 
@@ -61,29 +61,11 @@ def serve(app: App, spec: FeedSpec, channel: ChildChannel, soft_limit: SoftLimit
     shared = Shared(revoked=set(spec.revoked), wanted=list(spec.queues))
     clock = LamportClock()
     board = Board.attach(spec.board_path, spec.board_slots) if spec.board_path else None
-    connection = None
-    if spec.threads > 1:
-        limits = ThreadSoftLimits()
-        connection = SharedFeedConnection(
-            spec.settings, name=spec.connection_name(os.getpid()), queues=spec.queues,
-            prefetch=spec.connection_prefetch, declare=spec.queue_specs,
-        )  # fmt: skip
-        consumers = [
-            Consumer(
-                app,
-                spec,
-                shared,
-                clock=clock,
-                board=board,
-                index=i,
-                soft_limit=limits.for_thread(),
-                connection=connection,
-            )  # fmt: skip
-            for i in range(spec.threads)
-        ]
-    else:
+    if spec.threads == 1:
         signal.signal(signal.SIGALRM, soft_limit.on_signal)  # the soft limit: a SIGALRM to this thread
-        consumers = [Consumer(app, spec, shared, clock=clock, board=board, index=0, soft_limit=soft_limit)]
+    consumers, connection = build_consumers(
+        app, spec, shared, clock=clock, board=board, soft_limit=soft_limit
+    )
     for consumer in consumers:
         consumer.handler.time_limits = shared.time_limits  # one table for every thread
         consumer.handler.ledger.report_to(channel)  # its counts, for the worker's stats and metrics
@@ -117,6 +99,43 @@ def serve(app: App, spec: FeedSpec, channel: ChildChannel, soft_limit: SoftLimit
             thread.join(STOP_CHECK_S)
     if connection is not None:
         connection.close()
+
+
+def build_consumers(
+    app: App,
+    spec: FeedSpec,
+    shared: Shared,
+    *,
+    clock: LamportClock,
+    board: Board | None,
+    soft_limit: SoftLimit,
+) -> tuple[list[Consumer], SharedFeedConnection | None]:
+    """The child's consumers: one on a connection of its own, or ``spec.threads`` on one shared one.
+
+    ``soft_limit`` is the single consumer's (the caller routes SIGALRM to it); threads get theirs
+    from ``ThreadSoftLimits``. The shared connection is returned for the caller to close.
+    """
+    if spec.threads == 1:
+        return [Consumer(app, spec, shared, clock=clock, board=board, index=0, soft_limit=soft_limit)], None
+    limits = ThreadSoftLimits()
+    connection = SharedFeedConnection(
+        spec.settings, name=spec.connection_name(os.getpid()), queues=spec.queues,
+        prefetch=spec.connection_prefetch, declare=spec.queue_specs,
+    )  # fmt: skip
+    consumers = [
+        Consumer(
+            app,
+            spec,
+            shared,
+            clock=clock,
+            board=board,
+            index=i,
+            soft_limit=limits.for_thread(),
+            connection=connection,
+        )  # fmt: skip
+        for i in range(spec.threads)
+    ]
+    return consumers, connection
 
 
 def _say_retiring(channel: ChildChannel) -> None:
