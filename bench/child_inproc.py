@@ -9,9 +9,10 @@ prints one JSON line per round: tasks/s and microseconds of this process's CPU p
 system), from the start until the last task ended; ``--profile N`` adds cProfile's N costliest
 functions by own time (``--threads 1`` only; it slows the run).
 
-Without a worker, a forkserver and a second child, a round varies by a few percent where a whole
-worker's drain varies by ten or more on a shared machine: to compare two commits, run it from two
-checkouts (``PYTHONPATH=<checkout>``) one after the other, several times.
+Without a worker, a forkserver and a second child it is steadier than a whole worker's drain, but
+not immune to a shared machine whose speed drifts (on this one: 162-164 us of user CPU per no-op
+task in three rounds, 189-222 in four rounds an hour later). To compare two commits, run it from
+two checkouts (``PYTHONPATH=<checkout>``) in turn, several times each.
 """
 
 from __future__ import annotations
