@@ -333,10 +333,15 @@ class FrameSocket:
                 ):
                     why, timed_out = closed_by_broker(frame.payload)
                     self._close_seen = True
-                    if self.on_close_seen is not None:
+                    if self.on_close_seen is not None and self._first_to_tell():
                         message = f"connection {self._name}: {why} (while a task runs)"
                         self.on_close_seen(ConnectionLost(message, consumer_timeout=timed_out))
                     return
+
+    def _first_to_tell(self) -> bool:
+        """Whether a close seen by a peek is the first word of this connection's loss (the
+        subclass's, where threads may tell it too)."""
+        return True
 
 
 def closed_by_broker(payload: bytes) -> tuple[str, bool]:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from broker_svc.connection.feed_delivery import ConnectionLost, TaskDelivery
 
-__all__ = ["PendingPublish", "QueuedSettle", "SettleQueue"]
+__all__ = ["PendingPublish", "QueuedSettle", "SettleQueue", "mark_returned"]
 
 
 class PendingPublish:
@@ -20,6 +20,24 @@ class PendingPublish:
         self.exchange, self.routing_key, self.body = exchange, routing_key, body
         self.done = self.nacked = False
         self.returned: str | None = None
+
+
+def mark_returned(
+    pending: Mapping[int, PendingPublish], exchange: str, routing_key: str, body: bytes, *, why: str
+) -> None:
+    """Mark the oldest publish waiting for its confirm that sent this returned message.
+
+    A basic.return does not name its sequence number; the broker sends it before the confirm.
+    """
+    for sequence in sorted(pending):
+        waiting = pending[sequence]
+        if (
+            not waiting.done
+            and waiting.returned is None
+            and (waiting.exchange, waiting.routing_key, waiting.body) == (exchange, routing_key, body)
+        ):
+            waiting.returned = why
+            return
 
 
 class QueuedSettle:

@@ -27,7 +27,7 @@ from typing import Final
 
 from broker_svc.connection.feed_connection import FeedConnection
 from broker_svc.connection.feed_delivery import ConnectionLost, TaskDelivery
-from broker_svc.connection.feed_waits import PendingPublish, SettleQueue
+from broker_svc.connection.feed_waits import PendingPublish, SettleQueue, mark_returned
 from broker_svc.errors import BrokerUnavailable, PublishNacked, Unroutable
 from broker_svc.settings import Settings
 from broker_svc.topology import QueueSpec
@@ -242,6 +242,12 @@ class SharedFeedConnection(FeedConnection):
             self._told, loss = self.generation, self._loss
         return loss[1] if loss is not None and loss[0] == self.generation else exc
 
+    def _first_to_tell(self) -> bool:
+        # The heartbeat thread's peek and a thread's read may see one close at once: told once.
+        with self._state:
+            told, self._told = self._told, self.generation
+            return told != self.generation
+
     def _losing(self, lost: ConnectionLost) -> None:
         # Before the drop wakes the other threads: what the first thread that saw it knows (a
         # consumer_timeout, say); a read that fails after that drop tells less.
@@ -380,15 +386,7 @@ class SharedFeedConnection(FeedConnection):
         routing_key = payload[at + 1 : at + 1 + payload[at]].decode()
         _properties, body = self._content()
         with self._state:
-            for sequence in sorted(self._pending):
-                waiting = self._pending[sequence]
-                if (
-                    not waiting.done
-                    and waiting.returned is None
-                    and (waiting.exchange, waiting.routing_key, waiting.body) == (exchange, routing_key, body)
-                ):
-                    waiting.returned = f"{code} {text}"
-                    return
+            mark_returned(self._pending, exchange, routing_key, body, why=f"{code} {text}")
 
     def _on_deliver(self, payload: bytes) -> None:
         super()._on_deliver(payload)

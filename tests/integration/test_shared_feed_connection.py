@@ -6,6 +6,7 @@ import contextlib
 import socket
 import threading
 from collections.abc import Iterator
+from urllib.parse import unquote, urlsplit
 
 import pika
 import pytest
@@ -124,3 +125,51 @@ def test_an_ack_queued_behind_a_failed_write_fails_in_its_own_thread_too(test_vh
         again = [connection.next_delivery(5.0), connection.next_delivery(5.0)]
         # Neither ack reached the broker, and neither thread said it had.
         assert sorted(d.headers["id"] for d in again if d is not None and d.redelivered) == ["t0", "t1"]
+
+
+def _closed_by_the_broker(session_broker, url: str, name: str) -> None:
+    # The broker closes the connection named ``name``; return once its close can be peeked at.
+    if session_broker.rabbitmqctl is None:
+        pytest.fail("this test needs rabbitmqctl for the broker (to close a connection from its side)")
+    vhost = unquote(urlsplit(url).path[1:]) or "/"
+    out = session_broker.rabbitmqctl(
+        "list_connections", "-p", vhost, "-q", "--no-table-headers", "pid", "client_properties"
+    )
+    (pid,) = [line.split("\t", 1)[0] for line in out.splitlines() if name in line]
+    session_broker.rabbitmqctl("close_connection", pid, "test: a close told once")
+
+
+@pytest.mark.parametrize("first", ["the peek", "a read"])
+def test_a_close_seen_by_the_heartbeat_peek_and_by_a_read_at_once_is_told_once(
+    session_broker, test_vhost_url: str, queue: str, first: str
+):
+    # The heartbeat thread peeks for a close while no thread holds the role, and a thread may take
+    # the role just then and read the same close: its loss is made before the peek marks the close
+    # seen, so both would tell it (CI saw two feed_connection_lost lines for one close).
+    connection = _connection(test_vhost_url, queue, prefetch=1)
+    told: list[ConnectionLost] = []
+    connection.on_close_seen = told.append
+    try:
+        sock = connection._sock
+        assert sock is not None
+        _closed_by_the_broker(session_broker, test_vhost_url, "test-shared-feed")
+
+        def close_arrived() -> bool:
+            try:
+                return bool(sock.recv(4096, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+            except BlockingIOError:
+                return False
+
+        wait_for(close_arrived, timeout_s=10, message="the broker's close on the socket")
+        read_loss = ConnectionLost("connection test-shared-feed: the broker closed the connection")
+        if first == "the peek":
+            connection._peek_close(sock)
+            assert len(told) == 1 and "while a task runs" in str(told[0])
+            assert connection.loss_to_tell(read_loss) is None
+        else:
+            assert connection.loss_to_tell(read_loss) is read_loss
+            connection._peek_close(sock)
+            assert told == []
+    finally:
+        with contextlib.suppress(ConnectionLost):
+            connection.close()
