@@ -17,16 +17,32 @@ class ConnectionLost(BrokerUnavailable):
         consumer_timeout: the broker closed the channel because a delivery stayed unacked past its
             ``consumer_timeout`` (406 "... timed out").
         cancelled_queue: the queue whose consumer the broker cancelled (deleted, say), if that was it.
-        reported: ``FeedConnection.on_close_seen`` told of it already, while a task ran.
+        reported: told of already (``FeedConnection.on_close_seen``, while a task ran), or found
+            gone by a thread that did not see it fail (the one that did tells it).
+        generation: the connection it ended (``SharedFeedConnection``), once known.
     """
 
     def __init__(
-        self, message: str, *, consumer_timeout: bool = False, cancelled_queue: str | None = None
+        self,
+        message: str,
+        *,
+        consumer_timeout: bool = False,
+        cancelled_queue: str | None = None,
+        reported: bool = False,
     ) -> None:
         super().__init__(message)
         self.consumer_timeout = consumer_timeout
         self.cancelled_queue = cancelled_queue
-        self.reported = False
+        self.reported = reported
+        self.generation: int | None = None
+
+    def again(self) -> ConnectionLost:
+        """The same loss, to raise in another thread (which its first raise did not reach)."""
+        copy = ConnectionLost(
+            str(self), consumer_timeout=self.consumer_timeout, cancelled_queue=self.cancelled_queue
+        )
+        copy.reported, copy.generation = self.reported, self.generation
+        return copy
 
 
 # Not frozen: a child builds one per delivery, and a frozen dataclass's __init__ costs about

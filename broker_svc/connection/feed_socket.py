@@ -210,7 +210,8 @@ class FrameSocket:
                 self._last_write = time.monotonic()
         except OSError as exc:
             if self._sock is not sock:  # another thread connected again (--threads): not ours to drop
-                raise ConnectionLost(f"connection {self._name}: write failed: {exc}") from exc
+                # The thread that connected again saw the loss, and told it.
+                raise ConnectionLost(f"connection {self._name}: write failed: {exc}", reported=True) from exc
             raise self._lost(f"write failed: {exc}") from exc
 
     def _expect(

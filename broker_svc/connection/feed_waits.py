@@ -89,7 +89,7 @@ class SettleQueue:
             if not settle.done:
                 self._write_queued()  # raises the write's failure itself
         if settle.failure is not None:
-            raise ConnectionLost(str(settle.failure)) from settle.failure
+            raise settle.failure.again() from settle.failure
 
     def _write_queued(self) -> None:
         # Under the lock: everything queued (only here are they taken), current tags only.

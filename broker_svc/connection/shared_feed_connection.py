@@ -193,7 +193,7 @@ class SharedFeedConnection(FeedConnection):
         while True:
             with self._state:
                 if self._sock is None:
-                    raise ConnectionLost("not connected")
+                    raise self._gone("not connected")
                 if self._deliveries:
                     delivery = self._deliveries.popleft()
                     if self._reader is None:
@@ -227,31 +227,35 @@ class SharedFeedConnection(FeedConnection):
         """
         # No read here (the threads that wait read), so no system call per task.
         if delivery is not None and (delivery.generation != self.generation or self._sock is None):
-            lost = ConnectionLost(f"connection {self._name}: lost before a settle went out")
-            lost.reported = delivery.generation != self.generation  # told before it connected again
-            raise lost
+            raise self._gone("lost before a settle went out")
 
     def loss_to_tell(self, exc: BrokerUnavailable) -> BrokerUnavailable | None:
-        """One log line per lost connection, not one per thread: the loss as first seen, for the
-        first thread to ask; None for the others."""
+        """One line per lost connection: the loss as first seen, for the first to ask; else None."""
         if not isinstance(exc, ConnectionLost) or exc.reported:
             return exc  # a failed connect (only the thread that tried sees it), or told already
         with self._state:
-            if self._told == self.generation:
+            # The connection it ended, not the one up now (another thread may have connected again).
+            lost = self.generation if exc.generation is None else exc.generation
+            if self._told >= lost:
                 return None
-            self._told, loss = self.generation, self._loss
-        return loss[1] if loss is not None and loss[0] == self.generation else exc
+            self._told, loss = lost, self._loss
+        return loss[1] if loss is not None and loss[0] == lost else exc
 
     def _first_to_tell(self) -> bool:
         # The heartbeat thread's peek and a thread's read may see one close at once: told once.
         with self._state:
-            told, self._told = self._told, self.generation
-            return told != self.generation
+            told, self._told = self._told, max(self._told, self.generation)
+            return told < self.generation
+
+    def _gone(self, what: str) -> ConnectionLost:
+        # Found gone, not seen failing: the thread that saw it fail tells it (loss_to_tell).
+        return ConnectionLost(f"connection {self._name}: {what}", reported=True)
 
     def _losing(self, lost: ConnectionLost) -> None:
         # Before the drop wakes the other threads: what the first thread that saw it knows (a
         # consumer_timeout, say); a read that fails after that drop tells less.
         with self._state:
+            lost.generation = self.generation  # the failing thread holds the role or the socket lock
             if self._loss is None or self._loss[0] != self.generation:
                 self._loss = (self.generation, lost)
 
@@ -325,7 +329,7 @@ class SharedFeedConnection(FeedConnection):
         while True:
             with self._state:
                 if self.generation != generation or self._sock is None:
-                    raise ConnectionLost(f"connection {self._name}: lost before a publish was confirmed")
+                    raise self._gone("lost before a publish was confirmed")
                 if waiting.done:
                     if self._reader is None:
                         self._hand_on()

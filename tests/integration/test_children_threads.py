@@ -128,7 +128,8 @@ def test_a_connection_closed_under_running_threads_loses_no_task(
     ran = [r.get(timeout=60) for r in results]  # each task answered: none lost with the connection
     assert len(ran) == 12 * THREADS
     # One line for the lost connection, not one per thread that met the loss.
-    assert threads_worker.count("feed_connection_lost") == lost_before + 1
+    lost = [e for e in threads_worker.events() if e.get("event") == "feed_connection_lost"]
+    assert len(lost) == lost_before + 1, lost
     wait_for(
         lambda: len(_child_connections(session_broker, test_vhost_url, threads_worker)) == 1,
         timeout_s=20, message="one connection again",

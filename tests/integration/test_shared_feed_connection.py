@@ -173,3 +173,22 @@ def test_a_close_seen_by_the_heartbeat_peek_and_by_a_read_at_once_is_told_once(
     finally:
         with contextlib.suppress(ConnectionLost):
             connection.close()
+
+
+def test_a_loss_told_before_another_thread_connected_again_is_not_told_again(test_vhost_url: str, queue: str):
+    # Threads meet one loss at different times: a thread whose settle was queued behind the failed
+    # write raises it only after the first thread told it and connected again (CI saw a second
+    # feed_connection_lost line, "lost before a settle went out", for one forced close).
+    connection = _connection(test_vhost_url, queue, prefetch=1)
+    try:
+        seen = connection._lost("read failed: test")  # a thread sees its connection fail, drops it
+        queued_behind = seen.again()  # what a thread whose ack rode on that write raises later
+        told = connection.loss_to_tell(seen)
+        assert told is not None and "read failed: test" in str(told)
+        connection.connect()  # the first thread connects again
+        assert connection.loss_to_tell(queued_behind) is None  # the old connection's, told already
+        fresh = connection._lost("read failed: the new connection")
+        assert connection.loss_to_tell(fresh) is fresh  # the new connection's own loss is told
+    finally:
+        with contextlib.suppress(ConnectionLost):
+            connection.close()
