@@ -37,8 +37,9 @@ from bench.scenarios import SLEEP_S
 from bench.tasks import app as bench_app
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
+from broker_svc.connection.shared_feed_connection import SharedFeedConnection
 from broker_svc.logging import configure_logging
-from broker_svc.settings import Settings
+from broker_svc.settings import DEFAULT_BROKER_URL, Settings
 from broker_svc.signature import Signature
 from broker_svc.topology import task_queue
 from broker_svc.wire.ids import uuid4_str
@@ -64,7 +65,7 @@ def one_round(url: str, args: argparse.Namespace) -> dict[str, Any]:
             settings=settings, queues=(queue,), prefetch=args.prefetch_multiplier, hostname="inproc@bench",
             queue_specs=(task_queue(queue),), task_names=(name,), threads=args.threads,
         )  # fmt: skip
-        consumers, shared = _consumers(spec)
+        consumers, shared, connection = _consumers(spec)
         ended: list[tuple[float, resource.struct_rusage]] = []
 
         def watch() -> None:  # the end is the last task's, not the stop check's wait after it
@@ -81,6 +82,8 @@ def one_round(url: str, args: argparse.Namespace) -> dict[str, Any]:
         _run(consumers)
         if profile is not None:
             profile.disable()
+        if connection is not None:  # the threads' shared one (a lone consumer closes its own)
+            connection.close()
         finished, after = ended[0]
         done = sum(c.handler.processed for c in consumers)
         figures: dict[str, Any] = {
@@ -98,14 +101,14 @@ def one_round(url: str, args: argparse.Namespace) -> dict[str, Any]:
         delete(url, [queue])
 
 
-def _consumers(spec: FeedSpec) -> tuple[list[Consumer], Shared]:
+def _consumers(spec: FeedSpec) -> tuple[list[Consumer], Shared, SharedFeedConnection | None]:
     # As worker/feed/child.py's serve builds them, without the control thread and the board.
     shared = Shared(revoked=set(), wanted=list(spec.queues))
     shared.may_consume.set()
-    consumers, _ = build_consumers(
+    consumers, connection = build_consumers(
         bench_app, spec, shared, clock=LamportClock(), board=None, soft_limit=SoftLimit()
     )
-    return consumers, shared
+    return consumers, shared, connection
 
 
 def _run(consumers: list[Consumer]) -> None:
@@ -117,14 +120,11 @@ def _run(consumers: list[Consumer]) -> None:
         thread.start()
     for thread in threads:
         thread.join()
-    consumers[0].connection.close()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.child_inproc", description=__doc__)
-    parser.add_argument(
-        "--broker", default=os.environ.get("CLOCKWORK_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
-    )
+    parser.add_argument("--broker", default=os.environ.get("CLOCKWORK_BROKER_URL") or DEFAULT_BROKER_URL)
     parser.add_argument("--tasks", type=int, default=20_000)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--task", choices=sorted(_TASKS), default="noop")
