@@ -12,7 +12,7 @@ import pytest
 from broker_svc import App, Settings
 from broker_svc.wire import codec
 from control import ControlClient
-from tests.support.amqp import channel, delete_queues, drain, publish_raw
+from tests.support.amqp import channel, delete_queues, drain, publish_raw, queue_exists
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerProcess
 
@@ -156,7 +156,13 @@ def test_a_deleted_dead_letter_queue_is_recreated_not_looped_on(
 ):
     delete_queues(test_vhost_url, f"{queue}.dead")
     publish_raw(test_vhost_url, queue, VALID_BODY, headers={"task": "nope.nope", "id": "dlq-gone"})
-    dead = wait_for(lambda: drain(test_vhost_url, f"{queue}.dead"), timeout_s=20, message="not dead-lettered")
+    dlq = f"{queue}.dead"
+    # Until the worker declares it again, the queue is not there to read (a read would be refused).
+    dead = wait_for(
+        lambda: drain(test_vhost_url, dlq) if queue_exists(test_vhost_url, dlq) else [],
+        timeout_s=20,
+        message="not dead-lettered",
+    )
     assert dead[0].headers["x-clockwork-reason"] == "NotRegistered"
     assert client.send_task(ADD, (1, 2), queue=queue).get(timeout=30) == 3
 
