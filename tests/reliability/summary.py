@@ -8,7 +8,8 @@ of one design) leaves the others' figures in place.
 
 Designs (``design`` in a record, from ``CLOCKWORK_TEST_WORKER_ARGS``): ``worker-consumes``
 (``--worker-consumes``, the default before issue 16), whose table has the original markers
-(records from before the tag are that design's), and ``children-consume``, the default now.
+(records from before the tag are that design's), ``children-consume``, the default now, and
+``threads``, the default with ``--threads N`` (N > 1).
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ MARKERS = {
     "children-consume": (
         "<!-- reliability:last-run:children-consume:start -->",
         "<!-- reliability:last-run:children-consume:end -->",
+    ),
+    "threads": (  # the default design under CLOCKWORK_TEST_WORKER_ARGS="--threads N"
+        "<!-- reliability:last-run:threads:start -->",
+        "<!-- reliability:last-run:threads:end -->",
     ),
 }
 _NOT_FIGURES = {"row", "test", "at", "design"}

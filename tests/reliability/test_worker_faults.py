@@ -27,7 +27,7 @@ from tests.infra.private_node import PrivateNode
 from tests.reliability.journal import SIZES, Journal, Verdict, check, report
 from tests.support.amqp import delete_queues
 from tests.support.waiting import poll, wait_for
-from tests.support.workers import WorkerProcess, unique_queue
+from tests.support.workers import DESIGN_THREADS, WorkerProcess, unique_queue
 from worker.config import WorkerConfig, time_limits_over_consumer_timeout
 
 JOURNAL_APP = "tests.reliability.journal_tasks:app"
@@ -125,7 +125,10 @@ def node() -> Iterator[PrivateNode]:
 # -- R1: SIGKILL mid-stream ------------------------------------------------------------------------
 
 CONCURRENCY, MULTIPLIER = 8, 2
-PREFETCH = CONCURRENCY * MULTIPLIER
+# What a killed worker can hold: each child's prefetch (its threads' under --threads), and the
+# tasks it runs at once.
+PREFETCH = CONCURRENCY * MULTIPLIER * DESIGN_THREADS
+HELD = PREFETCH + CONCURRENCY * DESIGN_THREADS
 
 
 def _kill_and_restart(
@@ -157,11 +160,11 @@ def _kill_and_restart(
         verdict,
         task=task,
         done_before_kill=done_before,
-        allowed_duplicates=PREFETCH + CONCURRENCY,
+        allowed_duplicates=HELD,
         seconds_until_all_done=recovery_s,
     )
     assert verdict.lost == 0 and verdict.unexpected == 0, verdict
-    assert verdict.duplicated <= PREFETCH + CONCURRENCY, verdict
+    assert verdict.duplicated <= HELD, verdict
     assert verdict.unmarked_duplicates == 0, verdict
     return verdict
 
@@ -419,8 +422,10 @@ def test_r6_forced_closes_leave_the_consumer_in_place_and_lose_nothing(
     queue = unique_queue("r6")
     with worker(node.url, journal, queue, concurrency=4, args=["--prefetch-multiplier", "2"]) as proc:
         proc.wait_ready()
-        # About 15 s of work for 4 children whatever n, so that the five closes land mid-run.
-        ids = publish(node.url, journal, queue, "journal.sleep", [(max(0.005, 60.0 / n),)] * n)
+        # About 15 s of work for 4 children (and their threads) whatever n, so that the five
+        # closes land mid-run.
+        task_s = max(0.005, 60.0 * DESIGN_THREADS / n)
+        ids = publish(node.url, journal, queue, "journal.sleep", [(task_s,)] * n)
         reconnect_s: list[float] = []
         consumer_counts: list[int] = []
         expected = proc.consumers_per_queue
@@ -513,16 +518,18 @@ def test_r12_r13_a_worker_keeps_consuming_through_an_alarm_and_resumes_after(
     node: PrivateNode, journal: Journal, row: str, raise_alarm: tuple[str, str], clear_alarm: tuple[str, str]
 ) -> None:
     queue = unique_queue("alarm")
-    concurrency = 4  # prefetch 4: with acks stalled, at most 4 tasks could run during the alarm
+    concurrency = 4  # prefetch 4 (per thread): with acks stalled, at most that many could run
+    prefetch = concurrency * DESIGN_THREADS
     with worker(node.url, journal, queue, concurrency=concurrency) as proc:
         proc.wait_ready()
         # Frozen while the backlog is published and the alarm is raised, so that every task it
         # runs from its release on runs under the alarm.
         os.kill(proc.pid, signal.SIGSTOP)
         try:
-            # About 5 s of work: the worker publishes heartbeats meanwhile, so its publishing
-            # connection is blocked for most of the window (what would stall acks on a shared one).
-            ids = publish(node.url, journal, queue, "journal.sleep", [(0.05,)] * 400)
+            # About 5 s of work (for its threads too): the worker publishes heartbeats meanwhile,
+            # so its publishing connection is blocked for most of the window (what would stall
+            # acks on a shared one).
+            ids = publish(node.url, journal, queue, "journal.sleep", [(0.05 * DESIGN_THREADS,)] * 400)
             node.rabbitmqctl(*raise_alarm)
             try:
                 wait_for(lambda: _alarmed(node), timeout_s=30, interval_s=0.5, message="the alarm is on")
@@ -561,13 +568,13 @@ def test_r12_r13_a_worker_keeps_consuming_through_an_alarm_and_resumes_after(
         alarm_s=round(window_s, 2),
         tasks_during_alarm=during,
         throughput_during_alarm_per_s=round(during / window_s, 1),
-        prefetch=concurrency,
+        prefetch=prefetch,
         seconds_until_results_again=resumed_s,
         connection_states_during_alarm=states,
     )
     # "blocking": would be blocked if it published; it never does, so the broker keeps reading it.
     assert states.get("consume") in ("running", "blocking") and states.get("publish") == "blocked", states
-    assert during > concurrency, "acks stalled under the alarm: no more than the prefetch ran"
+    assert during > prefetch, "acks stalled under the alarm: no more than the prefetch ran"
     assert verdict.lost == 0 and verdict.unexpected == 0, verdict
 
 

@@ -27,6 +27,24 @@ DESIGN = "children-consume"
 for _arg in DESIGN_ARGS:  # the last of the two options wins, as in the worker
     if _arg in ("--worker-consumes", "--children-consume"):
         DESIGN = _arg[2:]
+
+
+def _threads(args: Sequence[str]) -> int:
+    # The last ``--threads N`` (or ``--threads=N``) wins, as in the worker's parser.
+    threads = 1
+    for index, arg in enumerate(args):
+        if arg == "--threads" and index + 1 < len(args):
+            threads = int(args[index + 1])
+        elif arg.startswith("--threads="):
+            threads = int(arg.partition("=")[2])
+    return threads
+
+
+# Tasks each child runs at once (``--threads``): the tests that size their work or bound their
+# duplicates by the children scale by it. A run with threads is a design of its own in the report.
+DESIGN_THREADS = _threads(DESIGN_ARGS)
+if DESIGN == "children-consume" and DESIGN_THREADS > 1:
+    DESIGN = "threads"
 # Workers keep their revoked-set state files here (per node name), not in the user's home; a
 # worker restarted under the same name finds its file again.
 STATE_DIR = tempfile.mkdtemp(prefix="clockwork-test-state-")
