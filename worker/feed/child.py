@@ -45,6 +45,7 @@ from broker_svc.clock import LamportClock
 from broker_svc.connection.shared_feed_connection import SharedFeedConnection
 from worker.feed.consumer import STOP_CHECK_S, Consumer, Shared
 from worker.feed.hard_limit import signals_blocked
+from worker.feed.redeliveries import RecentRuns
 from worker.feed.spec import FeedSpec
 from worker.feed.thread_limits import ThreadSoftLimits
 from worker.pool import ipc
@@ -54,6 +55,10 @@ from worker.pool.child import ChildChannel, SoftLimit
 __all__ = ["build_consumers", "serve"]
 
 log = structlog.get_logger(__name__)
+
+# The runs a threaded child remembers, per thread: those whose acks a lost connection may have
+# taken are among the last few each thread settled (worker/feed/redeliveries.py).
+_RECENT_RUNS_PER_THREAD = 32
 
 
 def serve(app: App, spec: FeedSpec, channel: ChildChannel, soft_limit: SoftLimit) -> None:
@@ -118,6 +123,7 @@ def build_consumers(
     if spec.threads == 1:
         return [Consumer(app, spec, shared, clock=clock, board=board, index=0, soft_limit=soft_limit)], None
     limits = ThreadSoftLimits()
+    recent = RecentRuns(_RECENT_RUNS_PER_THREAD * spec.threads)
     connection = SharedFeedConnection(
         spec.settings, name=spec.connection_name(os.getpid()), queues=spec.queues,
         prefetch=spec.connection_prefetch, declare=spec.queue_specs,
@@ -132,6 +138,7 @@ def build_consumers(
             index=i,
             soft_limit=limits.for_thread(),
             connection=connection,
+            recent=recent,
         )  # fmt: skip
         for i in range(spec.threads)
     ]

@@ -29,7 +29,7 @@ from worker.consume.disposition import ACK, HAND_BACK, Fate
 from worker.feed.events import FeedEvents
 from worker.feed.handle import FeedHandler
 from worker.feed.hard_limit import HardLimit
-from worker.feed.redeliveries import FeedRedeliveries, Verdict
+from worker.feed.redeliveries import FeedRedeliveries, RecentRuns, Verdict
 from worker.feed.replies import FeedReplies
 from worker.feed.settle import FeedSettler
 from worker.feed.spec import FeedSpec
@@ -81,6 +81,7 @@ class Consumer:
         index: int,
         soft_limit: SoftLimit,
         connection: FeedConnection | None = None,
+        recent: RecentRuns | None = None,
     ) -> None:
         self.index, self._spec, self._shared = index, spec, shared
         # Under --threads the child's threads share one connection, which the child closes.
@@ -97,10 +98,15 @@ class Consumer:
         self.events = FeedEvents(connection, hostname=spec.hostname, clock=clock, enabled=spec.task_events)
         own_slot = spec.slot * spec.threads + index
         self.shown = shown = _Shown(board, own_slot)
-        connection.on_close_seen = lambda lost: _log_lost(lost, retry_in_s=None)
-        self.redeliveries = FeedRedeliveries.for_consumer(
-            spec, board, own_slot=own_slot, connection=connection
+        self.redeliveries = redeliveries = FeedRedeliveries.for_consumer(
+            spec, board, own_slot=own_slot, connection=connection, recent=recent
         )
+
+        def close_seen(lost: ConnectionLost) -> None:  # by the heartbeat thread, while tasks run
+            _log_lost(lost, retry_in_s=None)
+            redeliveries.connection_lost(lost)  # the acks of its last runs may be lost with it
+
+        connection.on_close_seen = close_seen
         alarm = spec.threads == 1  # threads get theirs from ThreadSoftLimits, inside the body
         self.task_loop = task_loop = TaskLoop()  # this thread's, for async def tasks
         self.handler = handler = FeedHandler(
@@ -177,6 +183,7 @@ class Consumer:
                 # (declaring the task queues first: a deleted one is back before it is consumed).
                 if (told := connection.loss_to_tell(exc)) is not None:  # once, not once per thread
                     _log_lost(told, retry_in_s=backoff_s)
+                self.redeliveries.connection_lost(exc)  # its last runs' acks may be lost with it
                 if self._owns_connection:  # a shared one was dropped by the failure; maybe replaced
                     connection.drop()
                 connected = False
@@ -205,6 +212,7 @@ class Consumer:
         with handler.ledger.settling(delivery):  # its --dedupe-window claim ends once settled
             try:
                 settled = _one(delivery, handler, self.settler, self.watchdog)
+                self.redeliveries.settled(delivery, settled, ran=handler.concluding is not None)
                 self.connection.check(delivery)  # a close that came with the ack: the ack was lost
             except BrokerUnavailable as exc:
                 if handler.concluding is None:

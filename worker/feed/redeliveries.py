@@ -13,6 +13,11 @@ here the children do it through two things they share:
   connects again, sends the outcome and marks it **finished**.
 
 Only redelivered copies are looked up (a rare event), so a task that is delivered once pays nothing.
+
+A child under ``--threads`` does not read after each ack (whichever thread waits reads), so it
+cannot tell an ack that a close swallowed. It keeps its last runs by connection instead
+(``RecentRuns``): when a connection is lost, the runs settled on it are written to the table as
+finished, before any of its threads connects again, and their copies are acked unrun.
 A running copy is parked: held unacked while the child raises its prefetch by one and goes on with
 other tasks, and looked at again between deliveries. Once the first run is finished, the copy is
 acked unrun; if that run ended without a finished outcome (its child died), the copy runs.
@@ -21,19 +26,22 @@ acked unrun; if that run ended without a finished outcome (its child died), the 
 from __future__ import annotations
 
 import enum
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
 import structlog
 
-from broker_svc.connection.feed_connection import FeedConnection, TaskDelivery
+from broker_svc.connection.feed_connection import ConnectionLost, FeedConnection, TaskDelivery
+from broker_svc.errors import BrokerUnavailable
+from worker.consume.disposition import Fate
 from worker.feed.dedupe import Claim, SharedDedupe
 from worker.feed.shared_file import pid_alive
 from worker.feed.spec import FeedSpec
 from worker.pool.board import Board
 
-__all__ = ["FeedRedeliveries", "Parked", "Verdict"]
+__all__ = ["FeedRedeliveries", "Parked", "RecentRuns", "Verdict"]
 
 log = structlog.get_logger(__name__)
 
@@ -59,6 +67,24 @@ class Parked:
     retries: int
 
 
+class RecentRuns:
+    """The last runs a threaded child settled (ran, outcome out, acked), with their connection.
+
+    Shared by the child's threads; appends and copies of a deque need no lock.
+    """
+
+    def __init__(self, size: int) -> None:
+        self._runs: deque[tuple[int, str, int]] = deque(maxlen=size)
+        self.lost = 0  # the newest connection (generation) whose runs were written as finished
+
+    def add(self, generation: int, task_id: str, retries: int) -> None:
+        self._runs.append((generation, task_id, retries))
+
+    def of(self, generation: int) -> list[tuple[str, int]]:
+        """``(task_id, retries)`` of the runs settled on connection ``generation``."""
+        return [(task_id, retries) for gen, task_id, retries in list(self._runs) if gen == generation]
+
+
 class FeedRedeliveries:
     """One consumer's view of the worker's runs, for the copies the broker sends it back.
 
@@ -67,6 +93,7 @@ class FeedRedeliveries:
         done: the table of outcomes whose ack was lost (None: none are remembered).
         own_slot: this consumer's board slot (its own runs are not a copy's first run).
         connection: its connection (the prefetch grows by one for each parked copy).
+        recent: the child's last runs, under ``--threads`` (None: the consumer reads after each ack).
     """
 
     def __init__(
@@ -76,20 +103,27 @@ class FeedRedeliveries:
         done: SharedDedupe | None,
         own_slot: int,
         connection: FeedConnection,
+        recent: RecentRuns | None = None,
     ) -> None:
         self._board, self._done, self._own_slot = board, done, own_slot
-        self._connection = connection
+        self._connection, self._recent = connection, recent
         self.parked: list[Parked] = []
 
     @classmethod
     def for_consumer(
-        cls, spec: FeedSpec, board: Board | None, *, own_slot: int, connection: FeedConnection
+        cls,
+        spec: FeedSpec,
+        board: Board | None,
+        *,
+        own_slot: int,
+        connection: FeedConnection,
+        recent: RecentRuns | None = None,
     ) -> FeedRedeliveries:
         """The view of a consumer started with ``spec``."""
         done = None
         if spec.done_path is not None:
             done = SharedDedupe(Path(spec.done_path), ttl_s=DONE_REMEMBERED_S, owner=False)
-        return cls(board=board, done=done, own_slot=own_slot, connection=connection)
+        return cls(board=board, done=done, own_slot=own_slot, connection=connection, recent=recent)
 
     def verdict(self, task_id: str, retries: int) -> Verdict:
         """What a redelivered copy of ``(task_id, retries)`` is here."""
@@ -150,6 +184,44 @@ class FeedRedeliveries:
         if claim is not None and self._done is not None:
             self._done.release(claim, finished=sent)
 
+    def settled(self, delivery: TaskDelivery, fate: Fate | None, *, ran: bool) -> None:
+        """``delivery``'s run ended and it was settled with ``fate``: kept among the recent runs.
+
+        Its outcome went out before the ack, so a copy the broker sends back needs no run.
+        """
+        identity = _identity(delivery)
+        if self._recent is None or not ran or fate not in _FINISHED or identity is None:
+            return
+        self._recent.add(delivery.generation, *identity)
+        if delivery.generation <= self._recent.lost or delivery.generation != self._connection.generation:
+            self._finished(*identity)  # its connection was lost meanwhile, and that was told already
+
+    def connection_lost(self, exc: BrokerUnavailable) -> None:
+        """The connection was lost (or a close was seen on it while every thread ran a task):
+        the runs settled on it are finished here, before any thread connects again."""
+        if self._recent is None:
+            return
+        lost = exc.generation if isinstance(exc, ConnectionLost) else None
+        generation = self._connection.generation if lost is None else lost
+        self._recent.lost = max(self._recent.lost, generation)
+        for task_id, retries in self._recent.of(generation):
+            self._finished(task_id, retries)
+
+    def _finished(self, task_id: str, retries: int) -> None:
+        if self._done is not None and (claim := self._done.claim(task_id, retries)) is not None:
+            self._done.release(claim, finished=True)
+
     def close(self) -> None:
         if self._done is not None:
             self._done.close()
+
+
+# Fates after which a run's outcome is out and nothing of it is owed: a copy is acked unrun.
+_FINISHED: Final = frozenset({Fate.ACK, Fate.DEAD_LETTER})
+
+
+def _identity(delivery: TaskDelivery) -> tuple[str, int] | None:
+    task_id, retries = delivery.headers.get("id"), delivery.headers.get("retries", 0)
+    if not isinstance(task_id, str) or not isinstance(retries, int):
+        return None
+    return task_id, retries
