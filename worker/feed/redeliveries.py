@@ -189,8 +189,10 @@ class FeedRedeliveries:
 
         Its outcome went out before the ack, so a copy the broker sends back needs no run.
         """
+        if self._recent is None or not ran or fate not in _FINISHED:
+            return  # the default child (it reads after each ack) pays one test per task
         identity = _identity(delivery)
-        if self._recent is None or not ran or fate not in _FINISHED or identity is None:
+        if identity is None:
             return
         self._recent.add(delivery.generation, *identity)
         if delivery.generation <= self._recent.lost or delivery.generation != self._connection.generation:
