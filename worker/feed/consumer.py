@@ -29,7 +29,7 @@ from worker.consume.disposition import ACK, HAND_BACK, Fate
 from worker.feed.events import FeedEvents
 from worker.feed.handle import FeedHandler
 from worker.feed.hard_limit import HardLimit
-from worker.feed.redeliveries import FeedRedeliveries, RecentRuns, Verdict
+from worker.feed.redeliveries import FeedRedeliveries, RecentRuns, Verdict, task_identity
 from worker.feed.replies import FeedReplies
 from worker.feed.settle import FeedSettler
 from worker.feed.spec import FeedSpec
@@ -263,9 +263,9 @@ class Consumer:
 
     def _joined(self, delivery: TaskDelivery) -> bool:
         # A redelivered copy of a task this worker runs or ran: parked or acked here, not run.
-        task_id, retries = delivery.headers.get("id"), delivery.headers.get("retries", 0)
-        if not isinstance(task_id, str) or not isinstance(retries, int):
+        if (identity := task_identity(delivery)) is None:
             return False
+        task_id, retries = identity
         verdict = self.redeliveries.verdict(task_id, retries)
         if verdict is Verdict.RUN:
             return False

@@ -13,19 +13,20 @@ here the children do it through two things they share:
   connects again, sends the outcome and marks it **finished**.
 
 Only redelivered copies are looked up (a rare event), so a task that is delivered once pays nothing.
+A running copy is parked: held unacked while the child raises its prefetch by one and goes on with
+other tasks, and looked at again between deliveries. Once the first run is finished, the copy is
+acked unrun; if that run ended without a finished outcome (its child died), the copy runs.
 
 A child under ``--threads`` does not read after each ack (whichever thread waits reads), so it
 cannot tell an ack that a close swallowed. It keeps its last runs by connection instead
 (``RecentRuns``): when a connection is lost, the runs settled on it are written to the table as
 finished, before any of its threads connects again, and their copies are acked unrun.
-A running copy is parked: held unacked while the child raises its prefetch by one and goes on with
-other tasks, and looked at again between deliveries. Once the first run is finished, the copy is
-acked unrun; if that run ended without a finished outcome (its child died), the copy runs.
 """
 
 from __future__ import annotations
 
 import enum
+import threading
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +42,7 @@ from worker.feed.shared_file import pid_alive
 from worker.feed.spec import FeedSpec
 from worker.pool.board import Board
 
-__all__ = ["FeedRedeliveries", "Parked", "RecentRuns", "Verdict"]
+__all__ = ["FeedRedeliveries", "Parked", "RecentRuns", "Verdict", "task_identity"]
 
 log = structlog.get_logger(__name__)
 
@@ -75,13 +76,16 @@ class RecentRuns:
 
     def __init__(self, size: int) -> None:
         self._runs: deque[tuple[int, str, int]] = deque(maxlen=size)
+        self._lock = threading.Lock()  # for ``lost`` only, which threads may raise at once
         self.lost = 0  # the newest connection (generation) whose runs were written as finished
 
     def add(self, generation: int, task_id: str, retries: int) -> None:
         self._runs.append((generation, task_id, retries))
 
-    def of(self, generation: int) -> list[tuple[str, int]]:
-        """``(task_id, retries)`` of the runs settled on connection ``generation``."""
+    def lose(self, generation: int) -> list[tuple[str, int]]:
+        """Connection ``generation`` is lost: ``(task_id, retries)`` of the runs settled on it."""
+        with self._lock:
+            self.lost = max(self.lost, generation)
         return [(task_id, retries) for gen, task_id, retries in list(self._runs) if gen == generation]
 
 
@@ -191,7 +195,7 @@ class FeedRedeliveries:
         """
         if self._recent is None or not ran or fate not in _FINISHED:
             return  # the default child (it reads after each ack) pays one test per task
-        identity = _identity(delivery)
+        identity = task_identity(delivery)
         if identity is None:
             return
         self._recent.add(delivery.generation, *identity)
@@ -204,14 +208,12 @@ class FeedRedeliveries:
         if self._recent is None:
             return
         lost = exc.generation if isinstance(exc, ConnectionLost) else None
-        generation = self._connection.generation if lost is None else lost
-        self._recent.lost = max(self._recent.lost, generation)
-        for task_id, retries in self._recent.of(generation):
+        for task_id, retries in self._recent.lose(self._connection.generation if lost is None else lost):
             self._finished(task_id, retries)
 
     def _finished(self, task_id: str, retries: int) -> None:
-        if self._done is not None and (claim := self._done.claim(task_id, retries)) is not None:
-            self._done.release(claim, finished=True)
+        # As a child that sent an outcome again after its connection failed marks it.
+        self.outcome_sent(self.sending_outcome(task_id, retries), sent=True)
 
     def close(self) -> None:
         if self._done is not None:
@@ -222,7 +224,8 @@ class FeedRedeliveries:
 _FINISHED: Final = frozenset({Fate.ACK, Fate.DEAD_LETTER})
 
 
-def _identity(delivery: TaskDelivery) -> tuple[str, int] | None:
+def task_identity(delivery: TaskDelivery) -> tuple[str, int] | None:
+    """``(task_id, retries)`` from ``delivery``'s headers, or None if they are not a task's."""
     task_id, retries = delivery.headers.get("id"), delivery.headers.get("retries", 0)
     if not isinstance(task_id, str) or not isinstance(retries, int):
         return None
