@@ -67,15 +67,19 @@ def test_of_two_schedulers_one_leads_and_each_second_fires_once(url: str, queue:
     ):
         wait_runs(journal, 4)
         assert [a.leading(), b.leading()].count(True) == 1
-        late = [
-            event["late_s"]
+        fired = sorted(
+            (event["scheduled"], event["late_s"])
             for process in (a, b)
             for event in process.events()
             if event["event"] == "beat_fired"
-        ]
+        )
     times = _assert_each_time_once(runs(journal))
     assert times[0] == int(times[0])  # anchored at the epoch: every instance agrees on the times
-    assert max(late) < 1.0, late
+    # A new leader fires the time it just missed, up to the 1 s grace late (broker_svc/schedules/
+    # due.py:due_times), plus its send; every later time fires on time.
+    (_, first_late), *steady = fired
+    assert first_late < 1.0 + 1.0, fired
+    assert max(late for _, late in steady) < 1.0, fired
 
 
 def test_a_killed_leader_is_replaced_and_no_time_is_missed_or_doubled(url: str, queue: str, tmp_path: Path):
