@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import logging
 import os
 import statistics
 import sys
@@ -120,6 +121,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(own)
     configure_logging("warning")
+    # The queue probe polls a queue the worker has yet to declare: pika logs each 404 as a warning.
+    logging.getLogger("pika.channel").setLevel(logging.ERROR)
     p50s: dict[tuple[str, str], list[float]] = {}
     with vhost(args.broker) as url:
         for round_no, (client, worker) in itertools.product(
