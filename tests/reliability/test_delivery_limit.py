@@ -137,6 +137,51 @@ def test_a_poison_task_runs_limit_plus_one_times_then_is_dead_lettered(
         supervisor.close()
 
 
+def test_under_threads_a_poison_on_a_classic_queue_runs_limit_plus_one_times_and_loses_nothing(
+    test_vhost_url: str, r2_queue: str, tmp_path: Path
+):
+    """R2 with ``--threads 4``: a classic queue's count travels in a copy confirmed before the
+    original is acked. A sibling thread that took the copy and crashed the child before that ack
+    would bring the original back beside it, the poison queued twice and run more often; it waits
+    for the ack (``worker/feed/settle.py:CopiesInFlight``). Siblings that share the child with the
+    poison run again, marked (the guide's "Threads for I/O-bound tasks")."""
+    queue = r2_queue
+    journal = Journal(tmp_path / "journal")
+    supervisor = Supervisor(test_vhost_url, queue, extra_args=["--threads", "4"], env=journal.env)
+    client = App("r2-threads", settings=Settings(broker_url=test_vhost_url))
+    try:
+        normal = [
+            client.send_task("journal.noop", queue=queue, ignore_result=True) for _ in range(NORMAL // 2)
+        ]
+        bad = client.send_task("journal.kill_child", queue=queue)
+        normal += [
+            client.send_task("journal.noop", queue=queue, ignore_result=True) for _ in range(NORMAL // 2)
+        ]
+        client.flush(timeout=30)
+        for result in [*normal, bad]:
+            journal.published(result.id, confirmed=True)
+        dead: list = []
+
+        def poison_dead() -> bool:
+            supervisor.tend()
+            dead.extend(drain(test_vhost_url, f"{queue}.dead"))
+            return any(message.headers.get("id") == bad.id for message in dead)
+
+        assert poll(poison_dead, timeout_s=90, interval_s=0.1), "the poison was not dead-lettered"
+        survivors = {m.headers.get("id") for m in dead} - {bad.id}  # siblings dead-lettered beside it
+        journal.wait_executed([r.id for r in normal if r.id not in survivors], timeout_s=60)
+        runs = [e for e in journal.executions() if e.task_id == bad.id]
+        # What was dead-lettered beside the poison is in the dead-letter queue, not lost.
+        verdict = check(journal, expected=[r.id for r in [*normal, bad] if r.id not in survivors])
+        assert len(runs) == LIMIT + 1, [e.delivery_count for e in runs]
+        assert sorted(e.delivery_count for e in runs) == list(range(LIMIT + 1))
+        assert verdict.lost == 0 and verdict.unexpected == 0 and verdict.unmarked_duplicates == 0, verdict
+        assert supervisor.restarts == 0
+    finally:
+        client.close(timeout=10)
+        supervisor.close()
+
+
 # -- R26: a task id delivered twice --------------------------------------------------------------
 
 DUPLICATED_IDS = 30

@@ -46,6 +46,7 @@ from broker_svc.connection.shared_feed_connection import SharedFeedConnection
 from worker.feed.consumer import STOP_CHECK_S, Consumer, Shared
 from worker.feed.hard_limit import signals_blocked
 from worker.feed.redeliveries import RecentRuns
+from worker.feed.settle import CopiesInFlight
 from worker.feed.spec import FeedSpec
 from worker.feed.thread_limits import ThreadSoftLimits
 from worker.pool import ipc
@@ -124,6 +125,7 @@ def build_consumers(
         return [Consumer(app, spec, shared, clock=clock, board=board, index=0, soft_limit=soft_limit)], None
     limits = ThreadSoftLimits()
     recent = RecentRuns(_RECENT_RUNS_PER_THREAD * spec.threads)
+    copies = CopiesInFlight(timeout_s=spec.settings.confirm_timeout_s)
     connection = SharedFeedConnection(
         spec.settings, name=spec.connection_name(os.getpid()), queues=spec.queues,
         prefetch=spec.connection_prefetch, declare=spec.queue_specs,
@@ -139,6 +141,7 @@ def build_consumers(
             soft_limit=limits.for_thread(),
             connection=connection,
             recent=recent,
+            copies=copies,
         )  # fmt: skip
         for i in range(spec.threads)
     ]

@@ -31,7 +31,7 @@ from worker.feed.handle import FeedHandler
 from worker.feed.hard_limit import HardLimit
 from worker.feed.redeliveries import FeedRedeliveries, RecentRuns, Verdict, task_identity
 from worker.feed.replies import FeedReplies
-from worker.feed.settle import FeedSettler
+from worker.feed.settle import CopiesInFlight, FeedSettler
 from worker.feed.spec import FeedSpec
 from worker.feed.updates import FeedUpdates
 from worker.pool.board import Board
@@ -82,6 +82,7 @@ class Consumer:
         soft_limit: SoftLimit,
         connection: FeedConnection | None = None,
         recent: RecentRuns | None = None,
+        copies: CopiesInFlight | None = None,
     ) -> None:
         self.index, self._spec, self._shared = index, spec, shared
         # Under --threads the child's threads share one connection, which the child closes.
@@ -93,7 +94,7 @@ class Consumer:
             )  # fmt: skip
         self.connection = connection
         replies = FeedReplies(connection, clock=clock, persistent=spec.settings.result_persistent)
-        self.settler = FeedSettler(connection, replies)
+        self.settler = FeedSettler(connection, replies, copies=copies)
         self.watchdog = watchdog = HardLimit(self.settler, connection)
         self.events = FeedEvents(connection, hostname=spec.hostname, clock=clock, enabled=spec.task_events)
         own_slot = spec.slot * spec.threads + index
@@ -209,6 +210,8 @@ class Consumer:
     def _take(self, delivery: TaskDelivery) -> None:
         # One delivery from read to settle; it shows on the board from its run's start until then.
         handler, settled = self.handler, None
+        if self.settler.copies is not None:  # a copy a sibling published: its original is acked first
+            self.settler.copies.wait_for_original(delivery)
         with handler.ledger.settling(delivery):  # its --dedupe-window claim ends once settled
             try:
                 settled = _one(delivery, handler, self.settler, self.watchdog)
