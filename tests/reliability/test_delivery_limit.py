@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from broker_svc import App, Settings
+from broker_svc import App, AsyncResult, Settings
 from broker_svc.topology import task_queue
 from tests.reliability.journal import Journal, check, report
 from tests.support.amqp import channel, delete_queues, drain, queue_depth
@@ -58,6 +58,19 @@ class Supervisor:
         self.worker.close()
 
 
+def _send_among_innocents(
+    client: App, journal: Journal, queue: str, poison: str
+) -> tuple[list[AsyncResult], AsyncResult]:
+    """``NORMAL`` no-op tasks with the poison in their middle, confirmed and journalled."""
+    normal = [client.send_task("journal.noop", queue=queue, ignore_result=True) for _ in range(NORMAL // 2)]
+    bad = client.send_task(poison, queue=queue)
+    normal += [client.send_task("journal.noop", queue=queue, ignore_result=True) for _ in range(NORMAL // 2)]
+    client.flush(timeout=30)
+    for result in [*normal, bad]:
+        journal.published(result.id, confirmed=True)
+    return normal, bad
+
+
 @pytest.fixture
 def r2_queue(test_vhost_url: str) -> Iterator[str]:
     name = unique_queue("r2")
@@ -84,17 +97,7 @@ def test_a_poison_task_runs_limit_plus_one_times_then_is_dead_lettered(
             {"x-queue-type": "quorum"} if quorum else {}
         )
         started = time.monotonic()
-        normal = [
-            client.send_task("journal.noop", queue=queue, ignore_result=True) for _ in range(NORMAL // 2)
-        ]
-        bad = client.send_task(poison, queue=queue)
-        normal += [
-            client.send_task("journal.noop", queue=queue, ignore_result=True) for _ in range(NORMAL // 2)
-        ]
-        client.flush(timeout=30)
-        for result in [*normal, bad]:
-            journal.published(result.id, confirmed=True)
-
+        normal, bad = _send_among_innocents(client, journal, queue, poison)
         dead: list = []
 
         def dead_lettered() -> bool:
@@ -150,16 +153,7 @@ def test_under_threads_a_poison_on_a_classic_queue_runs_limit_plus_one_times_and
     supervisor = Supervisor(test_vhost_url, queue, extra_args=["--threads", "4"], env=journal.env)
     client = App("r2-threads", settings=Settings(broker_url=test_vhost_url))
     try:
-        normal = [
-            client.send_task("journal.noop", queue=queue, ignore_result=True) for _ in range(NORMAL // 2)
-        ]
-        bad = client.send_task("journal.kill_child", queue=queue)
-        normal += [
-            client.send_task("journal.noop", queue=queue, ignore_result=True) for _ in range(NORMAL // 2)
-        ]
-        client.flush(timeout=30)
-        for result in [*normal, bad]:
-            journal.published(result.id, confirmed=True)
+        normal, bad = _send_among_innocents(client, journal, queue, "journal.kill_child")
         dead: list = []
 
         def poison_dead() -> bool:
