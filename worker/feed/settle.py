@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
+from typing import Final
 
 import structlog
 
@@ -25,6 +26,10 @@ from worker.feed.replies import FeedReplies
 __all__ = ["CopiesInFlight", "FeedSettler"]
 
 log = structlog.get_logger(__name__)
+
+# Every settle without a copy in flight (nearly all, and all in the default design): one reusable
+# context, not a new one per task.
+_NOT_COPYING: Final = contextlib.nullcontext()
 
 
 class CopiesInFlight:
@@ -99,7 +104,7 @@ class FeedSettler:
             self._connection.nack(delivery, requeue=True)
             return
         copies = self.copies if fate is Fate.REPUBLISH else None
-        with copies.copying(delivery) if copies is not None else contextlib.nullcontext():
+        with copies.copying(delivery) if copies is not None else _NOT_COPYING:
             if fate is Fate.DEAD_LETTER:
                 self._replies.dead_letter(delivery, reason=disposition.reason, error=disposition.error)
             elif fate is Fate.REPUBLISH:
