@@ -8,7 +8,7 @@ control commands read the views.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +70,7 @@ class WorkerState:
         return len(self.active_tasks) + (len(self._board()) if self._board else 0)
 
     def _board_info(self, entry: Running, *, safe: bool) -> dict[str, Any]:
+        # A task a consuming child runs (its board slot) or holds unstarted (``started`` 0).
         info = entry.info
         return {
             "id": info.get("id"),
@@ -78,15 +79,17 @@ class WorkerState:
             "kwargs": safe_repr(info.get("kwargs")) if safe else info.get("kwargs"),
             "type": info.get("type"),
             "hostname": self._hostname,
-            "time_start": entry.started,
+            "time_start": entry.started or None,
             "acknowledged": False,
             "delivery_info": info.get("delivery_info"),
             "worker_pid": entry.pid,
         }
 
-    def reserved(self, *, safe: bool = False) -> list[dict[str, Any]]:
-        """TASK_INFO of deliveries waiting for a free child (inspect ``reserved``)."""
-        return [self.info(t, safe=safe) for t in list(self.reserved_tasks.values())]
+    def reserved(self, *, safe: bool = False, held: Sequence[Running] = ()) -> list[dict[str, Any]]:
+        """TASK_INFO of deliveries waiting for a free child (inspect ``reserved``); ``held``: those
+        consuming children hold unstarted (``Feeding.held``)."""
+        here = [self.info(t, safe=safe) for t in list(self.reserved_tasks.values())]
+        return here + [self._board_info(entry, safe=safe) for entry in held]
 
     def scheduled(self, *, safe: bool = False) -> list[dict[str, Any]]:
         """ETA tasks held in memory (inspect ``scheduled``).
@@ -99,13 +102,13 @@ class WorkerState:
             for t in list(self.scheduled_tasks.values())
         ]  # fmt: skip
 
-    def query(self, task_ids: list[str]) -> dict[str, list[Any]]:
+    def query(self, task_ids: list[str], *, held: Sequence[Running] = ()) -> dict[str, list[Any]]:
         """Where each known id is: ``{id: [state, TASK_INFO]}`` (inspect ``query_task``)."""
         found: dict[str, list[Any]] = {}
         wanted = set(task_ids)
         for state, infos in (
             ("active", self.active()),
-            ("reserved", self.reserved()),
+            ("reserved", self.reserved(held=held)),
             ("reserved", [s["request"] for s in self.scheduled()]),
         ):
             for info in infos:

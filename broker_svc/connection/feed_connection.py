@@ -1,18 +1,15 @@
 """A consuming pool child's own connection: one socket, one channel, read and written by the child itself.
 
-Why not pika: at one delivery in flight per child, pika's layers (an I/O loop, a thread hop for
-each ack, frame objects) cost more CPU than the task and the rest of the child together
-(BENCHMARKS.md). This connection does the few things a consumer needs, on the calling thread:
-consume with a prefetch, ack and nack, publish with a confirm (waited for, one at a time), declare
-a queue. Frames are read and written by ``broker_svc/wire/amqp_frames.py``.
+Why not pika: at one delivery in flight per child, pika's layers (an I/O loop, a thread hop per
+ack, frame objects) cost more CPU than the rest of the child (BENCHMARKS.md). This does what a
+consumer needs on the calling thread: consume with a prefetch, ack, nack, publish with a confirm
+(one at a time), declare a queue; frames by ``broker_svc/wire/amqp_frames.py``.
 
 The socket, its frames, the handshake and the heartbeat thread are ``FrameSocket``'s
 (``broker_svc/connection/feed_socket.py``); this class is the channel's conversation on top.
-
-Threads. The child's main thread does everything while no task runs; while one does
-(:meth:`FeedConnection.running`), a heartbeat thread writes heartbeats and the hard time limit's
-watchdog may take the socket over, one at a time (the lock). Under ``--threads``, see
-``SharedFeedConnection``.
+Threads: the child's main thread does everything while no task runs; while one does, a heartbeat
+thread writes heartbeats and the hard time limit's watchdog may take the socket over, one at a
+time (the lock). Under ``--threads``, see ``SharedFeedConnection``.
 
 Any failure is :class:`ConnectionLost`: the socket is dropped, what it delivered is the broker's
 again (settles of an earlier ``generation`` are not sent), and the caller connects again. Each
@@ -30,6 +27,7 @@ from collections.abc import Sequence
 from typing import Final
 
 from broker_svc.connection.feed_delivery import ConnectionLost, TaskDelivery
+from broker_svc.connection.feed_peek import peeked_deliveries, task_delivery
 from broker_svc.connection.feed_socket import CHANNEL_CLOSE, CONNECTION_CLOSE, FrameSocket, closed_by_broker
 from broker_svc.errors import BrokerUnavailable, PublishNacked, Unroutable
 from broker_svc.library_log import get_logger
@@ -144,6 +142,17 @@ class FeedConnection(FrameSocket):
             self._pump()
         return self._deliveries.popleft()
 
+    def held(self) -> list[TaskDelivery]:
+        """Deliveries no consumer has taken yet: read already, or (while a task runs) in the socket."""
+        with self._lock:  # a task's start and end take it: while one runs nobody reads the socket
+            return self._holding(peek=self._busy)
+
+    def _holding(self, *, peek: bool) -> list[TaskDelivery]:
+        held = list(self._deliveries)
+        if peek and (sock := self._sock) is not None:
+            held += peeked_deliveries(sock, bytes(self._buffer), self._tags, self.generation)
+        return held
+
     def check(self, delivery: TaskDelivery | None = None) -> None:
         """Handle what arrived meanwhile, without waiting: a close the broker sent raises here.
 
@@ -217,10 +226,9 @@ class FeedConnection(FrameSocket):
 
     @property
     def ordered(self) -> bool:
-        """Whether an ordered queue is consumed: its delivery must never be handed back while
-        its consumer is still subscribed (the broker would give the next one to the next
-        consumer first), so a stop closes the connection, which requeues and moves the queue on
-        in one step."""
+        """Whether an ordered queue is consumed: a stop then closes the connection, which requeues
+        and moves the queue on in one step (handed back while subscribed, its delivery would come
+        after the next one, which the broker gives the next consumer first)."""
         return any(queue in self._ordered for queue in self._queues)
 
     def _consume(self, queue: str) -> None:
@@ -387,13 +395,6 @@ class FeedConnection(FrameSocket):
 
     def _on_deliver(self, payload: bytes) -> None:
         deliver = methods.parse_deliver(payload)
-        routing_key = deliver.routing_key
         properties, body = self._content()
-        self._deliveries.append(TaskDelivery(
-            body=body, queue=self._tags.get(deliver.consumer_tag, routing_key), routing_key=routing_key,
-            exchange=deliver.exchange, redelivered=deliver.redelivered, tag=deliver.delivery_tag,
-            generation=self.generation,
-            content_type=properties.content_type, content_encoding=properties.content_encoding,
-            headers=properties.headers or {}, correlation_id=properties.correlation_id,
-            reply_to=properties.reply_to, priority=properties.priority,
-        ))  # fmt: skip
+        queue = self._tags.get(deliver.consumer_tag, deliver.routing_key)
+        self._deliveries.append(task_delivery(deliver, properties, body, queue, self.generation))

@@ -219,6 +219,11 @@ class SharedFeedConnection(FeedConnection):
                 self._taking = False
                 self._leave_role()
 
+    def held(self) -> list[TaskDelivery]:
+        """``FeedConnection.held``: the socket is peeked while no thread reads it."""
+        with self._state:  # no thread takes the role to read meanwhile
+            return self._holding(peek=self._reader is None)
+
     def check(self, delivery: TaskDelivery | None = None) -> None:
         """Raise if ``delivery``'s connection is gone: its settle did not reach the broker.
 
@@ -274,11 +279,7 @@ class SharedFeedConnection(FeedConnection):
                 super().set_queues(queues)
 
     def cancel(self) -> list[TaskDelivery]:
-        """Stop consuming (once, whichever thread comes first); what was delivered and not taken.
-
-        Raises:
-            ConnectionLost: the connection failed meanwhile.
-        """
+        """``FeedConnection.cancel``, once, whichever thread comes first."""
         with self._role():
             for tag in list(self._tags):
                 cancel = frames.method(_CHANNEL, 60, 30, frames.short_string(tag) + b"\x00")
@@ -350,11 +351,7 @@ class SharedFeedConnection(FeedConnection):
                 self._leave_role()
 
     def publish_nowait(self, message: WireMessage, routing_key: str, *, exchange: str) -> None:
-        """Publish without a confirm to wait for and not mandatory (events: best-effort).
-
-        Raises:
-            ConnectionLost: the write failed.
-        """
+        """``FeedConnection.publish_nowait``, from any thread."""
         data = self._publish_frames(message, routing_key, exchange=exchange, mandatory=False)
         with self._lock:
             self._write(data)

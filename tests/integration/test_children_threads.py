@@ -169,3 +169,34 @@ def test_a_hard_time_limit_ends_the_child_and_its_other_threads_tasks_run_again(
     pid, _ = long.get(timeout=60)
     assert pid != threads_worker.pid
     assert threads_worker.count("task_time_limit_exceeded") >= 1
+
+
+def test_inspect_reserved_lists_what_the_threads_hold_behind_their_tasks(test_vhost_url: str, app: App):
+    # Two threads, multiplier 2: two tasks run, the two sent after them wait in the child's
+    # connection, where only the child can see them: inspect reserved asks it.
+    queue = unique_queue("held")
+    args = ["--children-consume", "--threads", "2", "--prefetch-multiplier", "2", "--without-mingle"]
+    try:
+        with WorkerProcess(
+            test_vhost_url, app=f"{TASKS}:app", queues=[queue], concurrency=1, extra_args=args
+        ) as proc:
+            worker = proc.wait_ready()
+            running = [app.send_task(f"{TASKS}.where", (3.0,), queue=queue) for _ in range(2)]
+            wait_for(lambda: len(_active(test_vhost_url, worker)) == 2, timeout_s=20, message="two running")
+            waiting = [app.send_task(f"{TASKS}.where", (0.0,), queue=queue) for _ in range(2)]
+
+            def reserved() -> list[dict]:
+                replies = call(test_vhost_url, "reserved", destination=[worker.name], expect=1)
+                found = list(replies[0][1][worker.name]) if replies else []
+                return found if len(found) == 2 else []
+
+            held = wait_for(reserved, timeout_s=10, message="the two waiting tasks in inspect reserved")
+            assert sorted(task["id"] for task in held) == sorted(r.id for r in waiting)
+            assert all(task["name"] == f"{TASKS}.where" and task["args"] == [0.0] for task in held), held
+            assert all(task["time_start"] is None and task["hostname"] == worker.name for task in held), held
+            assert {task["id"] for task in _active(test_vhost_url, worker)} == {r.id for r in running}
+            assert len({pid for pid, _ in (r.get(timeout=30) for r in running + waiting)}) == 1
+            replies = call(test_vhost_url, "reserved", destination=[worker.name], expect=1)
+            assert replies and list(replies[0][1][worker.name]) == []  # all ran: nothing held
+    finally:
+        delete_queues(test_vhost_url, queue, f"{queue}.dead")

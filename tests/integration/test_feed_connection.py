@@ -177,6 +177,36 @@ def test_cancel_hands_back_what_was_delivered_and_not_taken(test_vhost_url: str,
     assert queue_depth(test_vhost_url, queue) == 2
 
 
+def test_held_shows_what_waits_unread_behind_a_running_task_without_taking_it(
+    test_vhost_url: str, queue: str
+):
+    # inspect reserved: while a task runs, what the broker sends behind it stays in the socket.
+    publish_raw(test_vhost_url, queue, b"{}", headers={"id": "t0"})
+    connection = _connection(test_vhost_url, queue, prefetch=4)
+    try:
+        running = connection.next_delivery(5.0)
+        assert running is not None and running.headers["id"] == "t0"
+        with connection.running():
+            for i in range(1, 4):  # sent now, nobody reads them: only a peek sees them
+                publish_raw(test_vhost_url, queue, b"x" * (20_000 * i), headers={"id": f"t{i}"})
+            wait_for(lambda: len(connection.held()) == 3, timeout_s=5, message="the other three never showed")
+            held = connection.held()
+        assert [d.headers["id"] for d in held] == ["t1", "t2", "t3"]
+        assert [len(d.body) for d in held] == [20_000, 40_000, 60_000]  # each whole
+        assert all(d.queue == queue and d.generation == running.generation for d in held)
+        assert [d.tag for d in held] == [running.tag + 1, running.tag + 2, running.tag + 3]
+        connection.ack(running)
+        taken = [connection.next_delivery(5.0) for _ in range(3)]  # the peek took nothing
+        assert [d.headers["id"] for d in taken if d is not None] == ["t1", "t2", "t3"]
+        assert connection.held() == []
+        for delivery in taken:
+            assert delivery is not None
+            connection.ack(delivery)
+    finally:
+        connection.close()
+    assert queue_depth(test_vhost_url, queue) == 0
+
+
 def test_failover_goes_to_the_next_url_and_a_refusal_says_why(test_vhost_url: str, queue: str):
     parts = urlsplit(test_vhost_url)
     dead = urlunsplit(parts._replace(netloc=f"{parts.username}:{parts.password}@127.0.0.1:1"))

@@ -192,3 +192,25 @@ def test_a_loss_told_before_another_thread_connected_again_is_not_told_again(tes
     finally:
         with contextlib.suppress(ConnectionLost):
             connection.close()
+
+
+def test_held_shows_what_no_thread_has_taken_and_leaves_it_for_them(test_vhost_url: str, queue: str):
+    _fill(test_vhost_url, queue, 1)
+    connection = _connection(test_vhost_url, queue, prefetch=5)
+    try:
+        first = connection.next_delivery(5.0)
+        assert first is not None
+        with channel(test_vhost_url) as ch:  # sent now, while no thread reads: only a peek sees them
+            for i in range(1, 5):
+                ch.basic_publish("", queue, b"{}", properties=pika.BasicProperties(headers={"id": f"t{i}"}))
+        wait_for(lambda: len(connection.held()) == 4, timeout_s=5, message="the other four never showed")
+        assert sorted(d.headers["id"] for d in connection.held()) == ["t1", "t2", "t3", "t4"]
+        taken = [connection.next_delivery(5.0) for _ in range(4)]
+        assert sorted(d.headers["id"] for d in taken if d is not None) == ["t1", "t2", "t3", "t4"]
+        assert connection.held() == []
+        for delivery in [first, *taken]:
+            assert delivery is not None
+            connection.ack(delivery)
+    finally:
+        connection.close()
+    assert queue_depth(test_vhost_url, queue) == 0

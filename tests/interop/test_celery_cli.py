@@ -73,11 +73,10 @@ class Node:
 def node(test_vhost_url: str) -> Iterator[Node]:
     queue = unique_queue("cli")
     name = f"cli-{uuid.uuid4().hex[:6]}@test"
-    # One child, prefetch 2: the first task runs, the second waits in the worker as "reserved" (the
-    # worker-consumes design: a consuming child's prefetched delivery is not on the board).
+    # One consuming child, prefetch 2: the first task runs, the second waits behind it, held by the
+    # child's connection, "reserved".
     worker = WorkerProcess(test_vhost_url, queues=[queue], concurrency=1, name=name,
-                           extra_args=["--worker-consumes", "--prefetch-multiplier", "2",
-                                       "--shutdown-timeout", "1"])  # fmt: skip
+                           extra_args=["--prefetch-multiplier", "2", "--shutdown-timeout", "1"])  # fmt: skip
     app = App("cli-client", settings=Settings(broker_url=test_vhost_url))
     try:
         worker.wait_ready()
@@ -112,12 +111,18 @@ def test_celery_inspect_query_task_finds_the_running_task(busy_node: Node):
     found = busy_node.cli_json("inspect", "query_task", busy_node.running)
     state, info = found[busy_node.running]
     assert state == "active" and info["id"] == busy_node.running and info["name"] == SLEEP, found
+    found = busy_node.cli_json("inspect", "query_task", busy_node.waiting)
+    state, info = found[busy_node.waiting]
+    assert state == "reserved" and info["name"] == ADD and info["args"] == [1, 2], found
 
 
 def test_celery_inspect_reserved_lists_the_task_waiting_behind_it(busy_node: Node):
     assert busy_node.waiting in busy_node.cli("inspect", "reserved")
     reserved = busy_node.cli_json("inspect", "reserved")
     assert [(task["id"], task["name"]) for task in reserved] == [(busy_node.waiting, ADD)], reserved
+    [task] = reserved
+    assert task["args"] == [1, 2] and task["time_start"] is None and task["worker_pid"], task
+    assert task["delivery_info"]["routing_key"] == busy_node.queue, task
 
 
 def test_celery_inspect_scheduled_answers_without_the_parked_eta_task(busy_node: Node):

@@ -47,10 +47,12 @@ async def _relay(feeding: Feeding, child: _Child) -> None:
             feeding.revoke_applied(child.slot, frame)
 
 
+_SPEC = FeedSpec(settings=Settings(), queues=("q",), prefetch=1, hostname="w@h")
+
+
 @pytest.fixture
 async def feeding() -> AsyncIterator[Feeding]:
-    spec = FeedSpec(settings=Settings(), queues=("q",), prefetch=1, hostname="w@h")
-    made = Feeding(spec, slots=2)
+    made = Feeding(_SPEC, slots=2)
     try:
         yield made
     finally:
@@ -61,7 +63,7 @@ async def test_the_wait_ends_once_every_live_child_has_applied_the_revoke(feedin
     real, slow = await _join(feeding, 0), await _join(feeding, 1)
     shared = Shared(revoked=set(), wanted=["q"])
     control = threading.Thread(
-        target=_follow_worker, args=(ChildChannel(real.theirs), shared, []), daemon=True
+        target=_follow_worker, args=(ChildChannel(real.theirs), shared, [], _SPEC), daemon=True
     )
     control.start()
     relays = [asyncio.create_task(_relay(feeding, child)) for child in (real, slow)]
@@ -144,7 +146,9 @@ def test_a_starting_child_applies_every_frame_already_written_before_it_consumes
         {"op": "revoke", "ids": ["new"], "seq": 2},
     ):
         ours.sendall(ipc.encode_frame(frame))
-    control = threading.Thread(target=_follow_worker, args=(ChildChannel(theirs), shared, []), daemon=True)
+    control = threading.Thread(
+        target=_follow_worker, args=(ChildChannel(theirs), shared, [], _SPEC), daemon=True
+    )
     control.start()
     try:
         assert shared.may_consume.wait(10.0)

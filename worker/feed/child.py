@@ -19,6 +19,7 @@ Beside it:
   revoked ids as it learns them (each answered "revoke_applied": a revoke command replies after),
   and end of file or "retire" (the pool shrank), which mean stop:
   the task running ends, what was delivered and not started is handed back, the child exits;
+  "held" (inspect reserved), answered with what the connection holds unstarted (``held.py``);
   and, under ``--threads``, "cancel": the worker's terminate of an ``async def`` task, which its
   thread's loop cancels (``worker/pool/task_loop.py``) while the other threads go on;
 - the hard time limit's watchdog (``worker/feed/hard_limit.py``), started on the first task that
@@ -45,6 +46,7 @@ from broker_svc.clock import LamportClock
 from broker_svc.connection.shared_feed_connection import SharedFeedConnection
 from worker.feed.consumer import STOP_CHECK_S, Consumer, Shared
 from worker.feed.hard_limit import signals_blocked
+from worker.feed.held import held_frame
 from worker.feed.redeliveries import RecentRuns
 from worker.feed.settle import CopiesInFlight
 from worker.feed.spec import FeedSpec
@@ -77,7 +79,7 @@ def serve(app: App, spec: FeedSpec, channel: ChildChannel, soft_limit: SoftLimit
         consumer.handler.ledger.report_to(channel)  # its counts, for the worker's stats and metrics
     with signals_blocked():  # the threads started here never take the main thread's signals
         control = threading.Thread(
-            target=_follow_worker, args=(channel, shared, consumers),
+            target=_follow_worker, args=(channel, shared, consumers, spec),
             name="clockwork-feed-control", daemon=True,
         )  # fmt: skip
         control.start()
@@ -154,7 +156,7 @@ def _say_retiring(channel: ChildChannel) -> None:
         channel.send(ipc.encode_frame({"op": "retiring"}))
 
 
-def _follow_worker(channel: ChildChannel, shared: Shared, consumers: list[Consumer]) -> None:
+def _follow_worker(channel: ChildChannel, shared: Shared, consumers: list[Consumer], spec: FeedSpec) -> None:
     # "consume" once the worker knows every revoke (its state file, the log, Mingle); revoked ids
     # as it learns them; end of file (the worker closed our socket): stop.
     consume = False
@@ -180,6 +182,10 @@ def _follow_worker(channel: ChildChannel, shared: Shared, consumers: list[Consum
                 shared.wanted[:] = [str(queue) for queue in frame.get("queues") or ()]
             elif op == "time_limit":  # the time_limit command: (hard, soft) for one task
                 shared.time_limits[str(frame.get("task"))] = (frame.get("hard"), frame.get("soft"))
+            elif op == "held":  # inspect reserved: what this child holds and has not started
+                channel.send(
+                    held_frame(consumers[0].connection, spec.settings, seq=frame.get("seq"), pid=os.getpid())
+                )
             elif op == "retire":  # the pool shrank: stop as on end of file, but the worker waits for us
                 shared.stopping.set()
                 shared.may_consume.set()

@@ -24,6 +24,7 @@ from worker.consume.consumer import TaskConsumer
 from worker.consume.rate_limits import RateLimits, parse_rate
 from worker.events import EventDispatcher, Heart
 from worker.pool.autoscale import Autoscaler, PoolSizer
+from worker.pool.board import Running
 from worker.pool.pool import ProcessPool
 from worker.remote.mingle import HELLO_REVOKED_LIMIT
 from worker.remote.revocation_log import RevocationLog
@@ -120,13 +121,19 @@ class WorkerCommands:
         return self._consumer.state.active(safe=safe)
 
     async def reserved(self) -> list[dict[str, Any]]:
-        return self._consumer.state.reserved()
+        return self._consumer.state.reserved(held=await self._held())
+
+    async def _held(self) -> list[Running]:
+        # What consuming children hold unstarted (a deeper prefetch, --threads): each is asked.
+        feeding = self._feeding
+        return await feeding.held() if feeding is not None else []
 
     async def scheduled(self) -> list[dict[str, Any]]:
         return self._consumer.state.scheduled()
 
     async def query_task(self, ids: str | list[str]) -> dict[str, Any]:
-        return self._consumer.state.query([ids] if isinstance(ids, str) else [str(i) for i in ids])
+        wanted = [ids] if isinstance(ids, str) else [str(i) for i in ids]
+        return self._consumer.state.query(wanted, held=await self._held())
 
     async def registered(self, taskinfoitems: list[Any] | None, builtins: bool) -> list[str]:
         return sorted(name for name in self._app.tasks if builtins or not name.startswith("celery."))
