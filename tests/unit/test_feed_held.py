@@ -1,8 +1,10 @@
-"""inspect reserved asks every consuming child what it holds unstarted (worker.pool.feeding).
+"""inspect reserved and stats ask every consuming child (worker.pool.feeding): a numbered question,
+one answer per live child.
 
 Each child here is answered for by hand on one end of a socket pair, so one can be slow, silent or
 malformed on purpose; what a real child answers is tested against the broker in
-tests/integration/test_children_threads.py and tests/interop/test_celery_cli.py.
+tests/integration/test_children_threads.py, test_children_stats.py and
+tests/interop/test_celery_cli.py.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from structlog.testing import capture_logs
@@ -49,15 +52,15 @@ async def _join(feeding: Feeding, slot: int) -> _Child:
     return _Child(theirs, writer)
 
 
-async def _asked(child: _Child) -> dict:
-    # The child's side: the next frame it gets that is not a start-up order.
+async def _asked(child: _Child, op: str) -> int:
+    # The child's side: the number of the next ``op`` question it gets.
     while (frame := await asyncio.to_thread(child.receive)) is not None:
-        if frame["op"] == "held":
-            return frame
+        if frame["op"] == op:
+            return int(frame["seq"])
     raise AssertionError("the socket closed before the child was asked")
 
 
-def _task(task_id: str) -> dict:
+def _task(task_id: str) -> dict[str, Any]:
     return {
         "id": task_id,
         "name": "t.add",
@@ -71,12 +74,12 @@ def _task(task_id: str) -> dict:
 async def test_the_answer_waits_for_every_live_child_and_joins_what_they_hold(feeding: Feeding):
     first, second = await _join(feeding, 0), await _join(feeding, 1)
     asking = asyncio.create_task(feeding.held(timeout_s=10.0))
-    seq = (await _asked(first))["seq"]
-    assert (await _asked(second))["seq"] == seq
-    feeding.held_answer(1, {"op": "held", "seq": seq, "pid": 22, "tasks": [_task("b")]})
+    seq = await _asked(first, "held")
+    assert await _asked(second, "held") == seq
+    feeding.answered(1, {"op": "held", "seq": seq, "pid": 22, "tasks": [_task("b")]})
     await asyncio.sleep(0.05)
     assert not asking.done()  # the first child has not answered yet
-    feeding.held_answer(0, {"op": "held", "seq": seq, "pid": 11, "tasks": [_task("a1"), _task("a2")]})
+    feeding.answered(0, {"op": "held", "seq": seq, "pid": 11, "tasks": [_task("a1"), _task("a2")]})
     held = await asyncio.wait_for(asking, 10.0)
     assert [(entry.slot, entry.pid, entry.info["id"]) for entry in held] == [
         (0, 11, "a1"),
@@ -91,7 +94,13 @@ async def test_the_answer_waits_for_every_live_child_and_joins_what_they_hold(fe
     ]  # fmt: skip
     assert state.query(["b", "zz"], held=held) == {"b": ["reserved", shown[2]]}
     # An answer after the wait ended is dropped, not kept for the next question.
-    feeding.held_answer(0, {"op": "held", "seq": seq, "pid": 11, "tasks": [_task("late")]})
+    feeding.answered(0, {"op": "held", "seq": seq, "pid": 11, "tasks": [_task("late")]})
+    reporting = asyncio.create_task(feeding.reported(timeout_s=10.0))
+    seq = await _asked(first, "report")
+    assert await _asked(second, "report") == seq
+    for slot in (0, 1):
+        feeding.answered(slot, {"op": "reported", "seq": seq})
+    await asyncio.wait_for(reporting, 10.0)
     for child in (first, second):
         child.close()
 
@@ -100,18 +109,18 @@ async def test_a_silent_child_is_left_out_and_an_exited_or_malformed_one_is_not_
     silent, leaving, garbled = [await _join(feeding, slot) for slot in range(3)]
     with capture_logs() as logs:
         asking = asyncio.create_task(feeding.held(timeout_s=0.5))
-        seq = (await _asked(garbled))["seq"]
-        feeding.held_answer(2, {"op": "held", "seq": seq, "pid": 33, "tasks": "not a list"})
+        seq = await _asked(garbled, "held")
+        feeding.answered(2, {"op": "held", "seq": seq, "pid": 33, "tasks": "not a list"})
         feeding.left(1)  # exited while asked: its answer will never come, nor is it needed
         assert await asyncio.wait_for(asking, 10.0) == []
-    events = [(e["event"], e["log_level"], e.get("slots", e.get("slot"))) for e in logs]
+    said = [(e["event"], e["log_level"], e.get("slots", e.get("slot"))) for e in logs]
     # Slot 0 has never answered the worker (a revoke, say): still starting, said at info.
-    assert events == [("feed_held_malformed", "error", 2), ("feed_held_not_answered", "info", [0])], logs
+    assert said == [("feed_child_not_answering", "info", [0]), ("feed_held_malformed", "error", 2)], logs
     # Once it has answered before, its silence is a fault.
     feeding.revoke_applied(0, {"op": "revoke_applied", "seq": 0})
     with capture_logs() as logs:
-        assert await feeding.held(timeout_s=0.2) == []
-    said = [(e["event"], e["log_level"], e["slots"], e["starting"]) for e in logs]
-    assert said == [("feed_held_not_answered", "warning", [0, 2], [2])]  # slot 2 is silent too
+        await feeding.reported(timeout_s=0.2)
+    told = [(e["event"], e["log_level"], e["op"], e["slots"], e["starting"]) for e in logs]
+    assert told == [("feed_child_not_answering", "warning", "report", [0, 2], [2])]  # slot 2 is silent too
     for child in (silent, leaving, garbled):
         child.close()

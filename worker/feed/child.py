@@ -20,6 +20,7 @@ Beside it:
   and end of file or "retire" (the pool shrank), which mean stop:
   the task running ends, what was delivered and not started is handed back, the child exits;
   "held" (inspect reserved), answered with what the connection holds unstarted (``held.py``);
+  "report" (inspect stats): the counts not reported yet, then "reported";
   and, under ``--threads``, "cancel": the worker's terminate of an ``async def`` task, which its
   thread's loop cancels (``worker/pool/task_loop.py``) while the other threads go on;
 - the hard time limit's watchdog (``worker/feed/hard_limit.py``), started on the first task that
@@ -186,6 +187,10 @@ def _follow_worker(channel: ChildChannel, shared: Shared, consumers: list[Consum
                 channel.send(
                     held_frame(consumers[0].connection, spec.settings, seq=frame.get("seq"), pid=os.getpid())
                 )
+            elif op == "report":  # inspect stats: the counts not reported yet, then the answer after them
+                for consumer in consumers:
+                    consumer.handler.ledger.report()
+                channel.send(ipc.encode_frame({"op": "reported", "seq": frame.get("seq")}))
             elif op == "retire":  # the pool shrank: stop as on end of file, but the worker waits for us
                 shared.stopping.set()
                 shared.may_consume.set()

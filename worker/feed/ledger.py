@@ -159,7 +159,7 @@ class FeedLedger:
         if self._channel is not None:
             done = {"status": JobStatus.FAILURE, "error": {"exc_type": "TimeLimitExceeded"}}
             self._ended(request.task, at_hand.queue, done, runtime_s)
-            self._report()
+            self.report()
 
     # -- the child loop's --------------------------------------------------------------------------
 
@@ -192,12 +192,20 @@ class FeedLedger:
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
+    def report(self) -> None:
+        """Send the counts kept since the last report now (also when ``inspect stats`` asks)."""
+        with self._lock:
+            tally, self._tally = self._tally, Tally()
+        if tally and self._channel is not None:
+            with contextlib.suppress(OSError):  # the worker is gone: nobody to tell
+                self._channel.send(ipc.encode_frame(tally.to_frame()))
+
     def close(self) -> None:
         """Send what is left and stop reporting; let go of the dedupe window."""
         self._stop.set()
         if self._reporter is not None:
             self._reporter.join(timeout=5)
-        self._report()
+        self.report()
         if self._dedupe is not None:
             self._dedupe.close()
 
@@ -234,14 +242,7 @@ class FeedLedger:
 
     def _report_often(self) -> None:
         while not self._stop.wait(self._every_s):
-            self._report()
-
-    def _report(self) -> None:
-        with self._lock:
-            tally, self._tally = self._tally, Tally()
-        if tally and self._channel is not None:
-            with contextlib.suppress(OSError):  # the worker is gone: nobody to tell
-                self._channel.send(ipc.encode_frame(tally.to_frame()))
+            self.report()
 
 
 class _Settling:

@@ -5,7 +5,8 @@ start, and reads what it runs from the shared board (``worker/pool/board.py``) f
 the heartbeat's counts and ``revoke --terminate``. The children's counts come in ``tally`` frames
 (``worker/feed/tally.py``), at most one a second from each, for ``stats`` and the metrics.
 What a child holds and has not started (a deeper prefetch, ``--threads``) is on no board: the
-children are asked when ``inspect reserved`` asks (``worker/feed/held.py``).
+children are asked when ``inspect reserved`` asks (``worker/feed/held.py``); ``inspect stats``
+asks each for the counts it has not reported yet, so its ``total`` is exact.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ CANCEL_GRACE_S: Final = 5.0
 # How long a revoke command waits for every child to apply it before it replies anyway: well
 # inside Celery's default 1 s reply window, far above the milliseconds a child takes.
 REVOKE_KNOWN_WAIT_S: Final = 0.5
-# How long inspect reserved waits for every child to say what it holds (the same window).
-HELD_WAIT_S: Final = 0.5
+# How long inspect reserved and stats wait for every child to answer (the same window).
+ASK_WAIT_S: Final = 0.5
 
 log = structlog.get_logger(__name__)
 
@@ -92,10 +93,10 @@ class Feeding:
         self._revoke_seq = 0
         self._applied: dict[int, int] = {}  # slot -> the last revoke number its child applied
         self._applied_changed = asyncio.Event()
-        # inspect reserved asks every child what it holds unstarted: request number -> answers by slot.
-        self._held_seq = 0
-        self._held: dict[int, dict[int, list[Running]]] = {}
-        self._held_changed = asyncio.Event()
+        # Questions to every child (inspect reserved, stats): number -> the answers so far, by slot.
+        self._ask_seq = 0
+        self._answers: dict[int, dict[int, dict[str, Any]]] = {}
+        self._answered = asyncio.Event()
 
     def spec_for(self, slot: int) -> FeedSpec:
         """The start-up order of the child in ``slot``; the board grows to hold its slots first."""
@@ -113,7 +114,7 @@ class Feeding:
         self._writers.pop(slot, None)
         self._applied.pop(slot, None)
         self._note_applied()  # nobody waits for an exited child
-        self._note_held()
+        self._note_answered()
         lost = [entry for entry in self.board.running() if entry.slot // self._threads == slot]
         for shown in range(slot * self._threads, (slot + 1) * self._threads):  # one per thread
             self._ended_before += self.board.ended(shown)
@@ -187,52 +188,67 @@ class Feeding:
         self._applied_changed.set()
         self._applied_changed = asyncio.Event()
 
-    async def held(self, timeout_s: float = HELD_WAIT_S) -> list[Running]:
+    async def held(self, timeout_s: float = ASK_WAIT_S) -> list[Running]:
         """What every live child holds and has not started (``inspect reserved``); each is asked.
 
-        A child that does not answer within ``timeout_s`` (starting, or its control thread
-        starved) is logged and left out. ``Running.started`` is 0: none of them has started.
+        A child that does not answer within ``timeout_s`` is left out. ``Running.started`` is 0:
+        none of them has started.
         """
-        self._held_seq += 1
-        seq, answers = self._held_seq, dict[int, list[Running]]()
-        self._held[seq] = answers
+        held = []
+        for slot, frame in sorted((await self._ask("held", timeout_s)).items()):
+            pid, tasks = frame.get("pid"), frame.get("tasks")
+            if (
+                not isinstance(pid, int)
+                or not isinstance(tasks, list)
+                or not all(isinstance(t, dict) for t in tasks)
+            ):
+                log.error("feed_held_malformed", slot=slot, frame=repr(frame)[:200])
+                continue
+            if frame.get("error"):
+                log.error("feed_held_failed", slot=slot, error=frame["error"])
+            held += [Running(slot, pid, 0.0, task) for task in tasks]
+        return held
+
+    async def reported(self, timeout_s: float = ASK_WAIT_S) -> None:
+        """Every live child has sent the counts it kept since its last ``tally`` (``inspect stats``):
+        ``totals`` count every task ended before the call (a child silent past ``timeout_s`` is
+        logged; its counts come with its next report)."""
+        await self._ask("report", timeout_s)
+
+    async def _ask(self, op: str, timeout_s: float) -> dict[int, dict[str, Any]]:
+        # Send ``op`` (numbered) to every live child; their answers (the same number) by slot, once
+        # every child still alive has answered, or at ``timeout_s``. Frames a child sent before
+        # its answer (its tally) are handled first: one socket, in order.
+        self._ask_seq += 1
+        seq, answers = self._ask_seq, dict[int, dict[str, Any]]()
+        self._answers[seq] = answers
         asked = [slot for slot, writer in self._writers.items() if not writer.is_closing()]
-        frame = ipc.encode_frame({"op": "held", "seq": seq})
+        frame = ipc.encode_frame({"op": op, "seq": seq})
         for slot in asked:
             self._writers[slot].write(frame)
         try:
             async with asyncio.timeout(timeout_s):
                 while silent := [slot for slot in asked if slot not in answers and slot in self._writers]:
-                    await self._held_changed.wait()
-        except TimeoutError:  # a child still starting (importing the app) holds nothing yet
+                    await self._answered.wait()
+        except TimeoutError:  # a child still starting (importing the app) holds and counts nothing yet
             starting = [slot for slot in silent if slot not in self._applied]
             say = log.info if starting == silent else log.warning
-            say("feed_held_not_answered", slots=silent, starting=starting, timeout_s=timeout_s)
+            say("feed_child_not_answering", op=op, slots=silent, starting=starting, timeout_s=timeout_s)
         finally:
-            del self._held[seq]
-        return [entry for slot in sorted(answers) for entry in answers[slot]]
+            del self._answers[seq]
+        return answers
 
-    def held_answer(self, slot: int, frame: dict[str, Any]) -> None:
-        """The child of ``slot`` said what it holds (a malformed answer is logged and dropped)."""
-        seq, pid, tasks = frame.get("seq"), frame.get("pid"), frame.get("tasks")
-        answers = self._held.get(seq) if isinstance(seq, int) else None
-        if answers is None:
-            return  # past its wait: the command has replied
-        if (
-            not isinstance(pid, int)
-            or not isinstance(tasks, list)
-            or not all(isinstance(t, dict) for t in tasks)
-        ):
-            log.error("feed_held_malformed", slot=slot, frame=repr(frame)[:200])
-            tasks, pid = [], 0
-        if frame.get("error"):
-            log.error("feed_held_failed", slot=slot, error=frame["error"])
-        answers[slot] = [Running(slot, pid, 0.0, task) for task in tasks]
-        self._note_held()
+    def answered(self, slot: int, frame: dict[str, Any]) -> None:
+        """The child of ``slot`` answered a question (``held``, ``report``); late answers are dropped."""
+        seq = frame.get("seq")
+        answers = self._answers.get(seq) if isinstance(seq, int) else None
+        if answers is not None:
+            answers[slot] = frame
+            self._note_answered()
 
-    def _note_held(self) -> None:
-        self._held_changed.set()
-        self._held_changed = asyncio.Event()
+    def _note_answered(self) -> None:
+        self._answered.set()
+        self._answered = asyncio.Event()
 
     def set_task_events(self, on: bool) -> None:
         """Turn task events on or off in every child (``enable_events``/``disable_events``)."""

@@ -169,8 +169,8 @@ class ChildSupervisor:
             child.recycled = True  # a consuming child past its limits: its slot starts another
         elif op == "revoke_applied" and self.feeding is not None:
             self.feeding.revoke_applied(child.slot, frame)  # a revoke command may wait for it
-        elif op == "held" and self.feeding is not None:
-            self.feeding.held_answer(child.slot, frame)  # inspect reserved waits for it
+        elif op in ("held", "reported") and self.feeding is not None:
+            self.feeding.answered(child.slot, frame)  # inspect reserved or stats waits for it
         elif op == "tally" and self.feeding is not None:
             self.feeding.tallied(frame)  # a consuming child's counts, for stats and the metrics
         elif op == "done" and job is not None:

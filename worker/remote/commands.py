@@ -143,6 +143,8 @@ class WorkerCommands:
 
     async def stats(self) -> dict[str, Any]:
         """Celery's ``stats``; with autoscale it gains Celery's ``autoscaler`` map."""
+        if (feeding := self._feeding) is not None:
+            await feeding.reported()  # consuming children's counts up to now: ``total`` is exact
         config = self._config
         url = urlsplit(config.settings.broker_url)
         usage = resource.getrusage(resource.RUSAGE_SELF)
