@@ -56,7 +56,8 @@ def prefetches(broker: SessionBroker, url: str, queue: str) -> list[int]:
         pytest.fail("this test needs rabbitmqctl for the broker (to read the consumers' prefetch)")
     vhost = Settings(broker_url=url).virtual_host
     out = ctl("list_consumers", "-p", vhost, "--no-table-headers", "--quiet", "queue_name", "prefetch_count")
-    rows = [line.split("\t") for line in out.splitlines() if line.strip()]
+    # Only the table's rows: rabbitmqctl may print a line of its own among them (seen once in CI).
+    rows = [line.split("\t") for line in out.splitlines() if line.count("\t") == 1]
     return [int(count) for name, count in rows if name == queue]
 
 
