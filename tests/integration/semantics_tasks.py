@@ -73,6 +73,14 @@ def hard_limited() -> str:
     return "not killed"
 
 
+@app.task(time_limit=0.5)
+def hard_limited_in_c() -> str:
+    # One call into C that keeps the GIL until it returns (several seconds): no other thread of
+    # the child runs meanwhile, its hard limit's watchdog included.
+    sum(range(500_000_000))
+    return "not killed"
+
+
 @app.task
 def sleeper(seconds: float) -> int:
     time.sleep(seconds)

@@ -128,6 +128,21 @@ def test_soft_and_hard_time_limits(feed_queue: str, feed_worker: WorkerProcess, 
     assert app.send_task(f"{TASKS}.sleeper", (0,), queue=feed_queue).get(timeout=60) > 0
 
 
+def test_the_worker_ends_a_task_that_holds_the_gil_past_its_hard_time_limit(
+    feed_queue: str, feed_worker: WorkerProcess, app: App
+):
+    # The child's watchdog thread cannot run while the task is inside one long call into C: the
+    # worker ends the child (GRACE_S after the limit), and the copy is answered, not run again.
+    started = time.monotonic()
+    with pytest.raises(TaskError) as info:
+        app.send_task(f"{TASKS}.hard_limited_in_c", queue=feed_queue).get(timeout=60)
+    assert info.value.exc_type == "TimeLimitExceeded"
+    assert time.monotonic() - started < 4.5  # 0.5 s limit, 1 s grace; the call takes 6 s or more
+    ended = [e for e in feed_worker.events() if e.get("event") == "task_time_limit_exceeded"]
+    assert any(e.get("ended_by") == "worker" and e.get("limit_s") == 0.5 for e in ended), ended
+    assert app.send_task(f"{TASKS}.sleeper", (0,), queue=feed_queue).get(timeout=60) > 0
+
+
 def test_a_task_longer_than_two_heartbeats_keeps_its_connection(
     feed_queue: str, feed_worker: WorkerProcess, app: App
 ):

@@ -20,6 +20,7 @@ Beside it:
   and end of file or "retire" (the pool shrank), which mean stop:
   the task running ends, what was delivered and not started is handed back, the child exits;
   "held" (inspect reserved), answered with what the connection holds unstarted (``held.py``);
+  "timed_out": a task whose child the worker ended past its hard limit (its copy is answered so);
   "report" (inspect stats): the counts not reported yet, then "reported";
   and, under ``--threads``, "cancel": the worker's terminate of an ``async def`` task, which its
   thread's loop cancels (``worker/pool/task_loop.py``) while the other threads go on;
@@ -166,6 +167,8 @@ def _follow_worker(channel: ChildChannel, shared: Shared, consumers: list[Consum
             op = frame.get("op")
             if op == "consume":
                 consume = True
+            elif op == "timed_out":  # the worker ended the child running it past its hard limit
+                shared.timed_out[str(frame.get("id"))] = float(frame.get("limit") or 0.0)
             elif op == "terminated":  # the worker ends the child running it: its copy is answered so
                 shared.terminated[str(frame.get("id"))] = int(frame.get("signum") or 15)
                 shared.revoked.add(str(frame.get("id")))

@@ -43,10 +43,8 @@ __all__ = ["STOP_CHECK_S", "Consumer", "Shared"]
 
 log = structlog.get_logger(__name__)
 
-# How long a failed delivery waits before it is handed back: a backoff for a loop of failures.
-_FAILED_HAND_BACK_PAUSE_S: Final = 0.5
-# How often the loop looks up from an idle connection to see whether it must stop.
-STOP_CHECK_S: Final = 0.5
+_FAILED_HAND_BACK_PAUSE_S: Final = 0.5  # a failed delivery's pause before it is handed back
+STOP_CHECK_S: Final = 0.5  # how often the loop looks up from an idle connection: must it stop?
 # How often a parked copy's first run is looked at (between deliveries) while the connection is idle.
 _PARKED_CHECK_S: Final = 0.05
 # How long a child tries to connect again to send the outcome of a run whose connection failed.
@@ -64,6 +62,7 @@ class Shared:
         self.stopping = threading.Event()
         self.may_consume = threading.Event()
         self.terminated: dict[str, int] = {}  # task id -> the signal that ended its child (terminate)
+        self.timed_out: dict[str, float] = {}  # task id -> the hard limit past which the worker ended it
         self.processed: list[int] = []  # one count per thread, summed for --max-tasks-per-child
 
 
@@ -112,7 +111,7 @@ class Consumer:
         self.task_loop = task_loop = TaskLoop()  # this thread's, for async def tasks
         self.handler = handler = FeedHandler(
             app=app, spec=spec, replies=replies, revoked=shared.revoked, terminated=shared.terminated,
-            clock=clock, events=self.events,
+            clock=clock, events=self.events, timed_out=shared.timed_out,
             run=lambda job: _run_limited(
                 app, job, updates, soft_limit, watchdog, connection, shown, alarm, task_loop
             ),
@@ -380,8 +379,8 @@ def _run_limited(
 
 
 class _Shown:
-    """A consumer's board slot: a task shows there from its run's start until its delivery is settled,
-    so a copy the broker sends back meanwhile finds it (``worker/feed/redeliveries.py``)."""
+    """A consumer's board slot: a task shows there, with its hard limit (``worker/pool/hard_limits.py``),
+    from its run's start until settled, so a copy sent back meanwhile finds it (``redeliveries.py``)."""
 
     def __init__(self, board: Board | None, slot: int) -> None:
         self._board, self._slot = board, slot
@@ -390,7 +389,8 @@ class _Shown:
     def start(self, job: Job) -> None:
         if self._board is not None:
             info = {"id": job.task_id, "name": job.task_name, "type": job.task_name, "args": job.args,
-                    "kwargs": job.kwargs, "delivery_info": job.request.get("delivery_info")}  # fmt: skip
+                    "kwargs": job.kwargs, "delivery_info": job.request.get("delivery_info"),
+                    "time_limit": job.hard_time_limit_s}  # fmt: skip
             self._board.start(self._slot, info)
             self._showing = True
 

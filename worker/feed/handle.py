@@ -78,6 +78,7 @@ class FeedHandler:
         replies: FeedReplies,
         revoked: Set[str],
         terminated: Mapping[str, int] | None = None,
+        timed_out: Mapping[str, float] | None = None,
         clock: LamportClock,
         run: Callable[[Job], dict[str, Any]],
         events: FeedEvents,
@@ -97,6 +98,7 @@ class FeedHandler:
         )
         self._canvas = FeedCanvas(app=app, replies=replies, namespace=spec.namespace)
         self._terminated: Mapping[str, int] = terminated if terminated is not None else {}
+        self._timed_out: Mapping[str, float] = timed_out if timed_out is not None else {}
         self._states = FeedStates(
             replies, hostname=spec.hostname, clock=clock, enabled=spec.settings.task_states
         )
@@ -179,6 +181,12 @@ class FeedHandler:
             return self._answers.cannot_honour(request, why), self._answers.rejected(request.id)
         if (gated := to_gate(task, request, delivery.headers, delivery.queue)) is not None:
             return gated, None  # its own dedup key, but it did not come through its gate
+        if (limit_s := self._timed_out.get(request.id)) is not None:
+            # The worker ended its child past its hard time limit (the task held the GIL, so the
+            # child's watchdog could not): answered as the watchdog would have, not run again.
+            log.error("task_time_limit_exceeded", limit_s=limit_s, ended_by="worker")
+            self.time_limit_exceeded(request, limit_s)
+            return ACK, None
         count = delivery_count(delivery.headers, redelivered=delivery.redelivered)
         if count > self._settings.delivery_limit:
             why = f"{count} deliveries did not finish (delivery_limit={self._settings.delivery_limit})"

@@ -31,6 +31,7 @@ from worker.feed.spec import FeedSpec
 from worker.feed.tally import Tally
 from worker.pool import ipc
 from worker.pool.board import Board, Running
+from worker.pool.hard_limits import HardLimitBackstop
 
 __all__ = ["REVOKE_KNOWN_WAIT_S", "Feeding"]
 
@@ -62,6 +63,8 @@ class Feeding:
         if stale := sweep_stale():  # left by workers killed before they could remove them
             log.info("stale_shared_files_removed", count=len(stale))
         self.board = Board.create(slots * spec.threads)
+        # A task past its hard time limit whose child's watchdog cannot run (the GIL held).
+        self.hard_limits = HardLimitBackstop(self.board, self._broadcast)
         # One bucket per rate-limited task, shared by every child (a limit is per worker).
         self.rates = SharedRates.create(spec.task_names, spec.rate_limits)
         # One dedupe window for every child (--dedupe-window): a copy may reach any of them.
@@ -124,6 +127,7 @@ class Feeding:
     def start(self, revoked: Callable[[], Iterable[str]]) -> None:
         """Let every child consume, now and each new one, knowing ``revoked()`` first."""
         self._revoked = revoked
+        self.hard_limits.start()
         for writer in self._writers.values():
             self._let_consume(writer)
 
@@ -298,8 +302,8 @@ class Feeding:
         return self._ended_before + sum(self.board.ended(slot) for slot in range(self.board.slots))
 
     def was_terminated(self, task_id: str) -> bool:
-        """Whether the worker ended the child running ``task_id`` (terminate), recently."""
-        return task_id in self._terminated
+        """Whether the worker ended the child running ``task_id`` (terminate, hard limit), recently."""
+        return task_id in self._terminated or task_id in self.hard_limits.ended
 
     def terminate(self, task_id: str, sig: int) -> bool:
         """Signal the child running ``task_id``; whether one was.
@@ -347,6 +351,7 @@ class Feeding:
 
     def close(self) -> None:
         """Remove the board, the rate buckets, the dedupe window and the lost acks' table."""
+        self.hard_limits.close()
         self.board.close()
         self.rates.close()
         self.done.close()
@@ -360,6 +365,8 @@ class Feeding:
         writer.write(ipc.encode_frame(revoked))
         for task_id, signum in self._terminated.items():  # a child started since (the one replaced)
             writer.write(ipc.encode_frame({"op": "terminated", "id": task_id, "signum": signum}))
+        for frame in self.hard_limits.frames():
+            writer.write(frame)
         writer.write(ipc.encode_frame({"op": "events", "on": self.task_events}))
         if self._queues is not None:
             writer.write(ipc.encode_frame({"op": "queues", "queues": self._queues}))
