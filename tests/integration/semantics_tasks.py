@@ -73,6 +73,13 @@ def hard_limited() -> str:
     return "not killed"
 
 
+@app.task(bind=True)
+def recorded_in_c(self: Task, path: str, count: int) -> int:
+    """Note this run in ``path``, then one call into C that keeps the GIL (about 1.2 s per 10**8)."""
+    _record(path, {"id": self.request.id, "pid": os.getpid(), "started": time.time()})
+    return sum(range(count))
+
+
 @app.task(time_limit=0.5)
 def hard_limited_in_c() -> str:
     # One call into C that keeps the GIL until it returns (several seconds): no other thread of

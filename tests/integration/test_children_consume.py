@@ -143,6 +143,29 @@ def test_the_worker_ends_a_task_that_holds_the_gil_past_its_hard_time_limit(
     assert app.send_task(f"{TASKS}.sleeper", (0,), queue=feed_queue).get(timeout=60) > 0
 
 
+def test_a_task_that_holds_the_gil_past_two_heartbeats_runs_once_and_answers(
+    feed_queue: str, feed_worker: WorkerProcess, app: App, tmp_path: Path
+):
+    # No thread of its child runs during the call, its heartbeats included: the broker closes the
+    # child's connection (1 s heartbeat) and requeues the delivery. The copy must wait for the run
+    # (the board shows it), and the outcome go out once the child has connected again: one run.
+    notes = tmp_path / "runs"
+    count = 300_000_000  # about 3.5 s here, several heartbeats
+    lost_before = feed_worker.count("feed_connection_lost")
+    result = app.send_task(f"{TASKS}.recorded_in_c", (str(notes), count), queue=feed_queue)
+    assert result.get(timeout=90) == sum(range(count))
+    assert feed_worker.count("feed_connection_lost") > lost_before, "no connection lost: proves nothing"
+    settled = ("task_settled_by_redelivery", "task_redelivery_done_acked")  # the copy, acked unrun
+
+    def copy_settled() -> bool:
+        return any(e.get("event") in settled and e.get("task_id") == result.id for e in feed_worker.events())
+
+    wait_for(copy_settled, timeout_s=30, message="the requeued copy was never settled by the run's outcome")
+    runs = [json.loads(line) for line in notes.read_text().splitlines()]
+    assert len(runs) == 1, runs
+    assert app.send_task(f"{TASKS}.sleeper", (0,), queue=feed_queue).get(timeout=60) > 0
+
+
 def test_a_task_longer_than_two_heartbeats_keeps_its_connection(
     feed_queue: str, feed_worker: WorkerProcess, app: App
 ):
