@@ -148,10 +148,9 @@ class FeedConnection(FrameSocket):
             return self._holding(peek=self._busy)
 
     def _holding(self, *, peek: bool) -> list[TaskDelivery]:
-        held = list(self._deliveries)
-        if peek and (sock := self._sock) is not None:
-            held += peeked_deliveries(sock, bytes(self._buffer), self._tags, self.generation)
-        return held
+        sock, unparsed = self._sock if peek else None, bytes(self._buffer)
+        peeked = [] if sock is None else peeked_deliveries(sock, unparsed, self._tags, self.generation)
+        return [] if peeked is None else [*self._deliveries, *peeked]  # None: the broker took them back
 
     def check(self, delivery: TaskDelivery | None = None) -> None:
         """Handle what arrived meanwhile, without waiting: a close the broker sent raises here.

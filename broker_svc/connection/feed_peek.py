@@ -24,6 +24,7 @@ __all__ = ["peeked_deliveries", "task_delivery"]
 
 _DELIVER = (60, 60)
 _RETURN = (60, 50)
+_CLOSES = ((10, 50), (20, 40))  # connection.close, channel.close
 _PEEK_AT_LEAST = 65_536
 
 
@@ -42,8 +43,9 @@ def task_delivery(
 
 def peeked_deliveries(
     sock: socket.socket, unparsed: bytes, queues: Mapping[str, str], generation: int
-) -> list[TaskDelivery]:
-    """The whole deliveries in ``unparsed`` (read, not parsed yet) followed by what ``sock`` holds.
+) -> list[TaskDelivery] | None:
+    """The whole deliveries in ``unparsed`` (read, not parsed yet) followed by what ``sock`` holds;
+    None if the broker closed the channel or the connection there (it took back all it delivered).
 
     Call it only while no other thread reads ``sock``. ``queues`` maps consumer tags to queues.
     A frame cut short at the end (still arriving), a TLS socket or a failed peek end the list early.
@@ -58,6 +60,8 @@ def peeked_deliveries(
     found: list[TaskDelivery] = []
     try:
         while (frame := frames.next_frame(data)) is not None:
+            if frame.type == frames.FRAME_METHOD and frame.method_id in _CLOSES:
+                return None
             if frame.type != frames.FRAME_METHOD or frame.method_id not in (_DELIVER, _RETURN):
                 continue  # confirms, heartbeats: the connection's, when it reads them
             content = _content(data)
