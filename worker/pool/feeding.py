@@ -234,10 +234,11 @@ class Feeding:
             async with asyncio.timeout(timeout_s):
                 while silent := [slot for slot in asked if slot not in answers and slot in self._writers]:
                     await self._answered.wait()
-        except TimeoutError:  # a child still starting (importing the app) holds and counts nothing yet
+        except TimeoutError:
+            # Starting (importing the app), or its task holds the GIL: the answer lists less, at
+            # info (an operator's view, not a fault; an unapplied revoke warns, revokes_known).
             starting = [slot for slot in silent if slot not in self._applied]
-            say = log.info if starting == silent else log.warning
-            say("feed_child_not_answering", op=op, slots=silent, starting=starting, timeout_s=timeout_s)
+            log.info("feed_child_not_answering", op=op, slots=silent, starting=starting, timeout_s=timeout_s)
         finally:
             del self._answers[seq]
         return answers
