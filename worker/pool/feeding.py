@@ -95,11 +95,11 @@ class Feeding:
         # revoke command can wait for every live child before it replies (revokes_known).
         self._revoke_seq = 0
         self._applied: dict[int, int] = {}  # slot -> the last revoke number its child applied
-        self._applied_changed = asyncio.Event()
+        # Set and replaced whenever a child answers or leaves: every wait for children rechecks.
+        self._changed = asyncio.Event()
         # Questions to every child (inspect reserved, stats): number -> the answers so far, by slot.
         self._ask_seq = 0
         self._answers: dict[int, dict[int, dict[str, Any]]] = {}
-        self._answered = asyncio.Event()
 
     def spec_for(self, slot: int) -> FeedSpec:
         """The start-up order of the child in ``slot``; the board grows to hold its slots first."""
@@ -116,8 +116,7 @@ class Feeding:
         """The child of ``slot`` exited: what it showed as running is not any more; those tasks."""
         self._writers.pop(slot, None)
         self._applied.pop(slot, None)
-        self._note_applied()  # nobody waits for an exited child
-        self._note_answered()
+        self._note_change()  # nobody waits for an exited child
         lost = [entry for entry in self.board.running() if entry.slot // self._threads == slot]
         for shown in range(slot * self._threads, (slot + 1) * self._threads):  # one per thread
             self._ended_before += self.board.ended(shown)
@@ -157,7 +156,7 @@ class Feeding:
             return
         if seq > self._applied.get(slot, -1):  # 0 too: the child has answered once, so it started
             self._applied[slot] = seq
-            self._note_applied()
+            self._note_change()
 
     async def revokes_known(self, timeout_s: float = REVOKE_KNOWN_WAIT_S) -> bool:
         """Wait until every live child has applied the revokes sent so far; False past ``timeout_s``.
@@ -170,7 +169,7 @@ class Feeding:
         try:
             async with asyncio.timeout(timeout_s):
                 while self._lagging(seq):
-                    await self._applied_changed.wait()
+                    await self._changed.wait()
         except TimeoutError:
             lagging = self._lagging(seq)
             # A child that has not answered once is still starting (importing the app): it takes
@@ -188,9 +187,9 @@ class Feeding:
             if not writer.is_closing() and self._applied.get(slot, 0) < seq
         ]
 
-    def _note_applied(self) -> None:
-        self._applied_changed.set()
-        self._applied_changed = asyncio.Event()
+    def _note_change(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     async def held(self, timeout_s: float = ASK_WAIT_S) -> list[Running]:
         """What every live child holds and has not started (``inspect reserved``); each is asked.
@@ -233,7 +232,7 @@ class Feeding:
         try:
             async with asyncio.timeout(timeout_s):
                 while silent := [slot for slot in asked if slot not in answers and slot in self._writers]:
-                    await self._answered.wait()
+                    await self._changed.wait()
         except TimeoutError:
             # Starting (importing the app), or its task holds the GIL: the answer lists less, at
             # info (an operator's view, not a fault; an unapplied revoke warns, revokes_known).
@@ -249,11 +248,7 @@ class Feeding:
         answers = self._answers.get(seq) if isinstance(seq, int) else None
         if answers is not None:
             answers[slot] = frame
-            self._note_answered()
-
-    def _note_answered(self) -> None:
-        self._answered.set()
-        self._answered = asyncio.Event()
+            self._note_change()
 
     def set_task_events(self, on: bool) -> None:
         """Turn task events on or off in every child (``enable_events``/``disable_events``)."""
