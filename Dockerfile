@@ -9,7 +9,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 COPY . .
-RUN pip install ".[speed]" \
+RUN pip install . \
     && useradd --create-home --uid 1000 clockwork \
     && mkdir -p /var/lib/clockwork && chown clockwork /var/lib/clockwork
 

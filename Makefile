@@ -16,7 +16,7 @@ BROKER_FLAGS ?=
 WITH_BROKER := trap '$(BROKER) stop --state-dir $(STATE) --owner $$$$' EXIT; trap 'exit 130' INT TERM; \
 	url=$$($(BROKER) ensure --state-dir $(STATE) --owner $$$$ $(BROKER_FLAGS)) || exit $$?
 
-.PHONY: run test worker bench reliability reliability-worker-consumes chaos lint typecheck chromium clean
+.PHONY: run test worker bench reliability chaos lint typecheck chromium clean
 
 # File targets, so the environment is built once and reinstalled only when pyproject.toml changes.
 # pip (not python) marks a usable venv: without python3-venv, `venv` leaves a python but no pip.
@@ -26,11 +26,11 @@ $(BIN)/pip:
 
 # Running (make run, make worker) needs the runtime only; testing adds the test and dev extras.
 $(VENV)/.runtime: $(BIN)/pip pyproject.toml
-	$(BIN)/pip install -e '.[speed]'
+	$(BIN)/pip install -e .
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.runtime pyproject.toml
-	$(BIN)/pip install -e '.[test,dev,speed]'
+	$(BIN)/pip install -e '.[test,dev]'
 	touch $@
 
 # Debian's chromium, for the Flower screenshot test (tests/interop/browser.py fails without it, never
@@ -72,12 +72,6 @@ bench: $(VENV)/.installed
 reliability: $(VENV)/.installed
 	@$(WITH_BROKER); AMQP_URL="$$url" $(BIN)/pytest tests/reliability; status=$$?; \
 	$(BIN)/python -m tests.reliability.summary; exit $$status
-
-# The same matrix against the previous design, where the worker's main process consumes (every test
-# worker gets --worker-consumes first), its figures into RELIABILITY.md's first table.
-reliability-worker-consumes: $(VENV)/.installed
-	@$(WITH_BROKER); AMQP_URL="$$url" CLOCKWORK_TEST_WORKER_ARGS=--worker-consumes $(BIN)/pytest tests/reliability; \
-	status=$$?; $(BIN)/python -m tests.reliability.summary; exit $$status
 
 chaos: $(VENV)/.installed
 	@$(WITH_BROKER); AMQP_URL="$$url" $(BIN)/pytest -m chaos tests/reliability; status=$$?; \

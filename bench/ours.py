@@ -28,8 +28,6 @@ ROOT = Path(__file__).resolve().parent.parent
 SYSTEM = "clockwork"
 TIMED = "bench.tasks.timed"
 WIDE_THREADS = 50  # the wide worker: two children with 25 threads each, as Dramatiq's -p 2 -t 25
-# The default design (each pool child consumes); ``-- --worker-consumes`` (bench.cpu_split) selects
-# the previous one, where the main process consumes for its children.
 WORKER_ARGS = "--without-mingle --statedb none"
 # Under --threads, Dramatiq's prefetch: twice the threads per process (one waiting per thread).
 THREADS_PREFETCH = ("--prefetch-multiplier", "2")
@@ -66,8 +64,6 @@ class Clockwork:
 
     def consumers(self, shape: Shape) -> int:
         args = [*WORKER_ARGS.split(), *self._extra_worker_args]
-        if "--worker-consumes" in args:
-            return 1  # the main process consumes for its children
         if shape is Shape.PAIR or self._wide_threads:
             return 2  # each child consumes, its threads (--threads) on one shared consumer
         return self._wide

@@ -7,9 +7,9 @@ import asyncio
 import os
 import sys
 import traceback
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from broker_svc.errors import BrokerUnavailable, ConfigurationError
 from broker_svc.logging import configure_logging
@@ -173,22 +173,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="the broker's consumer_timeout (default 1800, RabbitMQ's); warns at start-up about task "
         "time limits it would cut short; 0 skips the check",
     )
-    # The last of the two given wins, so a script's default can be overridden after it.
-    parser.add_argument(
-        "--children-consume",
-        dest="children_consume",
-        action="store_true",
-        default=True,
-        help="each pool child consumes, runs and acks its own tasks (the default; see docs/design.md, "
-        "'Consuming children')",
-    )
-    parser.add_argument(
-        "--worker-consumes",
-        dest="children_consume",
-        action="store_false",
-        help="the previous design, kept for one release: the worker's main process consumes for every "
-        "child and hands each task over",
-    )
     parser.add_argument(
         "--threads",
         type=int,
@@ -295,7 +279,6 @@ def _start(args: argparse.Namespace) -> int:
         max_memory_per_child_kib=args.max_memory_per_child or conf.get("worker_max_memory_per_child"),
         metrics_port=args.metrics_port,
         metrics_address=args.metrics_address,
-        children_consume=args.children_consume,
         threads=args.threads,
     )
     beat = None
@@ -308,7 +291,7 @@ def _start(args: argparse.Namespace) -> int:
             return _say(str(exc), status=2)
         beat.start()
     try:
-        return _run(WorkerService(config, app).run(), fast_loop=not config.children_consume)
+        return asyncio.run(WorkerService(config, app).run())
     except ConfigurationError as exc:  # a queue declared otherwise before (an ordered one, say)
         return _say(str(exc), status=2)
     except BrokerUnavailable as exc:  # a refused login or TLS handshake: retrying cannot help
@@ -323,22 +306,6 @@ def _start(args: argparse.Namespace) -> int:
 def _say(message: str, *, status: int = 1) -> int:
     # A start-up error as a good CLI gives it: one line on stderr, and the exit status.
     print(f"clockwork-worker: error: {message}", file=sys.stderr)  # noqa: T201 - no logging for this
-    return status
-
-
-def _run(main: Coroutine[Any, Any, int], *, fast_loop: bool) -> int:
-    # uvloop roughly halves the event loop's own cost per delivery, which counts when this process
-    # consumes for its children (``fast_loop``, --worker-consumes). When the children consume, it
-    # spends about a microsecond per task, and uvloop would cost 2 MiB of PSS for nothing. It is
-    # optional (the "speed" extra); the worker behaves the same without it.
-    if not fast_loop:
-        return asyncio.run(main)
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main)
-    # Typed here: without the extra installed, mypy sees uvloop.run as Any (ignore_missing_imports).
-    status: int = uvloop.run(main)
     return status
 
 

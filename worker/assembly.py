@@ -1,4 +1,4 @@
-"""What the worker service builds from its ``WorkerConfig``: the task consumer, the feed spec."""
+"""What the worker service builds from its ``WorkerConfig``: the children's spec, the metrics."""
 
 from __future__ import annotations
 
@@ -6,32 +6,25 @@ import dataclasses
 import inspect
 from typing import TYPE_CHECKING
 
-import aio_pika.abc
 import structlog
 
 from broker_svc.app import App
-from broker_svc.clock import LamportClock
 from broker_svc.topology import dead_letter_queue
 from worker.config import WorkerConfig, time_limits_over_consumer_timeout
-from worker.consume.consumer import TaskConsumer
-from worker.consume.eta import EtaScheduler
-from worker.consume.publish import ReplyPublisher
-from worker.consume.rate_limits import RateLimits, parse_rate
-from worker.events import EventDispatcher
+from worker.consume.rate_limits import parse_rate
 from worker.feed.spec import FeedSpec
 from worker.pool.pool import ProcessPool
-from worker.remote.revoked_set import RevokedSet
 
 if TYPE_CHECKING:
     from worker.metrics import WorkerMetrics
 
-__all__ = ["feed_spec", "task_consumer", "warn_time_limits"]
+__all__ = ["feed_spec", "serve_metrics", "warn_time_limits"]
 
 log = structlog.get_logger(__name__)
 
 
 def feed_spec(config: WorkerConfig, app: App) -> FeedSpec:
-    """What each consuming child is told (--children-consume): one delivery per child at a time.
+    """What each consuming child is told at start: where to connect, what to consume, its limits.
 
     Args:
         config: worker options.
@@ -46,7 +39,7 @@ def feed_spec(config: WorkerConfig, app: App) -> FeedSpec:
     return FeedSpec(
         settings=settings,
         queues=config.queues,
-        # As QueueConsumers.declare declares them: a 406 otherwise, and a queue deleted under
+        # As TaskQueues.declare declares them: a 406 otherwise, and a queue deleted under
         # a child must come back the same (durable, its type, its dead-letter queue, its binding).
         queue_specs=tuple(
             spec
@@ -100,67 +93,25 @@ def warn_time_limits(config: WorkerConfig, app: App) -> None:
         )
 
 
-def task_consumer(
-    config: WorkerConfig,
-    app: App,
-    *,
-    pool: ProcessPool,
-    publish_channel: aio_pika.abc.AbstractChannel,
-    events: EventDispatcher,
-    clock: LamportClock,
-    revoked: RevokedSet,
-    limits: RateLimits,
-) -> tuple[TaskConsumer, WorkerMetrics | None]:
-    """Build the task consumer and, with ``--metrics-port``, the metrics it counts into.
+def serve_metrics(config: WorkerConfig, pool: ProcessPool) -> WorkerMetrics | None:
+    """With ``--metrics-port``, the worker's metrics, counted from its children's reports and served.
 
     Args:
         config: worker options.
-        app: the application whose tasks the children run.
-        pool: the process pool the consumer runs tasks in.
-        publish_channel: the confirming channel results and ETA copies go out on.
-        events: the worker's event dispatcher.
-        clock: the worker process's Lamport clock.
-        revoked: the revoked task ids.
-        limits: the per-task rate limits.
+        pool: the process pool whose children report their counts.
 
     Returns:
-        The consumer, and the metrics already serving (None without ``--metrics-port``).
+        The metrics, already serving; None without ``--metrics-port``.
     """
-    metrics = None
-    if config.metrics_port is not None:
-        # Imported here: prometheus_client (and the HTTP server it brings) costs a worker without
-        # --metrics-port about 3 MiB it never uses.
-        from worker.metrics import WorkerMetrics
+    if config.metrics_port is None:
+        return None
+    # Imported here: prometheus_client (and the HTTP server it brings) costs a worker without
+    # --metrics-port about 3 MiB it never uses.
+    from worker.metrics import WorkerMetrics
 
-        # Read at each scrape, so the figures are now's; the consumer exists once this returns.
-        metrics = WorkerMetrics(
-            config.hostname, pool_size=lambda: pool.target, busy=lambda: consumer.running_count
-        )
-        if pool.feeding is not None:
-            pool.feeding.on_tally = metrics.add  # consuming children count their own tasks
-        metrics.serve(config.metrics_port, config.metrics_address)
-        log.info("metrics_serving", port=config.metrics_port, address=config.metrics_address)
-    consumer = TaskConsumer(
-        app=app,
-        pool=pool,
-        replies=ReplyPublisher(
-            publish_channel,
-            clock=clock,
-            persistent=config.settings.result_persistent,
-            observe=metrics.confirmed if metrics is not None else None,
-        ),
-        clock=clock,
-        settings=config.settings,
-        hostname=config.hostname,
-        concurrency=config.concurrency,
-        dedupe_window_s=config.dedupe_window_s,
-        # Held ETA deliveries count against the prefetch: leave one per child for due tasks.
-        eta=EtaScheduler(publish_channel, max_held=max(1, config.prefetch_count - config.concurrency)),
-        events=events,
-        revoked=revoked,
-        limits=limits,
-        default_time_limits=(config.time_limit_s, config.soft_time_limit_s),
-        namespace=config.namespace,
-        metrics=metrics,
-    )
-    return consumer, metrics
+    # Read at each scrape, so the figures are now's.
+    metrics = WorkerMetrics(config.hostname, pool_size=lambda: pool.target, busy=lambda: pool.busy_count)
+    pool.feeding.on_tally = metrics.add  # the children count their own tasks
+    metrics.serve(config.metrics_port, config.metrics_address)
+    log.info("metrics_serving", port=config.metrics_port, address=config.metrics_address)
+    return metrics

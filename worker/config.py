@@ -71,15 +71,13 @@ def parse_autoscale(value: str) -> tuple[int, int]:
     return maximum, minimum
 
 
-def prefetch_for(size: int, *, multiplier: int, autoscale_max: int | None = None) -> int:
-    """The per-consumer prefetch for a pool of ``size`` children.
+def prefetch_for(children: int, *, multiplier: int, threads: int = 1) -> int:
+    """What ``children`` consuming children hold unacked together at most (inspect ``stats``).
 
-    ``size × multiplier``; an autoscaled pool below its maximum takes one delivery more, so a backlog
-    shows up as a delivery waiting for a child (what makes the autoscaler grow the pool). It is never
-    0, which AMQP reads as "no limit".
+    Each child's connection has a per-consumer prefetch of ``multiplier`` for each of its
+    ``threads``; a pool that grows or shrinks brings or takes its children's share.
     """
-    headroom = 1 if autoscale_max is not None and size < autoscale_max else 0
-    return max(1, size * multiplier + headroom)
+    return children * threads * multiplier
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,13 +90,12 @@ class WorkerConfig:
         hostname: node name ``name@host`` (templates expanded).
         queues: the task queues to consume.
         concurrency: child processes.
-        prefetch_multiplier: unacked deliveries per child, per queue (per-consumer QoS = this ×
-            children). Tasks are acked after they ran, so running ones count: with 1, a worker holds
-            no task it cannot start now, and a busy worker hoards nothing.
+        prefetch_multiplier: unacked deliveries per child (per thread under ``threads``), the
+            per-consumer QoS of its connection. Tasks are acked after they ran, so running ones
+            count: with 1, a child holds no task it cannot start now, and a busy worker hoards nothing.
         shutdown_timeout_s: how long running tasks may finish after SIGTERM.
         dedupe_window_s: skip a task id this worker finished within this many seconds (opt-in
-            dedupe, per worker; ``worker.consume.admission.DedupeWindow``, or with
-            ``children_consume`` one window shared by the children, ``worker.feed.dedupe``). None:
+            dedupe, per worker: one window shared by the children, ``worker.feed.dedupe``). None:
             at-least-once, every delivery runs. The delivery limit is ``settings.delivery_limit``.
         time_limit_s: hard time limit for tasks that set none (the task's and the call's win).
         soft_time_limit_s: soft time limit for tasks that set none.
@@ -122,12 +119,8 @@ class WorkerConfig:
             after the task it ran (None: never).
         metrics_port: serve Prometheus metrics on this port (None: not served; worker/metrics.py).
         metrics_address: the address the metrics are served on.
-        children_consume: each pool child consumes the task queues on a connection of its own and
-            runs, answers and acks its tasks itself; the main process supervises and keeps the
-            control plane (``worker/feed``, docs/design.md). False: the previous design
-            (``--worker-consumes``), where the main process consumes for every child.
-        threads: with ``children_consume``, consumers per child, each a thread with a connection
-            of its own, for tasks that wait on I/O (1: the child's main thread alone).
+        threads: consumers per child, each a thread, sharing the child's connection, for tasks
+            that wait on I/O (1: the child's main thread alone).
 
     Raises:
         ConfigurationError: an option out of range (a ``ValueError``, with the fix in its text).
@@ -156,7 +149,6 @@ class WorkerConfig:
     max_memory_per_child_kib: int | None = None
     metrics_port: int | None = None
     metrics_address: str = "0.0.0.0"
-    children_consume: bool = True
     threads: int = 1
 
     def __post_init__(self) -> None:
@@ -180,10 +172,6 @@ class WorkerConfig:
             raise ConfigurationError(f"consumer_timeout_s must be positive, got {self.consumer_timeout_s}")
         if self.threads < 1:
             raise ConfigurationError(f"threads must be at least 1, got {self.threads}")
-        if self.threads > 1 and not self.children_consume:
-            raise ConfigurationError(
-                "--threads runs consumers in threads of each child, which --worker-consumes does not have"
-            )
         if "@" not in self.hostname:
             raise ConfigurationError(f"hostname must look like name@host, got {self.hostname!r}")
         if self.autoscale is not None:
@@ -204,9 +192,8 @@ class WorkerConfig:
 
     @property
     def prefetch_count(self) -> int:
-        """basic.qos prefetch per consumer (global=False) at start; resizing the pool changes it."""
-        maximum = self.autoscale[0] if self.autoscale is not None else None
-        return prefetch_for(self.concurrency, multiplier=self.prefetch_multiplier, autoscale_max=maximum)
+        """What the children hold unacked together at most, at start; resizing the pool changes it."""
+        return prefetch_for(self.concurrency, multiplier=self.prefetch_multiplier, threads=self.threads)
 
 
 def time_limits_over_consumer_timeout(

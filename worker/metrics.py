@@ -9,9 +9,8 @@ need no events and no separate process: each worker serves its own, and Promethe
 
 Ours, under ``clockwork_``: dead letters by queue and reason, redeliveries, the pool's children
 (busy or idle), each consumed queue's depth and consumers (sampled every 15 s), and how long the
-broker takes to confirm what the worker publishes. Every task's
-outcome is known in the worker's main process (the pool children report to it), so one registry
-there is the whole count; consuming children (``--children-consume``) send theirs in batches
+broker takes to confirm what the worker publishes. One registry in the worker's main process is
+the whole count: the pool children count their own tasks and send their counts in batches
 (``worker/feed/tally.py``), added here by :meth:`WorkerMetrics.add`.
 """
 
@@ -27,7 +26,6 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from worker.feed.tally import Tally
-from worker.pool.pool import JobOutcome, JobStatus
 
 __all__ = ["WorkerMetrics"]
 
@@ -117,34 +115,8 @@ class WorkerMetrics:
         """Serve ``/metrics`` on ``address:port`` from a thread of its own."""
         start_http_server(port, addr=address, registry=self.registry)
 
-    def received(self, name: str, queue: str) -> None:
-        """A task was taken to run (not refused, not parked)."""
-        self._received.labels(name, self.hostname, queue).inc()
-
-    def started(self, name: str, queue: str) -> None:
-        """A task was handed to a pool child."""
-        self._started.labels(name, self.hostname, queue).inc()
-
-    def finished(self, name: str, queue: str, outcome: JobOutcome) -> None:
-        """A run ended; counted by how (a lost child's run is neither success nor failure yet)."""
-        status = outcome.status
-        labels = (name, self.hostname, queue)
-        if status in (JobStatus.SUCCESS, JobStatus.FAILURE, JobStatus.TIME_LIMIT):
-            self._runtime.labels(*labels).observe(outcome.runtime_s)
-        if status is JobStatus.SUCCESS:
-            self._succeeded.labels(*labels).inc()
-        elif status in (JobStatus.FAILURE, JobStatus.TIME_LIMIT):
-            exception = str((outcome.error or {}).get("exc_type") or "Exception")
-            self._failed.labels(name, self.hostname, exception, queue).inc()
-        elif status is JobStatus.RETRY:
-            self._retried.labels(*labels).inc()
-        elif status is JobStatus.REJECTED:
-            self._rejected.labels(*labels).inc()
-        elif status is JobStatus.TERMINATED:
-            self._revoked.labels(*labels).inc()
-
     def add(self, tally: Tally) -> None:
-        """Counts a consuming child reported (``--children-consume``): the same series, in a batch."""
+        """Counts a child reported: the celery-exporter series and ours, in a batch."""
         host = self.hostname
         by_event = {
             "received": self._received, "started": self._started, "succeeded": self._succeeded,
@@ -171,18 +143,6 @@ class WorkerMetrics:
             for value in seconds:
                 confirm.observe(value)
 
-    def revoked(self, name: str, queue: str) -> None:
-        """A revoked or expired task was answered without running."""
-        self._revoked.labels(name, self.hostname, queue).inc()
-
-    def confirmed(self, kind: str, seconds: float) -> None:
-        """A publish of the worker's was confirmed by the broker after ``seconds``."""
-        self._confirm.labels(self.hostname, kind).observe(seconds)
-
-    def redelivered(self, queue: str) -> None:
-        """A delivery came again (it ran, or started, before)."""
-        self._redelivered.labels(self.hostname, queue).inc()
-
     def queue_depth(self, queue: str, ready: int, consumers: int) -> None:
         """A sample of a consumed queue (every worker on it reports the same: take the max)."""
         self._queue_ready.labels(queue).set(ready)
@@ -207,10 +167,6 @@ class WorkerMetrics:
     def dedup(self, decision: str) -> None:
         """The dedup gate decided a task's fate (or a head's end) on this worker."""
         self._dedup.labels(self.hostname, decision).inc()
-
-    def dead_lettered(self, queue: str, reason: str) -> None:
-        """A delivery was kept in ``<queue>.dead``."""
-        self._dead.labels(self.hostname, queue, reason).inc()
 
 
 class _PoolCollector(Collector):

@@ -1,4 +1,4 @@
-"""The worker service: one asyncio loop owning the connections, the consumer and the process pool."""
+"""The worker service: one asyncio loop owning the connections, the control plane and the process pool."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 import os
 import signal
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import aio_pika
 import aio_pika.abc
@@ -20,31 +20,25 @@ from broker_svc.topology import EXPIRED_QUEUE, dead_letter_queue
 from control.aio.declare import declare_queue
 from control.aio.header_ints import install_header_int_guard
 from control.protocol.commands import CommandRegistry
-from worker.amqp.channel_watch import ConsumeChannelWatch
 from worker.amqp.connection import connect
 from worker.amqp.queue_depth import QueueDepth
-from worker.amqp.subscriptions import QueueConsumers
-from worker.assembly import feed_spec, task_consumer, warn_time_limits
+from worker.amqp.subscriptions import TaskQueues
+from worker.assembly import feed_spec, serve_metrics, warn_time_limits
 from worker.background import Background
 from worker.cluster import mingle_step, run_shared_queue_check, start_events, start_mailbox
 from worker.config import WorkerConfig
 from worker.consume.chord_join import ChordJoiner
-from worker.consume.consumer import TaskConsumer
 from worker.consume.dependents import DependentsJoiner
-from worker.consume.rate_limits import RateLimits
 from worker.events import Heart, software_version
 from worker.gate.gatekeeper import Gatekeeper
 from worker.pool.autoscale import Autoscaler, PoolSizer
-from worker.pool.demand import BacklogDemand, Demand, SlotDemand
-from worker.pool.handle import EXIT_GRACE_S
+from worker.pool.demand import BacklogDemand
 from worker.pool.pool import ProcessPool
 from worker.remote.commands import WorkerCommands
 from worker.remote.revocation_log import RevocationLog
 from worker.remote.revoked_set import RevokedSet
 from worker.remote.revoker import Revoker
-
-if TYPE_CHECKING:
-    from worker.metrics import WorkerMetrics
+from worker.state import WorkerState
 
 __all__ = ["WorkerService"]
 
@@ -59,8 +53,6 @@ class Running:
     """What ``start()`` built and ``shutdown()`` takes down."""
 
     pool: ProcessPool
-    consumer: TaskConsumer
-    queues: QueueConsumers
     heart: Heart
     revoker: Revoker
     background: Background
@@ -84,10 +76,6 @@ class WorkerService:
         self._stop = asyncio.Event()
         self._signals = 0
         self._revoked = RevokedSet()
-        self._limits = RateLimits.for_tasks(app.tasks)
-        self._metrics: WorkerMetrics | None = None  # --metrics-port
-        # Set by start(); the pool, which starts first, relays its children's updates to it.
-        self._consumer: TaskConsumer | None = None
 
     @property
     def clock(self) -> LamportClock:
@@ -106,19 +94,16 @@ class WorkerService:
         pool = ProcessPool(
             app_spec=config.app_spec,
             concurrency=config.concurrency,
-            on_update=self._relay_update,
-            max_tasks_per_child=config.max_tasks_per_child,
-            max_memory_per_child_kib=config.max_memory_per_child_kib,
-            feed=feed_spec(config, self._app) if config.children_consume else None,
-            # A consuming child stops on its own once told: it finishes the task it runs first.
-            exit_grace_s=config.shutdown_timeout_s if config.children_consume else EXIT_GRACE_S,
+            feed=feed_spec(config, self._app),
+            # A child stops on its own once told: it finishes the task it runs first.
+            exit_grace_s=config.shutdown_timeout_s,
         )
         warn_time_limits(config, self._app)
         await pool.start()
         # Two connections: RabbitMQ blocks a connection that publishes during a memory or disk
-        # alarm, and a blocked connection is not read at all, so acks would stall with it. Task
-        # deliveries and their acks have a connection that never publishes; results, events,
-        # control replies and re-publishes have the other.
+        # alarm, and a blocked connection is not read at all. What only reads (declares, the
+        # revocation log, queue depths) has a connection that never publishes; events, control
+        # replies and the joiners' sends have the other.
         try:
             try:
                 consuming = await self._connect("consume")
@@ -139,7 +124,7 @@ class WorkerService:
             finally:
                 await consuming.close()
         finally:
-            await pool.close(timeout_s=0)  # also when connecting failed: no child is reported lost
+            await pool.close()  # also when connecting failed
         log.info("worker_stopped", hostname=config.hostname)
         return 0
 
@@ -155,44 +140,17 @@ class WorkerService:
         # Everything that publishes, or answers by publishing, is on the publishing connection.
         publish_channel = await publishing.channel(publisher_confirms=True)
         events = await start_events(publishing, config=config, clock=self._clock)
-        consumer, self._metrics = task_consumer(
-            config,
-            self._app,
-            pool=pool,
-            publish_channel=publish_channel,
-            events=events,
-            clock=self._clock,
-            revoked=self._revoked,
-            limits=self._limits,
-        )
-        self._consumer = consumer
-        consume_channel = await consuming.channel(publisher_confirms=False)
-        await consume_channel.set_qos(prefetch_count=config.prefetch_count)  # per consumer
-        # The task queues consumed (worker.amqp.subscriptions), and the consume channel's faults
-        # and the consumer watchdog (RELIABILITY.md R4-R7).
-        queues = QueueConsumers(
-            consume_channel, settings=config.settings, consumer=consumer, connection=consuming
-        )
-        watch = ConsumeChannelWatch(consume_channel, queues, consumer=consumer)
-        await watch.install()
-        sizer = PoolSizer(
-            pool,
-            consumer.slots,
-            # Consuming children are a consumer each, at their own prefetch: nothing to re-subscribe.
-            set_prefetch=None if config.children_consume else queues.set_prefetch,
-            multiplier=config.prefetch_multiplier,
-            autoscale_max=config.autoscale[0] if config.autoscale else None,
-            threads=config.threads,
-        )
+        metrics = serve_metrics(config, pool)
+        feeding = pool.feeding
+        # The task queues the children consume, declared here first (worker.amqp.subscriptions).
+        queues = TaskQueues(await consuming.channel(publisher_confirms=False), settings=config.settings)
+        sizer = PoolSizer(pool, multiplier=config.prefetch_multiplier, threads=config.threads)
         autoscaler = None
         if config.autoscale is not None:
             maximum, minimum = config.autoscale
-            demand: Demand = SlotDemand(consumer.slots)
-            if config.children_consume:  # no delivery waits here: the queues' backlog does
-                depth = QueueDepth(consuming, queues.listed)
-                demand = BacklogDemand(
-                    running=lambda: pool.busy_count, ready=depth.ready, threads=config.threads
-                )
+            # No delivery waits in the worker: the queues' backlog does (worker/pool/demand.py).
+            depth = QueueDepth(consuming, queues.listed)
+            demand = BacklogDemand(running=lambda: pool.busy_count, ready=depth.ready, threads=config.threads)
             autoscaler = Autoscaler(
                 sizer,
                 demand,
@@ -202,10 +160,10 @@ class WorkerService:
             )
         revoker = Revoker(
             self._revoked,
-            terminate=consumer.terminate,
+            terminate=pool.terminate,
             state_path=config.state_path,
-            on_new=pool.feeding.send_revoked if pool.feeding is not None else None,
-            known=pool.feeding.revokes_known if pool.feeding is not None else None,
+            on_new=feeding.send_revoked,
+            known=feeding.revokes_known,
         )
         revocation_log = RevocationLog(
             revoker, clock=self._clock, hostname=config.hostname, namespace=config.namespace
@@ -215,30 +173,24 @@ class WorkerService:
         revoker.load()
         await revocation_log.follow(lambda: consuming.channel(publisher_confirms=False), publish_channel)
         heart = Heart(
-            events,
-            lambda: (
-                consumer.running_count,
-                consumer.received + (pool.feeding.processed if pool.feeding is not None else 0),
-            ),
-            freq_s=config.event_heartbeat_s,
+            events, lambda: (len(feeding.running()), feeding.processed), freq_s=config.event_heartbeat_s
         )
         # Keyed dedup: one worker of the cluster keeps each gate shard (worker/gate/gatekeeper.py).
         gate = Gatekeeper(
             settings=config.settings, clock=self._clock, hostname=config.hostname, events=events,
-            metrics=self._metrics,
+            metrics=metrics,
         )  # fmt: skip
         commands = WorkerCommands(
             app=self._app,
             config=config,
             clock=self._clock,
-            consumer=consumer,
+            state=WorkerState(config.hostname, feeding),
             queues=queues,
             pool=pool,
             sizer=sizer,
             autoscaler=autoscaler,
             revoker=revoker,
             revocation_log=revocation_log,
-            limits=self._limits,
             events=events,
             heart=heart,
             request_stop=self.request_stop,
@@ -254,25 +206,20 @@ class WorkerService:
         )
         if run_mingle is not None:
             await run_mingle()  # before the first task: peers' revokes hold for it too
-        if config.children_consume:
-            for name in config.queues:
-                await queues.declare(name)
-            assert pool.feeding is not None
-            pool.feeding.start(lambda: list(self._revoked))  # each child consumes for itself
-        else:
-            for name in config.queues:
-                await queues.add(name)
+        for name in config.queues:
+            await queues.declare(name)
         # Tasks a Celery client's broker TTL expired in their queue, given the operator's policy.
         if await self._may_consume(consuming, EXPIRED_QUEUE):
-            await queues.add(EXPIRED_QUEUE, listed=False)
+            await queues.declare(EXPIRED_QUEUE, listed=False)
+            feeding.set_queues(queues.consumed())
+        feeding.start(lambda: list(self._revoked))  # each child consumes for itself
         background.spawn(
             run_shared_queue_check(publishing, config=config, app=self._app, clock=self._clock),
             name="shared-queues",
         )
-        if self._metrics is not None:
+        if metrics is not None:
             background.spawn(
-                self._metrics.sample_queues(consuming, queues.listed, every_s=_QUEUE_SAMPLE_S),
-                name="queue-depths",
+                metrics.sample_queues(consuming, queues.listed, every_s=_QUEUE_SAMPLE_S), name="queue-depths"
             )
         await heart.online()
         background.spawn(heart.run(), name="heartbeat")
@@ -287,7 +234,6 @@ class WorkerService:
                 background.spawn(run_mingle(), name="mingle")
 
         publishing.reconnect_callbacks.add(on_reconnect)
-        background.spawn(watch.watch_consumers(), name="consumer-watch")
         # Chords: one worker of the cluster joins at a time (worker/consume/chord_join.py).
         joiner = ChordJoiner(
             app=self._app,
@@ -315,30 +261,28 @@ class WorkerService:
             queues=list(config.queues),
             concurrency=config.concurrency,
             autoscale=list(config.autoscale) if config.autoscale else None,
-            prefetch=config.prefetch_count,
+            prefetch=sizer.prefetch_count,
             revoked=len(self._revoked),
             pid=os.getpid(),
         )
         signals.worker_ready.send(sender=self)
-        return Running(pool, consumer, queues, heart, revoker, background)
+        return Running(pool, heart, revoker, background)
 
     async def serve(self) -> None:
         """Serve until asked to stop (SIGTERM, SIGINT, the ``shutdown`` command)."""
         await self._stop.wait()
 
     async def shutdown(self, running: Running) -> None:
-        """Stop consuming, let running tasks finish within the deadline, hand back the rest, go offline."""
-        config, consumer = self._config, running.consumer
-        log.info("worker_stopping", in_flight=consumer.in_flight, timeout_s=config.shutdown_timeout_s)
+        """Stop the children (each finishes its task within the deadline, hands back the rest), go offline."""
+        config = self._config
+        log.info(
+            "worker_stopping",
+            in_flight=len(running.pool.feeding.running()),
+            timeout_s=config.shutdown_timeout_s,
+        )
         signals.worker_shutdown.send(sender=self)
         await running.background.stop("autoscaler")
-        ordered = running.queues.ordered()  # closed once their tasks are settled (close_ordered)
-        for name in running.queues.consuming():
-            if name not in ordered:
-                await running.queues.cancel(name)
-        await consumer.stop(timeout_s=config.shutdown_timeout_s)
-        await running.queues.close_ordered()
-        await running.pool.close(timeout_s=0)
+        await running.pool.close()
         await running.background.stop("heartbeat")
         await running.heart.offline()
 
@@ -367,11 +311,6 @@ class WorkerService:
             heartbeat_s=config.broker_heartbeat_s,
             stop=self._stop,
         )
-
-    def _relay_update(self, task_id: str, payload: dict[str, Any]) -> None:
-        # The pool exists before the consumer (children start first); route updates once it does.
-        if self._consumer is not None:
-            self._consumer.on_update(task_id, payload)
 
     def _install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()

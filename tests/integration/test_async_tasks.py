@@ -50,7 +50,7 @@ def async_queue(test_vhost_url: str) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def async_worker(test_vhost_url: str, async_queue: str) -> Iterator[WorkerProcess]:
-    with _worker(test_vhost_url, async_queue, "--children-consume") as proc:
+    with _worker(test_vhost_url, async_queue) as proc:
         yield proc.wait_ready()
         _assert_clean(proc)
 
@@ -214,7 +214,7 @@ def test_terminate_ends_a_running_async_task(
 @pytest.fixture(scope="module")
 def threads_worker(test_vhost_url: str) -> Iterator[tuple[str, WorkerProcess]]:
     queue = unique_queue("async-threads")
-    with _worker(test_vhost_url, queue, "--children-consume", "--threads", "2") as proc:
+    with _worker(test_vhost_url, queue, "--threads", "2") as proc:
         yield queue, proc.wait_ready()
         _assert_clean(proc)
     delete_queues(test_vhost_url, queue, f"{queue}.dead")
@@ -271,21 +271,3 @@ def test_terminate_under_threads_ends_the_child_of_a_coroutine_that_ignores_the_
         stubborn.get(timeout=30)  # after CANCEL_GRACE_S, by the signal, as for a plain task
     assert worker.count("feed_task_cancel_ignored") >= 1
     assert _send(app, queue, "double", 5).get(timeout=30) == 10  # the replaced child runs
-
-
-def test_async_tasks_with_worker_consumes(test_vhost_url: str, app: App, tmp_path: Path):
-    queue = unique_queue("async-wc")
-    try:
-        with _worker(test_vhost_url, queue, "--worker-consumes") as worker:
-            worker.wait_ready()
-            assert _send(app, queue, "double", 21).get(timeout=30) == 42
-            first = _send(app, queue, "loop_id").get(timeout=30)
-            assert _send(app, queue, "loop_id").get(timeout=30) == first
-            _soft_limits(app, queue, tmp_path)  # SIGUSR1 from the worker, turned into a cancel
-            with pytest.raises(TaskError) as info:
-                _send(app, queue, "hard_limited").get(timeout=30)
-            assert info.value.exc_type == "TimeLimitExceeded"
-            assert _send(app, queue, "loop_id").get(timeout=30)[0] != first[0]
-            _assert_clean(worker)
-    finally:
-        delete_queues(test_vhost_url, queue, f"{queue}.dead")

@@ -35,7 +35,7 @@ KEEPALIVE_S = 2.0
 # here; the bounds leave room for a machine shared with the broker and other test runs.
 GROW_BOUND_S = 10.0
 SHRINK_BOUND_S = KEEPALIVE_S + 10.0
-CHILDREN = ["--children-consume", "--without-mingle"]
+CHILDREN = ["--without-mingle"]
 
 
 def feed_worker(url: str, queue: str, *, concurrency: int, args: list[str]) -> WorkerProcess:

@@ -49,7 +49,6 @@ def feed_worker(test_vhost_url: str, feed_queue: str, feed_threads: int) -> Iter
         queues=[feed_queue],
         concurrency=2,
         extra_args=[
-            "--children-consume",
             "--threads",
             str(feed_threads),
             "--broker-heartbeat",
@@ -289,7 +288,7 @@ def test_a_warm_shutdown_finishes_the_running_task_and_hands_back_the_rest(test_
     try:
         with WorkerProcess(
             test_vhost_url, app=f"{TASKS}:app", queues=[queue], concurrency=1,
-            extra_args=["--children-consume", "--without-mingle"],
+            extra_args=["--without-mingle"],
         ) as proc:  # fmt: skip
             proc.wait_ready()
             running = app.send_task(f"{TASKS}.sleeper", (2,), queue=queue)
@@ -374,7 +373,7 @@ def test_a_child_past_max_tasks_per_child_retires_and_is_replaced(test_vhost_url
     try:
         with WorkerProcess(
             test_vhost_url, app=f"{TASKS}:app", queues=[queue], concurrency=1,
-            extra_args=["--children-consume", "--without-mingle", "--max-tasks-per-child", "3"],
+            extra_args=["--without-mingle", "--max-tasks-per-child", "3"],
         ) as proc:  # fmt: skip
             proc.wait_ready()
             pids = [app.send_task(f"{TASKS}.sleeper", (0,), queue=queue).get(timeout=60) for _ in range(7)]

@@ -59,7 +59,7 @@ def test_a_copy_sent_back_while_its_task_runs_is_not_run_again(
 ):
     queue, notes = unique_queue("redeliver"), tmp_path / "runs.jsonl"
     app = App("redeliver-client", settings=Settings(broker_url=vhost_url))
-    args = ["--children-consume", "--broker-heartbeat", "1", "--without-mingle"]
+    args = ["--broker-heartbeat", "1", "--without-mingle"]
     try:
         with WorkerProcess(
             vhost_url, app=f"{TASKS}:app", queues=[queue], concurrency=concurrency, extra_args=args

@@ -50,7 +50,7 @@ def dedupe_queue(test_vhost_url: str) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def deduping(test_vhost_url: str, dedupe_queue: str) -> Iterator[WorkerProcess]:
-    args = ["--children-consume", "--dedupe-window", str(WINDOW_S), "--without-mingle", "--statedb", "none"]
+    args = ["--dedupe-window", str(WINDOW_S), "--without-mingle", "--statedb", "none"]
     with WorkerProcess(
         test_vhost_url, app=f"{TASKS}:app", queues=[dedupe_queue], concurrency=2, extra_args=args
     ) as proc:
@@ -162,7 +162,7 @@ def test_an_id_runs_again_once_its_window_is_over(
 
 def test_the_threads_of_one_child_share_the_window_too(test_vhost_url: str, app: App, tmp_path: Path):
     queue, path = unique_queue("dedupe-threads"), tmp_path / "runs"
-    args = ["--children-consume", "--threads", "2", "--dedupe-window", str(WINDOW_S), "--without-mingle"]
+    args = ["--threads", "2", "--dedupe-window", str(WINDOW_S), "--without-mingle"]
     try:
         with WorkerProcess(
             test_vhost_url,
@@ -204,8 +204,8 @@ def _total(app: App, worker: WorkerProcess) -> dict[str, int]:
     return total
 
 
-@pytest.fixture(params=["worker-consumes", "children-consume"])
-def counted(request: pytest.FixtureRequest, test_vhost_url: str) -> Iterator[tuple[WorkerProcess, int, str]]:
+@pytest.fixture
+def counted(test_vhost_url: str) -> Iterator[tuple[WorkerProcess, int, str]]:
     queue, port = unique_queue("counted"), free_port()
     args = [
         "--metrics-port",
@@ -216,7 +216,6 @@ def counted(request: pytest.FixtureRequest, test_vhost_url: str) -> Iterator[tup
         "--statedb",
         "none",
     ]
-    args.append(f"--{request.param}")  # consuming children are the default: name it either way
     with WorkerProcess(
         test_vhost_url, app=f"{TASKS}:app", queues=[queue], concurrency=2, extra_args=args
     ) as worker:

@@ -40,7 +40,7 @@ def threads_worker(test_vhost_url: str, threads_queue: str) -> Iterator[WorkerPr
         app=f"{TASKS}:app",
         queues=[threads_queue],
         concurrency=1,
-        extra_args=["--children-consume", "--threads", str(THREADS), "--without-mingle"],
+        extra_args=["--threads", str(THREADS), "--without-mingle"],
     ) as proc:
         yield proc.wait_ready()
 
@@ -175,7 +175,7 @@ def test_inspect_reserved_lists_what_the_threads_hold_behind_their_tasks(test_vh
     # Two threads, multiplier 2: two tasks run, the two sent after them wait in the child's
     # connection, where only the child can see them: inspect reserved asks it.
     queue = unique_queue("held")
-    args = ["--children-consume", "--threads", "2", "--prefetch-multiplier", "2", "--without-mingle"]
+    args = ["--threads", "2", "--prefetch-multiplier", "2", "--without-mingle"]
     try:
         with WorkerProcess(
             test_vhost_url, app=f"{TASKS}:app", queues=[queue], concurrency=1, extra_args=args

@@ -38,16 +38,12 @@ def chord_url(session_broker: SessionBroker) -> Iterator[str]:
         yield url
 
 
-@pytest.fixture(scope="module", params=["worker-consumes", "children-consume"])
-def worker(request: pytest.FixtureRequest, chord_url: str, notes_path: Path) -> Iterator[WorkerProcess]:
-    # Both consuming designs (issue 16): the worker's main process, or each pool child.
+@pytest.fixture(scope="module")
+def worker(chord_url: str, notes_path: Path) -> Iterator[WorkerProcess]:
     name = unique_queue("chord")
     env = {"CANVAS_NOTES": str(notes_path)}
-    extra = ["--children-consume"] if request.param == "children-consume" else ["--worker-consumes"]
-    notes_path.unlink(missing_ok=True)  # each design's body runs are counted apart
-    with WorkerProcess(
-        chord_url, app=APP, queues=[name], concurrency=2, env=env, extra_args=extra
-    ) as process:
+    notes_path.unlink(missing_ok=True)
+    with WorkerProcess(chord_url, app=APP, queues=[name], concurrency=2, env=env) as process:
         process.wait_ready()
         yield process
 

@@ -203,23 +203,6 @@ def _held(client: App, worker: WorkerProcess) -> int:
     return int(stats.get("waiting", 0))
 
 
-def test_the_worker_consumes_design_releases_its_heads_too(dedup_url: str, client: App, tmp_path: Path):
-    journal = tmp_path / "classic.jsonl"
-    with WorkerProcess(
-        dedup_url, app=APP, queues=["dedup-classic"], concurrency=2, extra_args=["--worker-consumes"]
-    ) as w:
-        w.wait_ready()
-        calls = [
-            dedup_tasks.refresh.apply_async((str(journal), "k5", 0.5), queue="dedup-classic", dedup_key="k5")
-            for _ in range(3)
-        ]
-        assert [calls[0].get(timeout=30), calls[1].get(timeout=30)] == [calls[0].id, calls[1].id]
-        with pytest.raises(TaskDeclined):
-            calls[2].get(timeout=30)
-    (_, first_end, _), (second_start, _, _) = _runs(journal, "k5")
-    assert second_start >= first_end
-
-
 def test_a_target_queue_declared_otherwise_does_not_stall_its_shard(
     session_broker: SessionBroker, tmp_path: Path
 ):

@@ -50,16 +50,8 @@ def test_worker_online_heartbeats_at_freq_and_offline(test_vhost_url: str, queue
     assert all(raw[1].content_type == "application/json" for raw in tap.raw)
 
 
-@pytest.fixture(params=["worker-consumes", "children-consume"])
-def design(request: pytest.FixtureRequest) -> list[str]:
-    """Both consuming designs (issue 16): task events come from the worker or from each child."""
-    return ["--children-consume"] if request.param == "children-consume" else ["--worker-consumes"]
-
-
-def test_task_events_in_causal_order(
-    test_vhost_url: str, queue: str, tap: EventTap, client: App, design: list[str]
-):
-    with WorkerProcess(test_vhost_url, queues=[queue], concurrency=1, extra_args=["-E", *design]) as worker:
+def test_task_events_in_causal_order(test_vhost_url: str, queue: str, tap: EventTap, client: App):
+    with WorkerProcess(test_vhost_url, queues=[queue], concurrency=1, extra_args=["-E"]) as worker:
         worker.wait_ready()
         ok = client.send_task("tests.integration.e2e_tasks.add", args=(2, 3), queue=queue)
         sent_clock = client.clock.value  # the clock stamped on the task message
@@ -89,9 +81,9 @@ def test_task_events_in_causal_order(
 
 
 def test_task_events_follow_enable_and_disable_events(
-    test_vhost_url: str, queue: str, tap: EventTap, client: App, design: list[str]
+    test_vhost_url: str, queue: str, tap: EventTap, client: App
 ):
-    with WorkerProcess(test_vhost_url, queues=[queue], concurrency=1, extra_args=design) as worker:
+    with WorkerProcess(test_vhost_url, queues=[queue], concurrency=1, extra_args=[]) as worker:
         worker.wait_ready()
         first = client.send_task("tests.integration.e2e_tasks.add", args=(1, 1), queue=queue)
         assert first.get(timeout=30) == 2
@@ -146,12 +138,10 @@ def test_abusive_request_clocks_are_ignored_and_the_node_keeps_answering(
         assert worker.proc.poll() is None
 
 
-def test_events_with_no_one_listening_log_no_warning_or_error(
-    test_vhost_url: str, queue: str, client: App, design: list[str]
-):
+def test_events_with_no_one_listening_log_no_warning_or_error(test_vhost_url: str, queue: str, client: App):
     # -E with nobody consuming celeryev (no Flower, no ctl events): the broker drops the events,
     # which is normal, so the worker must not log a return or a failure for each one.
-    with WorkerProcess(test_vhost_url, queues=[queue], concurrency=1, extra_args=["-E", *design]) as worker:
+    with WorkerProcess(test_vhost_url, queues=[queue], concurrency=1, extra_args=["-E"]) as worker:
         worker.wait_ready()
         for i in range(3):
             result = client.send_task("tests.integration.e2e_tasks.add", (i, 1), queue=queue)

@@ -70,7 +70,7 @@ def test_metrics_count_a_drain_under_celery_exporters_names(test_vhost_url: str,
         assert value(samples, "clockwork_publish_confirm_seconds_count", kind="result") >= COUNT
         # The queue's depth is sampled in the background: drained now, with our consumers (one
         # per consuming child, or the worker's one).
-        consumers = 2 if worker.children_consume else 1
+        consumers = 2
         wait_for(
             lambda: value(scrape(port), "clockwork_queue_consumers", queue_name=queue) == consumers,
             timeout_s=30,

@@ -150,25 +150,6 @@ def test_threads_and_a_prefetch_multiplier_still_hold_one_ordered_task(
     assert redelivered == 1
 
 
-def test_an_ordered_queue_on_worker_consumes_keeps_order_through_a_sigterm_handover(
-    test_vhost_url: str, ordered: str, tmp_path: Path
-):
-    url = test_vhost_url
-    with _worker(url, ordered, "--worker-consumes", "--prefetch-multiplier", "4", quorum=True) as first:
-        first.wait_ready()
-        with _worker(url, ordered, "--worker-consumes", quorum=True) as second:
-            second.wait_ready()
-            journal = tmp_path / "consumes.jsonl"
-            _publish(url, ordered, journal, 150, seconds=0.01, quorum=True)
-            wait_for(lambda: _ends(journal) >= 50, timeout_s=60, message="50 tasks not done before SIGTERM")
-            assert first.terminate(timeout_s=60) == 0
-            _wait_done(journal, 150, timeout_s=60)
-    verdict = check_order(read_journal(journal), expected=150)
-    _say("worker-consumes sigterm", verdict)
-    assert verdict.ok, verdict
-    assert verdict.nodes == [first.name, second.name], verdict
-
-
 def test_declaring_an_existing_plain_queue_ordered_is_a_clear_error_and_nothing_is_consumed(
     test_vhost_url: str, ordered: str, tmp_path: Path
 ):

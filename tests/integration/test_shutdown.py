@@ -17,7 +17,7 @@ def test_sigterm_with_tasks_running_loses_none(test_vhost_url: str, queue: str, 
     # consuming children hand back theirs as R3 shows (tests/reliability).
     first = WorkerProcess(
         test_vhost_url, queues=[queue], concurrency=2,
-        extra_args=["--worker-consumes", "--prefetch-multiplier", "2"],
+        extra_args=["--prefetch-multiplier", "2"],
     ).wait_ready()  # fmt: skip
     try:
         results = [client.send_task(SLEEP, (0.5, str(i)), queue=queue) for i in range(20)]

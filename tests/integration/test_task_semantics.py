@@ -19,18 +19,16 @@ from tests.support.workers import WorkerProcess
 T = "tests.integration.semantics_tasks."
 
 
-_DESIGNS = {
-    "worker-consumes": ["--worker-consumes"],
-    "children-consume": ["--children-consume"],
-    "children-threads": ["--children-consume", "--threads", "2"],
+_SHAPES = {
+    "children": [],
+    "children-threads": ["--threads", "2"],
 }
 
 
-@pytest.fixture(params=list(_DESIGNS))
+@pytest.fixture(params=list(_SHAPES))
 def sem_worker(request: pytest.FixtureRequest, test_vhost_url: str, queue: str) -> Iterator[WorkerProcess]:
-    # Both consuming designs (issue 16): the worker's main process, or each pool child (with
-    # --threads, each thread of each child).
-    extra = _DESIGNS[request.param]
+    # Each pool child consumes; with --threads, each thread of each child.
+    extra = _SHAPES[request.param]
     with WorkerProcess(
         test_vhost_url, app=T.rstrip(".") + ":app", queues=[queue], concurrency=2, extra_args=extra
     ) as proc:

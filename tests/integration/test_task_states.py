@@ -100,21 +100,6 @@ def test_another_process_reads_queued_started_and_success_of_tasks_it_did_not_se
     assert queued.name == ADD and queued.queue == queue
 
 
-def test_a_worker_that_consumes_itself_writes_the_same_states(
-    test_vhost_url: str, queue: str, sender: App, observer: App
-):
-    with WorkerProcess(
-        test_vhost_url, queues=[queue], concurrency=1, env=STATES_ON, extra_args=["--worker-consumes"]
-    ) as worker:
-        worker.wait_ready()
-        added = sender.send_task(ADD, args=(2, 2), queue=queue)
-        assert added.get(timeout=30) == 4
-        wait_for(
-            lambda: observer.jobs.status(added.id) == "SUCCESS", timeout_s=30, message="success recorded"
-        )
-    assert [r.state for r in observer.jobs.history(added.id)] == ["QUEUED", "STARTED", "SUCCESS"]
-
-
 def test_without_task_states_nothing_is_written_and_status_stays_pending(
     test_vhost_url: str, queue: str, client: App, observer: App
 ):

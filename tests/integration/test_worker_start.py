@@ -127,7 +127,6 @@ def test_a_refused_login_is_one_line_and_exit_status_1(test_vhost_url: str):
 
 def test_a_worker_warns_when_another_app_consumes_its_queue(test_vhost_url: str):
     """Two apps on one queue: the second worker names the first and a task it would dead-letter."""
-    from tests.support.workers import WorkerProcess
 
     queue = unique_queue("shared")
     with WorkerProcess(test_vhost_url, queues=[queue], concurrency=1) as first:
@@ -151,21 +150,3 @@ def test_a_worker_warns_when_another_app_consumes_its_queue(test_vhost_url: str)
             assert a.count("queue_shared_with_another_app") == 0
             assert b.count("queue_shared_with_another_app") == 0
     delete_queues(test_vhost_url, queue, f"{queue}.dead")
-
-
-@pytest.mark.parametrize(
-    ("design", "on_uvloop"), [("--children-consume", False), ("--worker-consumes", True)]
-)
-def test_the_main_process_runs_on_uvloop_only_when_it_consumes(
-    test_vhost_url: str, design: str, on_uvloop: bool
-):
-    # With consuming children the main process is out of the task path: uvloop would cost its
-    # 2 MiB of PSS for nothing. When it consumes for its children, uvloop halves its loop's cost.
-    queue = unique_queue("loop")
-    try:
-        with WorkerProcess(test_vhost_url, queues=[queue], concurrency=1, extra_args=[design]) as worker:
-            worker.wait_ready()
-            maps = Path(f"/proc/{worker.pid}/maps").read_text()
-            assert ("uvloop" in maps) is on_uvloop
-    finally:
-        delete_queues(test_vhost_url, queue)

@@ -76,18 +76,18 @@ def consumer_count(url: str, queue: str) -> int:
 def consumes_again_event(proc: WorkerProcess) -> str:
     """What a worker logs once it consumes again after losing its connection.
 
-    The main process's consume channel, reopened; with ``--children-consume``, each consumer of
-    each child, connected again (so ``proc.consumers_per_queue`` of them after a fault that hit all).
+    Each consumer of each child, connected again (so ``proc.consumers_per_queue`` of them after a
+    fault that hit all).
     """
-    return "feed_child_consuming" if proc.children_consume else "consume_channel_reopened"
+    return "feed_child_consuming"
 
 
 def channel_lost_event(proc: WorkerProcess) -> str:
     """What a worker logs when the broker closes the channel its task deliveries came on.
 
-    Both carry ``consumer_timeout``; a consuming child drops its whole connection (one channel).
+    It carries ``consumer_timeout``; a consuming child drops its whole connection (one channel).
     """
-    return "feed_connection_lost" if proc.children_consume else "consume_channel_closed"
+    return "feed_connection_lost"
 
 
 def logged_at(event: dict[str, Any]) -> float:

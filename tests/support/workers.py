@@ -18,15 +18,12 @@ from tests.support.process_tree import signal_tree
 from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
-# Options every test worker gets first, to run a suite against another design, e.g.
-# CLOCKWORK_TEST_WORKER_ARGS=--children-consume pytest tests/reliability (a test's own come after).
+# Options every test worker gets first, to run a suite in another shape, e.g.
+# CLOCKWORK_TEST_WORKER_ARGS="--threads 4" pytest tests/reliability (a test's own come after).
 DESIGN_ARGS = os.environ.get("CLOCKWORK_TEST_WORKER_ARGS", "").split()
-# The design those options select, as the reliability report tags its records: the worker's main
-# process consumes for its children, or each pool child consumes for itself.
+# How the reliability report tags its records: each pool child consumes for itself, with one
+# thread or several.
 DESIGN = "children-consume"
-for _arg in DESIGN_ARGS:  # the last of the two options wins, as in the worker
-    if _arg in ("--worker-consumes", "--children-consume"):
-        DESIGN = _arg[2:]
 
 
 def _threads(args: Sequence[str]) -> int:
@@ -43,7 +40,7 @@ def _threads(args: Sequence[str]) -> int:
 # Tasks each child runs at once (``--threads``): the tests that size their work or bound their
 # duplicates by the children scale by it. A run with threads is a design of its own in the report.
 DESIGN_THREADS = _threads(DESIGN_ARGS)
-if DESIGN == "children-consume" and DESIGN_THREADS > 1:
+if DESIGN_THREADS > 1:
     DESIGN = "threads"
 # Workers keep their revoked-set state files here (per node name), not in the user's home; a
 # worker restarted under the same name finds its file again.
@@ -94,20 +91,12 @@ class WorkerProcess:
         return self.proc.pid
 
     @property
-    def children_consume(self) -> bool:
-        """Whether each pool child consumes for itself (the default; not with ``--worker-consumes``)."""
-        chosen = [arg for arg in self.args if arg in ("--worker-consumes", "--children-consume")]
-        return not chosen or chosen[-1] == "--children-consume"
-
-    @property
     def consumers_per_queue(self) -> int:
         """The consumers the broker lists on each task queue once the worker consumes.
 
-        One (the main process's) with ``--worker-consumes``; else one per child (a fixed pool: not
-        with ``--autoscale``), whatever ``--threads`` says: a child's threads share one consumer.
+        One per child (a fixed pool: not with ``--autoscale``), whatever ``--threads`` says: a
+        child's threads share one consumer.
         """
-        if not self.children_consume:
-            return 1
         return self.concurrency
 
     def signal_tree(self, sig: int) -> list[int]:

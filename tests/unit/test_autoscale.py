@@ -45,12 +45,10 @@ def test_the_pool_keeps_one_child_when_min_is_zero():
     assert decide(size=1, waiting=0, spare_for_s=300, minimum=0, maximum=4, keepalive_s=30) == 1
 
 
-def test_prefetch_is_size_times_multiplier_with_one_of_headroom_below_the_autoscale_max():
+def test_prefetch_is_children_times_threads_times_multiplier():
     assert prefetch_for(3, multiplier=1) == 3
     assert prefetch_for(3, multiplier=4) == 12
-    assert prefetch_for(1, multiplier=1, autoscale_max=4) == 2
-    assert prefetch_for(3, multiplier=2, autoscale_max=4) == 7
-    assert prefetch_for(4, multiplier=2, autoscale_max=4) == 8  # at max: as without autoscale
+    assert prefetch_for(2, multiplier=2, threads=4) == 16
 
 
 @pytest.mark.parametrize(
@@ -70,7 +68,7 @@ def test_a_malformed_autoscale_is_refused(text: str):
 def test_the_config_checks_the_autoscale_range_and_starts_inside_it():
     settings = Settings()
     config = WorkerConfig(app_spec="m:app", settings=settings, concurrency=1, autoscale=(4, 1))
-    assert config.prefetch_count == 2
+    assert config.prefetch_count == 1  # each child its own prefetch: no headroom (worker/pool/autoscale.py)
     with pytest.raises(ValueError, match="between 1 and 4"):
         WorkerConfig(app_spec="m:app", settings=settings, concurrency=5, autoscale=(4, 1))
     with pytest.raises(ValueError, match="max >= 1"):
@@ -81,23 +79,15 @@ def test_the_config_checks_the_autoscale_range_and_starts_inside_it():
         )
 
 
-def test_consuming_children_may_autoscale_and_dedupe():
+def test_a_pool_may_autoscale_dedupe_and_run_threads():
     settings = Settings()
-    config = WorkerConfig(
-        app_spec="m:app", settings=settings, concurrency=1, autoscale=(4, 1), children_consume=True
-    )
+    config = WorkerConfig(app_spec="m:app", settings=settings, concurrency=1, autoscale=(4, 1))
     assert config.autoscale == (4, 1)
-    deduping = WorkerConfig(app_spec="m:app", settings=settings, children_consume=True, dedupe_window_s=60)
+    deduping = WorkerConfig(app_spec="m:app", settings=settings, dedupe_window_s=60)
     assert deduping.dedupe_window_s == 60
-
-
-def test_threads_need_consuming_children():
-    settings = Settings()
-    assert WorkerConfig(app_spec="m:app", settings=settings, children_consume=True, threads=4).threads == 4
-    with pytest.raises(ConfigurationError, match="--worker-consumes does not have"):
-        WorkerConfig(app_spec="m:app", settings=settings, children_consume=False, threads=4)
+    assert WorkerConfig(app_spec="m:app", settings=settings, threads=4).threads == 4
     with pytest.raises(ConfigurationError, match="at least 1"):
-        WorkerConfig(app_spec="m:app", settings=settings, children_consume=True, threads=0)
+        WorkerConfig(app_spec="m:app", settings=settings, threads=0)
 
 
 def backlog(busy: int, ready: int, threads: int = 1) -> tuple[BacklogDemand, list[int]]:

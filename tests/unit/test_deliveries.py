@@ -1,4 +1,4 @@
-"""Delivery counting and the dedupe window (worker.consume.admission), pure parts."""
+"""Delivery counting and the broker's dead-letter reasons (worker.consume.admission), pure parts."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from broker_svc.settings import Settings
 from worker.consume.admission import (
     BROKER_COUNT_HEADER,
     DELIVERIES_HEADER,
-    DedupeWindow,
+    broker_dead_letter,
     carries_count,
     delivery_count,
 )
@@ -34,35 +34,21 @@ def test_delivery_count_reads_ours_and_the_brokers(headers, redelivered, count, 
     assert carries_count(headers, redelivered=redelivered) is carried
 
 
-def test_dedupe_window_remembers_finished_ids_for_its_ttl():
-    window = DedupeWindow(ttl_s=10)
-    key = ("a", 0)
-    assert not window.seen(key, now=0)
-    window.start(key)
-    assert window.seen(key, now=0)  # running here: a second copy is a duplicate
-    window.release(key)
-    assert not window.seen(key, now=0)  # handed back unfinished: not a duplicate
-    window.finished(key, now=0)
-    assert window.seen(key, now=9.9)
-    assert not window.seen(("a", 1), now=1)  # its retry is not a duplicate
-    assert not window.seen(key, now=10.1)  # expired
-    assert len(window) == 0
-
-
-def test_dedupe_window_is_bounded():
-    window = DedupeWindow(ttl_s=100, max_ids=3)
-    for i in range(10):
-        window.finished((str(i), 0), now=i)
-    assert len(window) == 3
-    assert not window.seen(("0", 0), now=10) and window.seen(("9", 0), now=10)
-    # Expired entries leave as new ones come, even below the bound.
-    window.finished(("late", 0), now=500)
-    assert len(window) == 1
-
-
-def test_dedupe_window_refuses_nonsense():
-    with pytest.raises(ValueError):
-        DedupeWindow(ttl_s=0)
+@pytest.mark.parametrize(
+    ("headers", "reason", "origin"),
+    [
+        (
+            {"x-death": [{"reason": "expired", "queue": "q"}, {"reason": "maxlen", "queue": "r"}]},
+            "expired",
+            "q",
+        ),
+        ({"x-death": [{"reason": "maxlen"}]}, "maxlen", None),
+        ({"x-death": "garbage"}, "unknown", None),
+        (None, "unknown", None),
+    ],
+)
+def test_the_brokers_reason_for_a_dead_letter_is_its_newest_x_death(headers, reason, origin):
+    assert broker_dead_letter(headers) == (reason, origin)
 
 
 def test_settings_choose_quorum_per_queue_and_a_delivery_limit():

@@ -87,12 +87,12 @@ async def test_the_answer_waits_for_every_live_child_and_joins_what_they_hold(fe
         (1, 22, "b"),
     ]
     # As inspect shows them: not started, each with its child's pid.
-    state = WorkerState("w@h", pids=dict, board=list)
-    shown = state.reserved(held=held)
+    state = WorkerState("w@h", feeding)
+    shown = state.reserved(held)
     assert [(t["id"], t["time_start"], t["worker_pid"], t["hostname"]) for t in shown] == [
         ("a1", None, 11, "w@h"), ("a2", None, 11, "w@h"), ("b", None, 22, "w@h")
     ]  # fmt: skip
-    assert state.query(["b", "zz"], held=held) == {"b": ["reserved", shown[2]]}
+    assert state.query(["b", "zz"], held) == {"b": ["reserved", shown[2]]}
     # An answer after the wait ended is dropped, not kept for the next question.
     feeding.answered(0, {"op": "held", "seq": seq, "pid": 11, "tasks": [_task("late")]})
     reporting = asyncio.create_task(feeding.reported(timeout_s=10.0))

@@ -1,5 +1,5 @@
-"""One settle point: only worker/consume/settle.py (and a consuming child's worker/feed/settle.py)
-acks, nacks or rejects a task delivery (DESIGN §5)."""
+"""One settle point: only worker/feed/settle.py, in the pool child that consumed it, acks, nacks or
+rejects a task delivery (DESIGN §5)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,8 @@ SETTLE_CALLS = frozenset({"ack", "nack", "reject", "basic_ack", "basic_nack", "b
 # Where settling is allowed, and why: each entry is a file, never a folder, so a new module that
 # settles anything has to be listed here with its reason.
 ALLOWED = {
-    # The settle point itself: every task delivery's disposition is carried out here.
-    "worker/consume/settle.py",
-    # A consuming pool child's settle point: the same dispositions, on the child's own connection.
+    # The settle point itself: every task delivery's disposition is carried out here, on the
+    # consuming child's own connection.
     "worker/feed/settle.py",
     # Revocation-log stream entries, not task deliveries: a stream hands out more as these are acked.
     "worker/remote/revocation_log.py",

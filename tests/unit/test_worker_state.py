@@ -1,49 +1,53 @@
-"""The worker's inspect views: where each delivery is, in Celery's TASK_INFO shape."""
+"""The worker's inspect views over its children's board and answers, in Celery's TASK_INFO shape."""
 
 from __future__ import annotations
 
-import datetime as dt
+import os
+from collections.abc import Iterator
 from typing import Any
 
-from broker_svc.wire.task_message import TaskMessage
-from worker.state import Tracked, WorkerState
+import pytest
+
+from broker_svc.settings import Settings
+from worker.feed.spec import FeedSpec
+from worker.pool.board import Running
+from worker.pool.feeding import Feeding
+from worker.state import WorkerState
 
 DELIVERY = {"exchange": "", "routing_key": "q", "priority": 0, "redelivered": False}
 
 
-def _tracked(task_id: str, **fields: Any) -> Tracked:
-    return Tracked(
-        TaskMessage(id=task_id, task="t.add", args=[1, 2], kwargs={"k": "v"}, **fields), dict(DELIVERY)
-    )
+def _task(task_id: str) -> dict[str, Any]:
+    return {"id": task_id, "name": "t.add", "type": "t.add", "args": [1, 2], "kwargs": {"k": "v"},
+            "delivery_info": DELIVERY}  # fmt: skip
 
 
-def test_a_delivery_moves_from_reserved_to_active_and_each_view_shows_it_once():
-    state = WorkerState("w1@host", pids=lambda: {"a": 4242})
-    a, b = _tracked("a"), _tracked("b")
-    state.reserved_tasks.update(a=a, b=b)
-    assert [i["id"] for i in state.reserved()] == ["a", "b"]
-    del state.reserved_tasks["a"]
-    state.start(a)
+@pytest.fixture
+def feeding() -> Iterator[Feeding]:
+    made = Feeding(FeedSpec(settings=Settings(), queues=("q",), prefetch=1, hostname="w1@host"), slots=2)
+    yield made
+    made.close()
+
+
+def test_a_task_on_the_board_is_active_and_one_held_is_reserved_each_shown_once(feeding: Feeding):
+    state = WorkerState("w1@host", feeding)
+    assert state.active() == [] and state.running_count == 0
+    feeding.board.start(1, _task("a"))  # as the child in slot 1 writes it when the task starts
     [info] = state.active()
     assert info == {
         "id": "a", "name": "t.add", "args": [1, 2], "kwargs": {"k": "v"}, "type": "t.add",
-        "hostname": "w1@host", "time_start": a.time_start, "acknowledged": False,
-        "delivery_info": DELIVERY, "worker_pid": 4242,
+        "hostname": "w1@host", "time_start": info["time_start"], "acknowledged": False,
+        "delivery_info": DELIVERY, "worker_pid": os.getpid(),
     }  # fmt: skip
-    assert isinstance(info["time_start"], float)
+    assert isinstance(info["time_start"], float) and state.running_count == 1
     assert state.active(safe=True)[0]["args"] == "[1, 2]"
-    assert state.running("a") is a.request and state.running("b") is None
-    assert state.query(["a", "b", "zzz"]) == {
-        "a": ["active", state.active()[0]],
-        "b": ["reserved", state.reserved()[0]],
-    }
+    held = [Running(slot=0, pid=4242, started=0.0, info=_task("b"))]  # a child's answer to "held"
+    [reserved] = state.reserved(held)
+    assert (reserved["id"], reserved["time_start"], reserved["worker_pid"]) == ("b", None, 4242)
+    assert state.query(["a", "b", "zzz"], held) == {"a": ["active", info], "b": ["reserved", reserved]}
+    feeding.board.end(1)
+    assert state.active() == [] and state.query(["a"], held) == {}
 
 
-def test_scheduled_shows_eta_and_priority():
-    state = WorkerState("w1@host", pids=dict)
-    eta = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
-    state.scheduled_tasks["s"] = _tracked("s", eta=eta, priority=5)
-    [entry] = state.scheduled()
-    assert entry["eta"] == eta.isoformat() and entry["priority"] == 5
-    assert entry["request"]["id"] == "s"
-    assert state.query(["s"])["s"][0] == "reserved"
+def test_scheduled_lists_nothing_because_eta_tasks_wait_in_the_broker(feeding: Feeding):
+    assert WorkerState("w1@host", feeding).scheduled() == []

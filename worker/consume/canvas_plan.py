@@ -1,8 +1,8 @@
 """What a finished task's message asks to send next, decided without I/O: follow-ups and chord parts.
 
-Pure, so the worker's consumer (``worker/consume/canvas.py``, aio-pika) and a consuming pool child
-(``worker/feed/canvas.py``, its own connection) send the same messages to the same places. The
-canvas fields are WIRE.md §3.3's: ``chain``, ``callbacks``, ``errbacks`` and ``chord``.
+Pure, so what a pool child sends (``worker/feed/canvas.py``, on its own connection) is decided
+apart from the sending, and unit-tested. The canvas fields are WIRE.md §3.3's: ``chain``,
+``callbacks``, ``errbacks`` and ``chord``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The chord joiner: counts each chord's parts in the broker and sends its body exactly once.
 
-Every header task of a chord ends by leaving a part in the join queue (worker/consume/canvas.py):
+Every header task of a chord ends by leaving a part in the join queue (worker/feed/canvas.py):
 its index, the chord's size, its state and result, and the body. Every worker subscribes to that
 queue, which has a single active consumer: one worker of the cluster joins at a time.
 
@@ -46,11 +46,10 @@ from broker_svc.wire import codec
 from broker_svc.wire.chord_part import ChordPart, decode_part
 from broker_svc.wire.result_message import Outcome, wire_exception
 from broker_svc.wire.states import State
-from broker_svc.wire.task_message import CLOCK_HEADER, TaskMessage, encode_task
+from broker_svc.wire.task_message import CLOCK_HEADER, TaskMessage, WireMessage, encode_task
 from control.aio.declare import declare_queue
 from worker.amqp.connection import one_time_channel
 from worker.consume.canvas_plan import follow_up_queue
-from worker.consume.publish import task_properties
 from worker.consume.resubscribe import resubscribing
 
 __all__ = ["STALE_AFTER_S", "ChordJoiner"]
@@ -253,7 +252,7 @@ class ChordJoiner:
             self._declared.add(queue)
         serializer = "json" if message.content_type == codec.JSON else "msgpack"
         wire = encode_task(message, serializer=serializer)
-        properties = task_properties(wire, self._clock)
+        properties = _task_properties(wire, self._clock)
         await channel.basic_publish(wire.body, exchange="", routing_key=queue, properties=properties)
         log.info(
             "task_follow_up_sent", follow_up_id=message.id, follow_up=message.task, queue=queue, why="chord"
@@ -310,3 +309,17 @@ class ChordJoiner:
                         hint="a header task of this chord has not ended yet, or this is a late copy of "
                         "a part of a chord settled before the joiner failed over",
                     )  # fmt: skip
+
+
+def _task_properties(wire: WireMessage, clock: LamportClock) -> spec.Basic.Properties:
+    """The AMQP properties of an encoded task the joiner sends, stamped with the worker's clock."""
+    return spec.Basic.Properties(
+        content_type=wire.content_type,
+        content_encoding=wire.content_encoding,
+        headers={**wire.headers, CLOCK_HEADER: clock.forward()},
+        delivery_mode=wire.delivery_mode,
+        correlation_id=wire.correlation_id,
+        reply_to=wire.reply_to,
+        priority=wire.priority,
+        expiration=wire.expiration,
+    )

@@ -1,7 +1,7 @@
 """A delivery's fate as a value: what the step that handled it decided, for a settle point to carry out.
 
-Pure: no I/O, no AMQP client. The worker's consumer carries a disposition out in
-``worker/consume/settle.py``; a consuming pool child in ``worker/feed/settle.py``.
+Pure: no I/O, no AMQP client. A pool child carries a disposition out in ``worker/feed/settle.py``,
+the one place a task delivery is acked or handed back.
 """
 
 from __future__ import annotations

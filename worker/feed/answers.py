@@ -113,6 +113,16 @@ class FeedAnswers:
         )
         return ACK
 
+    def dropped_by_broker(self, request: TaskMessage, *, reason: str, origin: str | None) -> Handled:
+        """A task RabbitMQ dead-lettered for another reason than expiry (a length limit, say).
+
+        It reached ``clockwork.expired`` through the operator's policy; it is not run, its caller
+        gets a FAILURE saying why, and it is kept in ``clockwork.expired.dead``.
+        """
+        why = f"the broker dead-lettered this task from queue {origin!r} ({reason}); it did not run"
+        log.error("task_dropped_by_broker", reason=reason, origin=origin)
+        return self.fail(request, f"broker_{reason}", why, exc=("RuntimeError", why, "builtins"))
+
     def cannot_honour(self, request: TaskMessage, why: str) -> Disposition:
         """A canvas field the child cannot honour: refused, dead-lettered, its callers told why."""
         # Refused before it runs, as a whole: running part of a canvas and dropping the rest

@@ -322,8 +322,7 @@ def _one(
 
 
 def _log_lost(exc: BrokerUnavailable, *, retry_in_s: float | None) -> None:
-    # The same facts the worker's own consumer logs (worker/amqp/channel_watch.py), so one alert
-    # on consumer_cancelled_by_broker or consumer_timeout=true holds for both designs. A close
+    # The facts an alert keys on (consumer_cancelled_by_broker, consumer_timeout=true). A close
     # seen while a task ran was logged then (retry_in_s None), once.
     if isinstance(exc, ConnectionLost) and exc.reported:
         return

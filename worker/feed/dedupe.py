@@ -1,8 +1,7 @@
 """A worker's dedupe window shared by its consuming children: recent task ids, in shared memory.
 
-``--dedupe-window`` with ``--children-consume``. The rule is ``DedupeWindow``'s
-(``worker/consume/admission.py``): a key ``(task id, retries)`` running in the worker, or finished
-within the window, is a duplicate. Here it holds for every child of the worker at once, since a copy
+``--dedupe-window``: a key ``(task id, retries)`` running in the worker, or finished within the
+window, is a duplicate. It holds for every child of the worker at once, since a copy
 published twice, or redelivered after a lost ack or a lost connection, may reach any of them.
 
 The table is a memory-mapped file of buckets of 16 entries; an entry is the 16-byte digest of a key,

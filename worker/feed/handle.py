@@ -1,7 +1,6 @@
 """One delivery in a consuming child: decode, the guards, the run, its outcome → the delivery's disposition.
 
-The child's counterpart of ``worker/consume/consumer.py`` and ``outcomes.py``, on the blocking side:
-every step decides a :class:`~worker.consume.disposition.Disposition` and the child's settle point
+Every step decides a :class:`~worker.consume.disposition.Disposition` and the child's settle point
 (``worker/feed/settle.py``) carries it out. A canvas field the child cannot honour is refused
 (dead-lettered, its caller answered), never silently skipped. What a task's caller, chord and
 watchers are told on the way is ``worker/feed/answers.py``'s; a finished run's outcome is
@@ -24,7 +23,7 @@ from broker_svc.app import App
 from broker_svc.clock import LamportClock
 from broker_svc.connection.feed_connection import TaskDelivery
 from broker_svc.errors import MessageError
-from broker_svc.topology import DELAY_HOLD_WINDOW_S, delay_bucket_ms
+from broker_svc.topology import DELAY_HOLD_WINDOW_S, EXPIRED_QUEUE, delay_bucket_ms
 from broker_svc.wire import codec
 from broker_svc.wire.result_message import CELERY_EXCEPTIONS_MODULE, Outcome, wire_exception
 from broker_svc.wire.states import State
@@ -33,6 +32,7 @@ from worker.consume import canvas_plan
 from worker.consume.admission import (
     DELIVERY_LIMIT_REASON,
     UNKNOWN_TASK_HINT,
+    broker_dead_letter,
     carries_count,
     delivery_count,
     recount,
@@ -164,7 +164,13 @@ class FeedHandler:
             outcomes.succeeded_ms = None
 
     def _guarded(self, delivery: TaskDelivery, request: TaskMessage) -> Handled:
-        # The guards, in the worker consumer's order; one that passes them all runs.
+        # The guards, in order; one that passes them all runs.
+        if delivery.queue == EXPIRED_QUEUE:
+            # Dead-lettered by the broker (the operator's policy): answered, never run.
+            reason, origin = broker_dead_letter(delivery.headers)
+            if reason == "expired":
+                return self._answers.skip_revoked(request, expired=True), None
+            return self._answers.dropped_by_broker(request, reason=reason, origin=origin)
         task = self._app.tasks.get(request.task)
         if task is None:
             if request.task in self._unknown:

@@ -1,8 +1,7 @@
 """A consuming child's run, once it ended: what its caller, chord and callbacks are told, and the
 delivery's disposition (success, ignore, retry, reject, failure).
 
-The child's counterpart of ``worker/consume/outcomes.py``; ``worker/feed/handle.py`` runs the task
-and hands the done frame here.
+``worker/feed/handle.py`` runs the task and hands the done frame here.
 """
 
 from __future__ import annotations

@@ -3,8 +3,7 @@
 When a consuming child's channel closes under a task (``consumer_timeout``, a lost connection) the
 broker requeues that task's delivery at once, and the copy may reach another child of the same
 worker while the first run still goes on, or after it finished but its ack was lost with the
-channel. The worker's own consumer joins such a copy to its run (``worker/consume/redelivery.py``);
-here the children do it through two things they share:
+channel. The children join such a copy to its run through two things they share:
 
 - the board (``worker/pool/board.py``): a task shows in its child's slot from its start until its
   delivery is settled, so a copy whose id shows in another live slot is **running** here;

@@ -1,10 +1,10 @@
 """A consuming child's settle point: the one place its task deliveries are acked or handed back.
 
-The same rule as the worker's ``worker/consume/settle.py``, on the blocking side: a copy a delivery
-owes (a dead letter, a retry) is confirmed before the delivery is acked; a failed copy raises here
-with the delivery still unacked, and the child hands it back. Under ``--threads`` a sibling thread
-may take that copy before the ack is written: ``CopiesInFlight`` makes it wait for the ack, so a
-copy that ends the child cannot bring the original back beside it (the task queued twice).
+A copy a delivery owes (a dead letter, a retry) is confirmed before the delivery is acked; a
+failed copy raises here with the delivery still unacked, and the child hands it back. Under
+``--threads`` a sibling thread may take that copy before the ack is written: ``CopiesInFlight``
+makes it wait for the ack, so a copy that ends the child cannot bring the original back beside it
+(the task queued twice).
 """
 
 from __future__ import annotations

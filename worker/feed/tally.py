@@ -1,6 +1,6 @@
 """What a consuming child counted between two reports to the worker, and its frame (pure).
 
-With ``--children-consume`` the worker's main process never sees a task, yet ``inspect stats``
+The worker's main process never sees a task, yet ``inspect stats``
 (``total``) and the Prometheus counters (``worker/metrics.py``) count every task of the worker. Each
 child counts what it did and sends the counts in one ``tally`` frame at most every second and as it
 exits (``worker/feed/ledger.py``); the worker adds them up (``worker/pool/feeding.py``).

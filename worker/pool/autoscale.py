@@ -1,4 +1,4 @@
-"""Pool autoscaling: more children while deliveries wait for one, fewer once a child sat unneeded.
+"""Pool autoscaling: more children while work waits for one, fewer once a child sat unneeded.
 
 ``--autoscale MAX,MIN`` starts the pool at MIN children (at least one). Every ``TICK_S`` the
 autoscaler looks at the pool's load (``worker/pool/demand.py``: how many children are busy, how
@@ -9,42 +9,26 @@ much work waits):
   retire one child per look, down to MIN (idle children exit at once; a busy one after its task:
   a running task is never killed).
 
-What waits depends on who consumes. With the worker's consumer (the default), deliveries it holds
-that no child is free to run. With ``--children-consume`` no delivery waits in the worker: the
-messages ready in the worker's queues while every child is busy, read with a passive declare
-only then (``worker/amqp/queue_depth.py``). A retired consuming child stops consuming first, hands
-back what it holds and has not started, ends its task and exits; its slot is not refilled.
+No delivery waits in the worker (each child consumes for itself): the work waiting is the messages
+ready in the worker's queues while every child is busy, read with a passive declare only then
+(``worker/amqp/queue_depth.py``). A retired child stops consuming first, hands back what it holds
+and has not started, ends its task and exits; its slot is not refilled.
 
-**Prefetch with the worker's consumer.** The per-consumer prefetch follows the size (never a
-global QoS: quorum queues and RabbitMQ 4 refuse it). Below MAX it is one delivery more than the
-children can run (``worker.config.prefetch_for``): with prefetch multiplier 1, a worker that
-holds only what it can start would never see a backlog, so it could never decide to grow. That
-one delivery is the price: below MAX, a busy worker holds one task another worker might have
-started. At MAX there is no headroom, as without autoscale.
-
-basic.qos only binds consumers created after it, so a new prefetch means re-subscribing each
-queue (``QueueConsumers.set_prefetch``). The broker counts the new consumer's deliveries afresh:
-for a moment the worker may hold the old consumer's unacked deliveries on top of the new
-prefetch; they drain as those tasks finish.
-
-**Prefetch with consuming children.** Each child (each of its ``--threads``) is a consumer of its
-own, with the spec's prefetch (``--prefetch-multiplier``) from start to exit, so nothing is
-re-subscribed: a new child brings its consumers, a retired one takes its consumers away, and the
-worker's total follows the size by itself. No headroom is needed either: a backlog shows in the
-queues' ready count, not as a delivery the worker holds, so a worker at prefetch 1 per child
-still sees it.
+**Prefetch.** Each child (each of its ``--threads``) is a consumer of its own, with the spec's
+prefetch (``--prefetch-multiplier``) from start to exit, so nothing is re-subscribed: a new child
+brings its consumers, a retired one takes its consumers away, and the worker's total follows the
+size by itself. No headroom is needed: a backlog shows in the queues' ready count, not as a
+delivery the worker holds, so a worker at prefetch 1 per child still sees it.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 import structlog
 
 from worker.config import prefetch_for
-from worker.consume.slots import FairSlots
 from worker.pool.demand import Demand
 from worker.pool.pool import ProcessPool
 
@@ -87,38 +71,20 @@ def decide(
 
 
 class PoolSizer:
-    """Resizes the pool and keeps what follows its size in step: the slots and the prefetch.
+    """Resizes the pool and knows the prefetch that follows its size.
 
     Used by the autoscaler and by the ``pool_grow``/``pool_shrink`` commands.
 
     Args:
         pool: the process pool.
-        slots: the consumer's slots; their capacity is always the pool's target size.
-        set_prefetch: applies a per-consumer prefetch (``QueueConsumers.set_prefetch``); None with
-            consuming children, whose prefetch is their own and fixed (see the module doc).
-        multiplier: deliveries per child (``--prefetch-multiplier``).
-        autoscale_max: the autoscaler's maximum (below it the prefetch has one delivery of
-            headroom); None without autoscale.
-        threads: consumers per consuming child (``--threads``), each at ``multiplier``.
+        multiplier: deliveries per child, or per thread (``--prefetch-multiplier``).
+        threads: consumers per child (``--threads``), each at ``multiplier``.
     """
 
-    def __init__(
-        self,
-        pool: ProcessPool,
-        slots: FairSlots,
-        *,
-        set_prefetch: Callable[[int], Awaitable[None]] | None,
-        multiplier: int,
-        autoscale_max: int | None = None,
-        threads: int = 1,
-    ) -> None:
+    def __init__(self, pool: ProcessPool, *, multiplier: int, threads: int = 1) -> None:
         self._pool = pool
         self._threads = threads
-        self._slots = slots
-        self._set_prefetch = set_prefetch
         self._multiplier = multiplier
-        self.autoscale_max = autoscale_max
-        self._prefetch = self._prefetch_for(pool.target)
         self._lock = asyncio.Lock()
 
     @property
@@ -128,13 +94,11 @@ class PoolSizer:
 
     @property
     def prefetch_count(self) -> int:
-        """The per-consumer prefetch applied last; with consuming children, all of theirs together."""
-        return self._prefetch
+        """What the children the pool keeps hold unacked together, at most."""
+        return prefetch_for(self._pool.target, multiplier=self._multiplier, threads=self._threads)
 
     async def resize(self, size: int) -> int:
-        """Make the pool keep ``size`` children (at least one), then apply the prefetch for that size.
-
-        Also re-applies the prefetch when only ``autoscale_max`` changed.
+        """Make the pool keep ``size`` children (at least one).
 
         Returns:
             The new size.
@@ -148,18 +112,7 @@ class PoolSizer:
                 self._pool.grow(size - current)
             elif size < current:
                 self._pool.shrink(current - size)
-            self._slots.resize(self._pool.target)
-            prefetch = self._prefetch_for(self._pool.target)
-            if prefetch != self._prefetch:
-                self._prefetch = prefetch
-                if self._set_prefetch is not None:
-                    await self._set_prefetch(prefetch)
             return self._pool.target
-
-    def _prefetch_for(self, size: int) -> int:
-        if self._set_prefetch is None:  # consuming children: each thread its own, no headroom
-            return prefetch_for(size * self._threads, multiplier=self._multiplier)
-        return prefetch_for(size, multiplier=self._multiplier, autoscale_max=self.autoscale_max)
 
 
 class Autoscaler:
@@ -270,7 +223,6 @@ class Autoscaler:
         _check_range(new_max, new_min)
         async with self._lock:
             self._maximum, self._minimum = new_max, new_min
-            self._sizer.autoscale_max = new_max
             size = self._sizer.size
             await self._sizer.resize(min(max(size, new_min, 1), new_max))
         log.info("autoscale_updated", max=new_max, min=new_min, old_size=size, new_size=self._sizer.size)

@@ -1,6 +1,6 @@
 """What each consuming child runs now, in shared memory: the worker reads it without asking anyone.
 
-With ``--children-consume`` no message crosses from a child to the worker per task, yet
+No message crosses from a child to the worker per task, yet
 ``inspect active``, ``query_task``, ``revoke --terminate`` and the heartbeat's active count need to
 know what runs where. Each child owns one slot of a memory-mapped file and writes the task it
 starts and clears it when the task ends; the worker reads the slots when asked.

@@ -1,4 +1,4 @@
-"""A pool child: the blocking loop that runs one job at a time (``worker/pool/spawn.py`` starts one).
+"""A pool child: its entry point and the run of one task body (``worker/pool/spawn.py`` starts one).
 
 Task code may call :func:`send_update` (progress, custom states) and :func:`current_request`.
 """
@@ -16,7 +16,6 @@ import select
 import signal
 import socket
 import threading
-import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -29,7 +28,6 @@ import structlog
 from broker_svc import signals
 from broker_svc.app import App
 from broker_svc.errors import (
-    MessageTooLarge,
     Reject,
     SoftTimeLimitExceeded,
     TaskRevokedError,
@@ -156,7 +154,7 @@ def current_request() -> dict[str, Any]:
 
 
 class SoftLimit:
-    """Turns the worker's SIGUSR1 into ``SoftTimeLimitExceeded`` inside the running task."""
+    """Turns the soft time limit's signal (SIGALRM) into ``SoftTimeLimitExceeded`` inside the running task."""
 
     def __init__(self) -> None:
         self.armed = False
@@ -210,13 +208,13 @@ class _Armed:
         self._limit.disarm()
 
 
-def main(app_spec: str, sock: socket.socket, feed: FeedSpec | None = None) -> None:
-    """Run jobs until the worker closes the socket; the target of the pool's ``Process``.
+def main(app_spec: str, sock: socket.socket, feed: FeedSpec) -> None:
+    """Consume and run tasks until the worker closes the socket; the target of the pool's ``Process``.
 
     Args:
         app_spec: ``package.module:attr`` of the app whose tasks this child runs.
         sock: this child's end of the socket pair.
-        feed: consume these queues here instead of taking jobs from the worker (``worker/feed``).
+        feed: where to connect and what to consume (``worker/feed``).
     """
     # What the forkserver imported is shared with it until written: keep the collector from walking
     # (and so writing to) those objects, which would copy their pages into every child.
@@ -226,10 +224,8 @@ def main(app_spec: str, sock: socket.socket, feed: FeedSpec | None = None) -> No
     # A child is an entry point of its own: hook failures and task logs use the worker's level.
     configure_logging(os.environ.get("CLOCKWORK_LOGLEVEL", "info"))
     soft_limit = SoftLimit()
-    signal.signal(signal.SIGUSR1, soft_limit.on_signal)
     sock.setblocking(True)
     channel = ChildChannel(sock)
-    task_loop = TaskLoop()  # for async def tasks, made on the first
     try:
         try:
             app = load_app(app_spec)
@@ -242,24 +238,12 @@ def main(app_spec: str, sock: socket.socket, feed: FeedSpec | None = None) -> No
         signals.worker_process_init.send(sender=None)
         channel.send(ipc.encode_frame({"op": "ready", "pid": os.getpid()}))
         _exit_with_the_worker()
-        if feed is not None:
-            from worker.feed.child import serve  # only a consuming child loads pika
+        from worker.feed.child import serve
 
-            serve(app, feed, channel, soft_limit)
-            return
-        while (frame := channel.receive()) is not None:
-            job = Job.from_frame(frame)
-            started = time.monotonic()
-            try:
-                done = run_job(app, job, channel, soft_limit, task_loop)
-            except SoftTimeLimitExceeded as exc:  # landed between the task's end and disarming
-                done = _failure(exc, "")
-            done["runtime_s"] = time.monotonic() - started
-            channel.send(_encode_done(done, job))
+        serve(app, feed, channel, soft_limit)
     except (BrokenPipeError, ConnectionResetError):
         pass  # the worker is gone; so are we
     finally:
-        task_loop.close()
         sock.close()
 
 
@@ -351,21 +335,6 @@ def _frame(
     return {"op": "done", "status": str(status), "value": value, "error": error, "traceback": tb}
 
 
-def _failure(exc: BaseException, tb: str) -> dict[str, Any]:
-    return _frame(JobStatus.FAILURE, error=exception_to_wire(exc), tb=tb or None)
-
-
-def _encode_done(done: dict[str, Any], job: Job) -> bytes:
-    try:
-        return ipc.encode_frame(done)
-    except (TypeError, MessageTooLarge) as exc:
-        # The task ran but its result cannot travel: report that as its failure, and keep serving.
-        message = f"cannot encode the result of task {job.task_name} ({job.task_id}) with msgpack: {exc}"
-        fallback = _frame(JobStatus.FAILURE, error=ipc.encode_error(message))
-        fallback["runtime_s"] = done.get("runtime_s", 0.0)
-        return ipc.encode_frame(fallback)
-
-
 def _exit_with_the_worker() -> None:
     # A busy child would otherwise run its task to the end before it saw the closed socket. The
     # forkserver cannot tell us (children keep it alive), but multiprocessing gives each child the
@@ -381,7 +350,7 @@ def _exit_with_the_worker() -> None:
             if not os.read(sentinel, 4096):
                 os._exit(1)
 
-    # The thread starts with every signal blocked, so SIGUSR1 always interrupts the main thread's
+    # The thread starts with every signal blocked, so a signal always interrupts the main thread's
     # blocking calls (a signal delivered to another thread would not wake a task's sleep()).
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
     try:

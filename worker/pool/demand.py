@@ -1,14 +1,10 @@
 """What the autoscaler reads at each look: how many children are busy and how much work waits.
 
-Each consuming design answers it from what it has (``worker/pool/autoscale.py`` decides):
-
-- the worker's consumer (the default): its slots; a delivery waits when the worker holds it and
-  no child is free to run it (``SlotDemand``);
-- consuming children (``--children-consume``): no delivery waits in the worker, so the busy
-  children come from the board, and the work waiting is the messages *ready* in the worker's
-  queues while every child is busy (``BacklogDemand``). Only ready messages count: a delivery a
-  child prefetched behind its task is bound to that child's channel, and a new child could not
-  take it. Every worker on a queue sees the same backlog, so each grows toward its own MAX.
+No delivery waits in the worker (each child consumes for itself), so the busy children come from
+the board, and the work waiting is the messages *ready* in the worker's queues while every child is
+busy (``BacklogDemand``). Only ready messages count: a delivery a child prefetched behind its task
+is bound to that child's channel, and a new child could not take it. Every worker on a queue sees
+the same backlog, so each grows toward its own MAX.
 
 With ``--threads N`` a child is N consumers: it is busy when its N threads all run a task, and N
 ready messages make work for one more child.
@@ -21,9 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from worker.consume.slots import FairSlots
-
-__all__ = ["BacklogDemand", "Demand", "Load", "SlotDemand"]
+__all__ = ["BacklogDemand", "Demand", "Load"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +34,7 @@ class Load:
 
 
 class Demand(Protocol):
-    """How busy the pool is and what waits for it, in one consuming design."""
+    """How busy the pool is and what waits for it."""
 
     async def look(self, size: int) -> Load:
         """The load of a pool that keeps ``size`` children."""
@@ -49,23 +43,6 @@ class Demand(Protocol):
     def held(self) -> int:
         """Tasks taken and not finished, running or waiting here (Celery's ``autoscaler.qty``)."""
         ...
-
-
-class SlotDemand:
-    """The worker's consumer: busy slots, and deliveries waiting in the worker for a child.
-
-    Args:
-        slots: the consumer's slots (one per child).
-    """
-
-    def __init__(self, slots: FairSlots) -> None:
-        self._slots = slots
-
-    async def look(self, size: int) -> Load:
-        return Load(busy=self._slots.in_use, waiting=self._slots.waiting)
-
-    def held(self) -> int:
-        return self._slots.in_use + self._slots.waiting
 
 
 class BacklogDemand:

@@ -1,4 +1,4 @@
-"""The pool's side of consuming children (``--children-consume``): their start-up order, what they run.
+"""The pool's side of its consuming children: their start-up order, what they run, what they hold.
 
 Each child consumes for itself (``worker/feed``); the pool tells it the revoked ids and when to
 start, and reads what it runs from the shared board (``worker/pool/board.py``) for ``inspect``,

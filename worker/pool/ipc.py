@@ -1,15 +1,17 @@
-"""Frames between the worker and its pool children: jobs, outcomes, and their msgpack framing.
+"""Frames between the worker and its pool children, their msgpack framing, and a run's outcome.
 
 A frame is a 4-byte big-endian length followed by one msgpack map whose ``op`` names it::
 
-    parent -> child   {"op": "run", task_id, task_name, args, kwargs, request,
-                       hard_time_limit_s, soft_time_limit_s}
     child -> parent   {"op": "ready", pid}
                       {"op": "error", message, traceback}          (the app did not load)
-                      {"op": "update", task_id, payload}
-                      {"op": "done", status, value, error, traceback, runtime_s}
+                      {"op": "tally", ...}, {"op": "held", ...}, {"op": "revoke_applied", seq}, ...
+    parent -> child   {"op": "consume"}, {"op": "revoke", ids, seq}, {"op": "retire"}, ...
 
-This module is pure: the blocking side lives in ``worker.pool.child``, the async side in ``worker.pool.pool``.
+(``worker/feed/child.py`` lists every order a child takes.) A task body's run ends in a *done*
+map (status, value, error, traceback) that stays inside the child: ``JobStatus`` names how.
+
+This module is pure: the blocking side lives in ``worker.pool.child``, the async side in
+``worker.pool.supervisor``.
 No pickle anywhere: a child could be made to send anything, and the parent must only ever decode data.
 """
 
@@ -29,17 +31,14 @@ import msgpack
 
 from broker_svc.errors import DecodeError, MessageTooLarge
 from broker_svc.wire.codec import refuse_ext
-from broker_svc.wire.result_message import wire_exception
 
 __all__ = [
     "HEADER",
     "MAX_FRAME_BYTES",
     "Job",
-    "JobOutcome",
     "JobStatus",
     "decode_frame",
     "describe_exit",
-    "encode_error",
     "encode_frame",
     "frame_length",
 ]
@@ -51,27 +50,18 @@ MAX_FRAME_BYTES: Final = 256 * 1024 * 1024
 
 
 class JobStatus(StrEnum):
-    """How a job ended."""
+    """How a task body's run ended."""
 
     SUCCESS = "SUCCESS"
     FAILURE = "FAILURE"
-    LOST = "LOST"  # the child died while running it
-    TIME_LIMIT = "TIME_LIMIT"  # the hard time limit passed; the child was killed
-    TERMINATED = "TERMINATED"  # ``ProcessPool.terminate`` killed it (revoke with terminate=True)
     RETRY = "RETRY"  # the task called ``self.retry()``; ``value`` is ``{"eta": ISO-8601}``
     IGNORED = "IGNORED"  # the task raised ``Ignore``: ack, no result
     REJECTED = "REJECTED"  # the task raised ``Reject``; ``value`` is ``{"requeue": bool}``
 
 
-# A child reports only these; the others are decided by the parent when the child is gone.
-_CHILD_STATUSES: Final = frozenset(
-    {JobStatus.SUCCESS, JobStatus.FAILURE, JobStatus.RETRY, JobStatus.IGNORED, JobStatus.REJECTED}
-)
-
-
 @dataclass(frozen=True, slots=True)
 class Job:
-    """One task call for a child to run."""
+    """One task call, as the child runs it (``worker.pool.child.run_job``)."""
 
     task_id: str
     task_name: str
@@ -80,104 +70,6 @@ class Job:
     request: dict[str, Any]
     hard_time_limit_s: float | None = None
     soft_time_limit_s: float | None = None
-
-    def to_frame(self) -> dict[str, Any]:
-        """The ``run`` frame."""
-        return {
-            "op": "run",
-            "task_id": self.task_id,
-            "task_name": self.task_name,
-            "args": self.args,
-            "kwargs": self.kwargs,
-            "request": self.request,
-            "hard_time_limit_s": self.hard_time_limit_s,
-            "soft_time_limit_s": self.soft_time_limit_s,
-        }
-
-    @classmethod
-    def from_frame(cls, frame: dict[str, Any]) -> Job:
-        """Validate a ``run`` frame.
-
-        Raises:
-            DecodeError: the frame is not a well-formed ``run`` frame.
-        """
-        task_id, task_name = frame.get("task_id"), frame.get("task_name")
-        args, kwargs, request = frame.get("args"), frame.get("kwargs"), frame.get("request")
-        if frame.get("op") != "run" or not isinstance(task_id, str) or not isinstance(task_name, str):
-            raise DecodeError(f"not a run frame: op={frame.get('op')!r}")
-        if not isinstance(args, list) or not isinstance(kwargs, dict) or not isinstance(request, dict):
-            raise DecodeError("run frame needs args (list), kwargs (map) and request (map)")
-        return cls(
-            task_id=task_id,
-            task_name=task_name,
-            args=args,
-            kwargs=kwargs,
-            request=request,
-            hard_time_limit_s=_seconds(frame.get("hard_time_limit_s")),
-            soft_time_limit_s=_seconds(frame.get("soft_time_limit_s")),
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class JobOutcome:
-    """How a job ended, with its return value or Celery's exception map."""
-
-    status: JobStatus
-    value: Any = None
-    error: dict[str, Any] | None = None
-    traceback: str | None = None
-    runtime_s: float = 0.0
-    pid: int = 0
-    retries_exhausted: bool = False  # a FAILURE after the last retry: the message is dead-lettered
-    children: tuple[str, ...] = ()  # ids of the tasks the run sent (a SUCCESS's result.children)
-
-    @classmethod
-    def from_frame(cls, frame: dict[str, Any], *, pid: int) -> JobOutcome:
-        """Validate a ``done`` frame from the child ``pid``.
-
-        Raises:
-            DecodeError: the frame is not a well-formed ``done`` frame.
-        """
-        status, error, traceback = frame.get("status"), frame.get("error"), frame.get("traceback")
-        if status not in _CHILD_STATUSES:
-            raise DecodeError(f"done frame has status {status!r}; a child reports {sorted(_CHILD_STATUSES)}")
-        if not (error is None or isinstance(error, dict)) or not (
-            traceback is None or isinstance(traceback, str)
-        ):
-            raise DecodeError("done frame needs error (map or nil) and traceback (str or nil)")
-        return cls(
-            status=JobStatus(status),
-            value=frame.get("value"),
-            error=error,
-            traceback=traceback,
-            runtime_s=_seconds(frame.get("runtime_s")) or 0.0,
-            pid=pid,
-            retries_exhausted=frame.get("retries_exhausted") is True,
-            children=_ids(frame.get("children")),
-        )
-
-    @classmethod
-    def for_dead_child(
-        cls, job: Job, status: JobStatus | None, *, exitcode: int | None, runtime_s: float, pid: int
-    ) -> JobOutcome:
-        """The outcome of a job whose child is gone, with the error map Celery reports for it.
-
-        ``status`` is why the worker killed the child; None means it died on its own (LOST).
-        """
-        status = status or JobStatus.LOST
-        if status is JobStatus.TIME_LIMIT:
-            error = wire_exception("TimeLimitExceeded", job.hard_time_limit_s)
-        elif status is JobStatus.TERMINATED:
-            error = wire_exception("TaskRevokedError", "terminated")  # Celery's revoke reason
-        else:
-            message = f"Worker exited prematurely: {describe_exit(exitcode)}."
-            error = wire_exception("WorkerLostError", message, module="billiard.exceptions")
-        return cls(status, error=error, runtime_s=runtime_s, pid=pid)
-
-
-def encode_error(message: str) -> dict[str, Any]:
-    """Kombu's ``EncodeError`` map, for arguments or a result that msgpack cannot carry."""
-    return wire_exception("EncodeError", message, module="kombu.exceptions")
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -265,17 +157,3 @@ def _from_ext(code: int, data: bytes) -> Any:
     if decode is None:
         refuse_ext(code, data)
     return decode(data)
-
-
-def _seconds(value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise DecodeError(f"expected seconds as a number, got {value!r}")
-    return float(value)
-
-
-def _ids(value: Any) -> tuple[str, ...]:
-    if not isinstance(value, list):
-        return ()
-    return tuple(item for item in value if isinstance(item, str))

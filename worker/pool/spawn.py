@@ -49,7 +49,7 @@ def go_without_resource_tracker() -> None:
 
 
 def spawn(
-    context: ForkServerContext, app_spec: str, *, timeout_s: float, feed: FeedSpec | None = None
+    context: ForkServerContext, app_spec: str, *, timeout_s: float, feed: FeedSpec
 ) -> tuple[BaseProcess, socket.socket]:
     """Start a child and wait until it has loaded the app (blocking).
 

@@ -1,16 +1,14 @@
 """The pool's child supervision: each slot keeps one child alive, serves its frames, reaps and replaces it.
 
 ``ChildSupervisor`` is a base of ``worker.pool.pool.ProcessPool``, which owns the state named here and
-decides what each child runs (dispatch, resize, close).
+decides how many children there are (resize, close).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import itertools
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 import structlog
@@ -19,7 +17,6 @@ from broker_svc.errors import DecodeError, MessageTooLarge
 from worker.pool import ipc
 from worker.pool import spawn as spawn_module
 from worker.pool.handle import ChildHandle
-from worker.pool.ipc import JobOutcome
 from worker.pool.spawn import PoolStartError
 
 if TYPE_CHECKING:
@@ -38,31 +35,26 @@ _RESPAWN_DELAY_S: Final = (0.5, 30.0)
 class ChildSupervisor:
     """The slots of a ``ProcessPool``: start a child, serve it until it exits, replace it.
 
-    The pool sets the attributes below in its constructor and provides ``_release`` (hand a free
-    child out) and ``_retire_consuming`` (pick consuming children to retire after a shrink).
+    The pool sets the attributes below in its constructor and provides ``_retire_some`` (pick
+    children to retire after a shrink).
     """
 
-    feeding: Feeding | None
+    feeding: Feeding
     _app_spec: str
     _context: ForkServerContext
     _start_timeout_s: float
     _exit_grace_s: float
-    _on_update: Callable[[str, dict[str, Any]], None] | None
     _children: dict[int, ChildHandle]
-    _idle: collections.deque[ChildHandle]
     _slots: list[asyncio.Task[None]]
     _slot_indexes: set[int]
     _closing: asyncio.Event
     _to_retire: int
 
-    def _release(self, child: ChildHandle) -> None:
-        raise NotImplementedError
-
-    def _retire_consuming(self) -> None:
+    def _retire_some(self) -> None:
         raise NotImplementedError
 
     def _add_slot(self, first_start: asyncio.Future[None] | None) -> None:
-        # The lowest index no live slot holds: a consuming child's board slot is its alone, and
+        # The lowest index no live slot holds: a child's board slot is its alone, and
         # the board stays as small as the most children alive at once.
         index = next(i for i in itertools.count() if i not in self._slot_indexes)
         self._slot_indexes.add(index)
@@ -90,7 +82,7 @@ class ChildSupervisor:
                     self._context,
                     self._app_spec,
                     timeout_s=self._start_timeout_s,
-                    feed=self.feeding.spec_for(index) if self.feeding is not None else None,
+                    feed=self.feeding.spec_for(index),
                 )
             except PoolStartError as exc:
                 if first_start is not None and not first_start.done():
@@ -114,29 +106,25 @@ class ChildSupervisor:
                 return
 
     async def _serve(self, child: ChildHandle, index: int) -> None:
-        """Hand the child out for jobs and relay its frames until it exits; then settle its job."""
+        """Let the child consume and relay its frames until it exits; then account for what it ran."""
         self._children[child.pid] = child
         if self._closing.is_set():
             child.writer.close()
-        elif self.feeding is None:
-            self._release(child)
         else:
             self.feeding.joined(index, child.writer)
             if self._to_retire:  # the pool shrank while this child started
-                self._retire_consuming()
+                self._retire_some()
         try:
             while (frame := await child.next_frame()) is not None:
                 self._on_frame(child, frame)
         except (DecodeError, MessageTooLarge) as exc:
             log.error("pool_child_protocol_error", pid=child.pid, error=str(exc))
         finally:
-            with contextlib.suppress(ValueError):
-                self._idle.remove(child)
             exitcode = await child.reap(grace_s=self._exit_grace_s)
-            lost = self.feeding.left(index) if self.feeding is not None else []
-            for entry in lost:  # a consuming child died mid-task: the broker redelivers it, counted
+            lost = self.feeding.left(index)
+            for entry in lost:  # the child died mid-task: the broker redelivers it, counted
                 info = entry.info
-                if self.feeding is not None and self.feeding.was_terminated(str(info.get("id"))):
+                if self.feeding.was_terminated(str(info.get("id"))):
                     continue  # ended on purpose: its copy is answered terminated
                 log.warning(
                     "task_child_lost_retrying", task_id=info.get("id"), task_name=info.get("name"),
@@ -144,39 +132,21 @@ class ChildSupervisor:
                 )  # fmt: skip
             if self._children.get(child.pid) is child:
                 del self._children[child.pid]
-            if child.job is not None:
-                runtime_s = asyncio.get_running_loop().time() - child.started_at
-                outcome = JobOutcome.for_dead_child(
-                    child.job, child.kill_status, exitcode=exitcode, runtime_s=runtime_s, pid=child.pid
-                )
-                child.settle(outcome)
-            elif child.retired or child.recycled:
+            if child.retired or child.recycled:
                 log.debug("pool_child_retired", pid=child.pid, exit=ipc.describe_exit(exitcode))
             elif not self._closing.is_set() and not lost:
                 log.warning("pool_child_died_idle", pid=child.pid, exit=ipc.describe_exit(exitcode))
 
     def _on_frame(self, child: ChildHandle, frame: dict[str, Any]) -> None:
-        job, op = child.job, frame["op"]
-        if op == "update":
-            payload = frame.get("payload")
-            matches = job is not None and frame.get("task_id") == job.task_id
-            if matches and self._on_update is not None and isinstance(payload, dict):
-                try:
-                    self._on_update(frame["task_id"], payload)
-                except Exception:  # a broken hook must not take the child's job down with it
-                    log.exception("pool_on_update_failed", task_id=frame["task_id"])
-        elif op == "retiring" and self.feeding is not None:
-            child.recycled = True  # a consuming child past its limits: its slot starts another
-        elif op == "revoke_applied" and self.feeding is not None:
+        op = frame["op"]
+        if op == "retiring":
+            child.recycled = True  # past its limits: its slot starts another
+        elif op == "revoke_applied":
             self.feeding.revoke_applied(child.slot, frame)  # a revoke command may wait for it
-        elif op in ("held", "reported") and self.feeding is not None:
+        elif op in ("held", "reported"):
             self.feeding.answered(child.slot, frame)  # inspect reserved or stats waits for it
-        elif op == "tally" and self.feeding is not None:
-            self.feeding.tallied(frame)  # a consuming child's counts, for stats and the metrics
-        elif op == "done" and job is not None:
-            child.jobs_done += 1
-            child.settle(JobOutcome.from_frame(frame, pid=child.pid))
-            self._release(child)
+        elif op == "tally":
+            self.feeding.tallied(frame)  # the child's counts, for stats and the metrics
         else:
             raise DecodeError(f"unexpected {op!r} frame from pool child {child.pid}")
 

@@ -18,21 +18,19 @@ from control.aio.node import request_headers
 from control.protocol.commands import CommandRegistry
 from control.protocol.request import nok, ok
 from control.protocol.revoke_log import LOGGED_HEADER
-from worker.amqp.subscriptions import QueueConsumers
+from worker.amqp.subscriptions import TaskQueues
 from worker.config import WorkerConfig
-from worker.consume.consumer import TaskConsumer
-from worker.consume.rate_limits import RateLimits, parse_rate
+from worker.consume.rate_limits import parse_rate
 from worker.events import EventDispatcher, Heart
 from worker.pool.autoscale import Autoscaler, PoolSizer
-from worker.pool.board import Running
 from worker.pool.pool import ProcessPool
 from worker.remote.mingle import HELLO_REVOKED_LIMIT
 from worker.remote.revocation_log import RevocationLog
 from worker.remote.revoker import Revoker
+from worker.state import WorkerState
 
 if TYPE_CHECKING:
     from worker.gate.gatekeeper import Gatekeeper
-    from worker.pool.feeding import Feeding
 
 __all__ = ["COMMAND_NAMES", "WorkerCommands", "queue_info"]
 
@@ -57,14 +55,14 @@ class WorkerCommands:
         app: the application (its tasks and their options).
         config: the worker's options.
         clock: the process's Lamport clock.
-        consumer: the task consumer (its state, counters and time-limit overrides).
-        queues: the task-queue consumers (``add_consumer``, ``cancel_consumer``, ``active_queues``).
-        pool: the process pool.
+        state: what the children run and hold (``active``, ``reserved``, ``query_task``).
+        queues: the task queues the children consume (``add_consumer``, ``cancel_consumer``,
+            ``active_queues``).
+        pool: the process pool (its children's counts, time limits and rate limits).
         sizer: resizes the pool (``pool_grow``, ``pool_shrink``) and knows the prefetch applied.
         autoscaler: the autoscaler, or None without ``--autoscale``.
         revoker: the revoked set (``revoke``, ``revoked``, ``hello``).
         revocation_log: journals a revoke that did not come through our client.
-        limits: the rate limits enforced (``rate_limit``).
         events: the event dispatcher (``enable_events``, ``disable_events``).
         heart: sends ``worker-heartbeat`` (``heartbeat``).
         request_stop: begins a graceful shutdown (``shutdown``).
@@ -77,14 +75,13 @@ class WorkerCommands:
         app: App,
         config: WorkerConfig,
         clock: LamportClock,
-        consumer: TaskConsumer,
-        queues: QueueConsumers,
+        state: WorkerState,
+        queues: TaskQueues,
         pool: ProcessPool,
         sizer: PoolSizer,
         autoscaler: Autoscaler | None,
         revoker: Revoker,
         revocation_log: RevocationLog,
-        limits: RateLimits,
         events: EventDispatcher,
         heart: Heart,
         request_stop: Callable[[], None],
@@ -92,9 +89,9 @@ class WorkerCommands:
     ) -> None:
         self._gate = gate
         self._app, self._config, self._clock = app, config, clock
-        self._consumer, self._queues = consumer, queues
+        self._state, self._queues = state, queues
         self._pool, self._sizer, self._autoscaler = pool, sizer, autoscaler
-        self._revoker, self._revocation_log, self._limits = revoker, revocation_log, limits
+        self._revoker, self._revocation_log = revoker, revocation_log
         self._events, self._heart, self._request_stop = events, heart, request_stop
         self._started = time.monotonic()
 
@@ -106,34 +103,23 @@ class WorkerCommands:
 
     # -- inspect: what the worker holds and runs ------------------------------------------------------
 
-    @property
-    def _feeding(self) -> Feeding | None:
-        # The pool's consuming children (--children-consume), if any; unit tests build us without a pool.
-        return getattr(self._pool, "feeding", None)
-
     def _set_task_events(self, on: bool) -> None:
-        # The worker's own events, and consuming children's (they send theirs themselves).
+        # The worker's own events, and its children's (they send theirs themselves).
         self._events.task_events = on
-        if (feeding := self._feeding) is not None:
-            feeding.set_task_events(on)
+        self._pool.feeding.set_task_events(on)
 
     async def active(self, safe: bool) -> list[dict[str, Any]]:
-        return self._consumer.state.active(safe=safe)
+        return self._state.active(safe=safe)
 
     async def reserved(self) -> list[dict[str, Any]]:
-        return self._consumer.state.reserved(held=await self._held())
-
-    async def _held(self) -> list[Running]:
-        # What consuming children hold unstarted (a deeper prefetch, --threads): each is asked.
-        feeding = self._feeding
-        return await feeding.held() if feeding is not None else []
+        return self._state.reserved(await self._pool.feeding.held())
 
     async def scheduled(self) -> list[dict[str, Any]]:
-        return self._consumer.state.scheduled()
+        return self._state.scheduled()
 
     async def query_task(self, ids: str | list[str]) -> dict[str, Any]:
         wanted = [ids] if isinstance(ids, str) else [str(i) for i in ids]
-        return self._consumer.state.query(wanted, held=await self._held())
+        return self._state.query(wanted, await self._pool.feeding.held())
 
     async def registered(self, taskinfoitems: list[Any] | None, builtins: bool) -> list[str]:
         return sorted(name for name in self._app.tasks if builtins or not name.startswith("celery."))
@@ -143,13 +129,13 @@ class WorkerCommands:
 
     async def stats(self) -> dict[str, Any]:
         """Celery's ``stats``; with autoscale it gains Celery's ``autoscaler`` map."""
-        if (feeding := self._feeding) is not None:
-            await feeding.reported()  # consuming children's counts up to now: ``total`` is exact
+        feeding = self._pool.feeding
+        await feeding.reported()  # the children's counts up to now: ``total`` is exact
         config = self._config
         url = urlsplit(config.settings.broker_url)
         usage = resource.getrusage(resource.RUSAGE_SELF)
         reply: dict[str, Any] = {
-            "total": self._consumer.totals,
+            "total": dict(feeding.totals),
             "pid": os.getpid(),
             "clock": str(self._clock.value),  # a string, as Celery sends it
             "uptime": int(time.monotonic() - self._started),
@@ -181,7 +167,7 @@ class WorkerCommands:
             "prefetch_count": self._sizer.prefetch_count,  # the prefetch applied now
             "rusage": {"utime": usage.ru_utime, "stime": usage.ru_stime, "maxrss": usage.ru_maxrss},
             # Ours: tasks of names this app does not register (another app on the same queue?).
-            "unknown_tasks": self._consumer.unknown_tasks,
+            "unknown_tasks": dict(feeding.unknown),
         }
         if self._autoscaler is not None:
             reply["autoscaler"] = self._autoscaler.info()
@@ -255,9 +241,7 @@ class WorkerCommands:
     async def time_limit(self, task_name: str, soft: float | None, hard: float | None) -> dict[str, Any]:
         if task_name not in self._app.tasks:
             return nok("unknown task")
-        self._consumer.time_limits[task_name] = (hard, soft)
-        if (feeding := self._feeding) is not None:
-            feeding.set_time_limit(task_name, hard=hard, soft=soft)
+        self._pool.feeding.set_time_limit(task_name, hard=hard, soft=soft)
         return ok("time limits set successfully")
 
     async def rate_limit(self, task_name: str, rate_limit: str | int | float | None) -> dict[str, Any]:
@@ -274,9 +258,7 @@ class WorkerCommands:
             return nok("unknown task")
         # As Celery, rewrite the task's option too: it stays what this worker enforces.
         type(self._app.tasks[task_name]).rate_limit = rate_limit
-        self._limits.set(task_name, per_second)
-        if (feeding := self._feeding) is not None:
-            feeding.rates.set(task_name, per_second)  # every child takes from the same bucket
+        self._pool.feeding.rates.set(task_name, per_second)  # every child takes from the same bucket
         if per_second is None:
             log.info("rate_limit_disabled", task_name=task_name)
             return ok("rate limit disabled successfully")
@@ -286,23 +268,19 @@ class WorkerCommands:
     async def add_consumer(
         self, queue: str, exchange: str | None, exchange_type: str, routing_key: str | None, options: Any
     ) -> dict[str, Any]:
-        if (feeding := self._feeding) is not None:  # the children consume: declare, then tell them
-            if queue in self._queues.listed():
-                return ok(f"already consuming from {queue!r}")
-            await self._queues.declare(queue)
-            feeding.set_queues(self._queues.listed())
-            log.info("consumer_added", queue=queue)
-            return ok(f"add consumer {queue}")
-        return ok(await self._queues.add(queue))
+        if queue in self._queues.listed():
+            return ok(f"already consuming from {queue!r}")
+        await self._queues.declare(queue)  # declared here, then the children are told
+        self._pool.feeding.set_queues(self._queues.consumed())
+        log.info("consumer_added", queue=queue)
+        return ok(f"add consumer {queue}")
 
     async def cancel_consumer(self, queue: str) -> dict[str, Any]:
-        if (feeding := self._feeding) is not None:
-            if not self._queues.unfeed(queue):
-                return ok(f"not consuming from {queue}")
-            feeding.set_queues(self._queues.listed())
-            log.info("consumer_cancelled", queue=queue)
-            return ok(f"no longer consuming from {queue}")
-        return ok(await self._queues.cancel(queue))
+        if not self._queues.remove(queue):
+            return ok(f"not consuming from {queue}")
+        self._pool.feeding.set_queues(self._queues.consumed())
+        log.info("consumer_cancelled", queue=queue)
+        return ok(f"no longer consuming from {queue}")
 
     async def enable_events(self) -> dict[str, Any]:
         if self._events.task_events:
@@ -317,8 +295,8 @@ class WorkerCommands:
         return ok("task events disabled")
 
     # -- the pool: its size and the autoscaler --------------------------------------------------------
-    # The same in both consuming designs: consuming children retire one by one, each finishing its
-    # task after handing back what it holds (worker.pool.pool.ProcessPool.shrink).
+    # Children retire one by one, each finishing its task after handing back what it holds
+    # (worker.pool.pool.ProcessPool.shrink).
     # Errors read as Celery's (kombu replies ``repr(exc)`` for a handler's exception), e.g.
     # ``autoscale`` on a worker without it gives ``{"error": "ValueError('Autoscale not enabled')"}``.
 
