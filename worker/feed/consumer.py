@@ -161,6 +161,7 @@ class Consumer:
                     # back by the close at the end).
                     if not connection.ordered:
                         settler.settle(delivery, HAND_BACK)
+                        log.info("task_requeued_on_shutdown", count=1)
                     continue
                 if delivery.queue not in shared.wanted:
                     # cancel_consumer came while it was on its way (the worker has already answered
@@ -196,8 +197,11 @@ class Consumer:
             log.info("feed_child_stops_ordered", handed_back_by_close=True)
         elif connected:
             with contextlib.suppress(BrokerUnavailable):
-                for late in [*connection.cancel(), *(parked.delivery for parked in self.redeliveries.parked)]:
+                unstarted = [*connection.cancel(), *(parked.delivery for parked in self.redeliveries.parked)]
+                for late in unstarted:
                     settler.settle(late, HAND_BACK)
+                if unstarted:  # another worker runs them
+                    log.info("task_requeued_on_shutdown", count=len(unstarted))
 
     def _connect(self) -> None:
         self.connection.connect()
