@@ -202,7 +202,8 @@ def check(journal: Journal, *, expected: Iterable[str] | None = None) -> Verdict
 def report(row: str, verdict: Verdict | None = None, **figures: Any) -> dict[str, Any]:
     """Print one ``RELIABILITY {json}`` line for ``row`` and append it to the run's report file.
 
-    The record carries ``design``: ``children-consume`` (the default) or ``worker-consumes``.
+    The record carries ``design``: ``children-consume`` (one thread per child) or ``threads``
+    (``--threads N``, N > 1).
 
     The file is ``$CLOCKWORK_RELIABILITY_REPORT``, else ``.reliability/results.jsonl`` in the project.
     """

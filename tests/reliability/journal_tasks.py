@@ -47,8 +47,8 @@ def kill_child(self: Task) -> None:
 def kill_worker(self: Task) -> None:
     """A poison task that SIGKILLs the whole worker: its main process and every process under it.
 
-    As a machine or container dies: with consuming children (``--children-consume``) the child
-    holds the delivery, so killing the main process alone would let this run end and be acked.
+    As a machine or container dies: the child holds the delivery, so killing the main process
+    alone would let this run end and be acked.
     """
     _journal(self)
     main, me = worker_main_pid(), os.getpid()

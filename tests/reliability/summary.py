@@ -6,10 +6,10 @@ between that design's markers in RELIABILITY.md with the newest record of each t
 matrix order. A test with no record in the file keeps the row it had, so a run of one file (or
 of one design) leaves the others' figures in place.
 
-Designs (``design`` in a record, from ``CLOCKWORK_TEST_WORKER_ARGS``): ``worker-consumes``
-(``--worker-consumes``, the default before issue 16), whose table has the original markers
-(records from before the tag are that design's), ``children-consume``, the default now, and
-``threads``, the default with ``--threads N`` (N > 1).
+Designs (``design`` in a record, from ``CLOCKWORK_TEST_WORKER_ARGS``): ``children-consume``, each
+pool child consuming with one thread, and ``threads``, the same with ``--threads N`` (N > 1).
+Records of the retired design, where the worker's main process consumed for its children
+(``worker-consumes``, and untagged records, which predate the tag), have no table and are skipped.
 """
 
 from __future__ import annotations
@@ -22,17 +22,13 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_DESIGN = "worker-consumes"
-START_MARKER = "<!-- reliability:last-run:start -->"
-END_MARKER = "<!-- reliability:last-run:end -->"
 # Each design's table, between its markers.
 MARKERS = {
-    DEFAULT_DESIGN: (START_MARKER, END_MARKER),
     "children-consume": (
         "<!-- reliability:last-run:children-consume:start -->",
         "<!-- reliability:last-run:children-consume:end -->",
     ),
-    "threads": (  # the default design under CLOCKWORK_TEST_WORKER_ARGS="--threads N"
+    "threads": (  # consuming children under CLOCKWORK_TEST_WORKER_ARGS="--threads N"
         "<!-- reliability:last-run:threads:start -->",
         "<!-- reliability:last-run:threads:end -->",
     ),
@@ -55,12 +51,13 @@ def _format(value: Any) -> str:
     return json.dumps(value) if isinstance(value, dict | list) else str(value)
 
 
-def design_of(record: Mapping[str, Any]) -> str:
-    """The worker design a record was measured with (untagged records predate the tag: the default)."""
-    return str(record.get("design") or DEFAULT_DESIGN)
+def design_of(record: Mapping[str, Any]) -> str | None:
+    """The worker design a record was measured with; None for an untagged one (the retired design's)."""
+    design = record.get("design")
+    return str(design) if design else None
 
 
-def newest(records: Iterable[Mapping[str, Any]], *, design: str = DEFAULT_DESIGN) -> list[Mapping[str, Any]]:
+def newest(records: Iterable[Mapping[str, Any]], *, design: str) -> list[Mapping[str, Any]]:
     """The last record of each (row, test) measured with ``design``, sorted by row."""
     latest: dict[tuple[str, str], Mapping[str, Any]] = {}
     for record in records:
@@ -98,7 +95,7 @@ def table_lines(text: str, start_marker: str, end_marker: str) -> list[str]:
     return [line for line in text[start:end].splitlines() if _LINE.match(line)]
 
 
-def rewrite(doc: Path, table: str, *, markers: tuple[str, str] = (START_MARKER, END_MARKER)) -> None:
+def rewrite(doc: Path, table: str, *, markers: tuple[str, str]) -> None:
     """Replace the text between ``markers`` in ``doc`` with ``table``."""
     text = doc.read_text()
     start, end = text.index(markers[0]) + len(markers[0]), text.index(markers[1])
@@ -111,6 +108,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--doc", type=Path, default=ROOT / "RELIABILITY.md")
     args = parser.parse_args(argv)
     records = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()]
+    # The retired design's records stay in the file (it is append-only) but have no table now.
+    skipped = sum(1 for record in records if design_of(record) not in MARKERS)
+    if skipped:
+        print(f"{skipped} records of a retired design (worker-consumes, or untagged) skipped")
     for design, markers in MARKERS.items():
         text = args.doc.read_text()
         latest = newest(records, design=design)

@@ -210,8 +210,8 @@ def test_r3_sigterm_finishes_running_tasks_and_hands_back_the_prefetched_ones(
         second.wait_ready()
         journal.wait_executed(ids, timeout_s=90)
     # Handed back unstarted: the second worker gets them flagged redelivered by the broker (the
-    # rest it takes were never delivered). The broker's view, the same whichever process held
-    # them: the worker's main process, or (--children-consume) each child its own prefetch.
+    # rest it takes were never delivered). The broker's view: each child hands back its own
+    # prefetch.
     requeued = sum(1 for e in journal.executions()[runs_by_first:] if e.redelivered)
     verdict = check(journal)
     report(
@@ -240,8 +240,8 @@ def test_r5_a_frozen_worker_reconnects_without_stale_tag_errors(
         ids = publish(test_vhost_url, journal, queue, "journal.sleep", [(0.1,)] * 200)
         wait_for(lambda: len(journal.executed_ids()) >= 20, timeout_s=60, message="tasks running")
         consuming_before = proc.count(consumes_again_event(proc))
-        # A frozen machine freezes every process of the worker: with --children-consume the
-        # children hold connections of their own, which the main process alone would not freeze.
+        # A frozen machine freezes every process of the worker: the children hold connections
+        # of their own, which freezing the main process alone would leave running.
         proc.signal_tree(signal.SIGSTOP)
         stopped_at = time.monotonic()
         try:
@@ -441,8 +441,8 @@ def test_r6_forced_closes_leave_the_consumer_in_place_and_lose_nothing(
             )
             assert event is not None
             reconnect_s.append(round(logged_at(event) - closed_at, 3))
-            # The broker's own view: the worker's consumers on the task queue again, exactly: one,
-            # or one per child (and thread) with --children-consume.
+            # The broker's own view: the worker's consumers on the task queue again, exactly one
+            # per child (a child's threads share its consumer).
             consumer_counts.append(
                 wait_for(
                     lambda: _consumers(node, queue) == expected and expected,

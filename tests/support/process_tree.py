@@ -1,8 +1,8 @@
 """A worker's processes as /proc shows them: its main process, the pool's forkserver, the children.
 
 A fault that hits "the worker" hits all of them, as on a frozen machine or a container the OOM
-killer ends: with ``--children-consume`` the children hold their own connections and deliveries,
-so signalling the main process alone would leave them running.
+killer ends: the children hold their own connections and deliveries, so signalling the main
+process alone would leave them running.
 """
 
 from __future__ import annotations
