@@ -5,7 +5,7 @@ Usage: ``python -m bench.consume_floor [--broker URL] [--messages 20000] [--proc
 task's bytes) and drains it with ``--processes`` processes, each consuming with ``--prefetch``
 unacked and acking each message, nothing else: once with pika's ``BlockingConnection`` (what
 Dramatiq's workers use) and once with ``broker_svc.connection.feed_connection.FeedConnection``
-(what a ``--children-consume`` child uses), alternating. Prints one JSON line per round and
+(what a consuming pool child uses), alternating. Prints one JSON line per round and
 client: messages/s from the first process start to the last exit. With ``--threads N`` (N > 1) the
 clients are instead what a ``--threads N`` child consumes with: N threads each with a
 ``FeedConnection`` of its own at ``--prefetch`` (before issue 16's step), N threads sharing one

@@ -2,7 +2,7 @@
 raw pika echo worker, alternating in one run.
 
 Usage: ``python -m bench.latency_split [--broker URL] [--calls 500] [--rounds 3] [-- WORKER ARGS]``
-(or ``echo``, its raw worker); ``-- --children-consume`` measures that design of our worker.
+(or ``echo``, its raw worker); what follows ``--`` goes to our worker (``-- --threads 4``).
 Prints one JSON line per pairing and round, then the medians as a table.
 
 The echo worker is one pika process that answers each call with our result message for the call's

@@ -184,12 +184,12 @@ def settings_text(sizes: Mapping[str, int], wide: Mapping[str, int]) -> str:
 - **pika / aio-pika (raw)**: the ceiling. Our no-op message's bytes and headers, publisher confirms
   pipelined up to 1,000 unconfirmed (pika `SelectConnection`; aio-pika awaiting up to 1,000
   publishes at once); the "worker" is one process consuming with prefetch 100 and one ack per
-  message, nothing else (aio-pika on uvloop as our worker). In the round trip it also answers each
+  message, nothing else (aio-pika, on uvloop when it is installed). In the round trip it also answers each
   call as our worker does: our no-op result's bytes to the call's `reply_to` with its
   `correlation_id` (non-persistent, mandatory, on a confirm-mode channel, confirm awaited before
   the ack). The client declares a reply queue shaped as ours (durable, `x-expires`), consumes it
   without acks and publishes our call message (persistent, `reply_to`, a fresh `correlation_id`)
-  on one connection; aio-pika (uvloop) with confirms pipelined as ours (the call waits only for its
+  on one connection; aio-pika with confirms pipelined as ours (the call waits only for its
   reply), pika with a `BlockingConnection` *without* confirms, since its confirm mode makes each
   publish wait for its confirm.
 - **Fills** (drain, sleepers, memory) are untimed: each system's own message format published
