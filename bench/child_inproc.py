@@ -3,8 +3,8 @@
 Usage: ``python -m bench.child_inproc [--broker URL] [--tasks 20000] [--threads 1] [--task noop]
 [--prefetch-multiplier 1] [--rounds 3] [--profile 40]``. In a vhost of its own, each round fills a
 fresh queue with ``bench.tasks`` tasks (``noop``, or ``sleep``: 10 ms each) and runs the child's own
-consumers on it here (``worker/feed/consumer.py``, under ``--threads`` on one shared connection, as
-``worker/feed/child.py`` builds them), logging at INFO to a temporary file as the worker does. It
+consumers on it here (``worker/child/consumer.py``, under ``--threads`` on one shared connection, as
+``worker/child/serve.py`` builds them), logging at INFO to a temporary file as the worker does. It
 prints one JSON line per round: tasks/s and microseconds of this process's CPU per task (user and
 system), from the start until the last task ended; ``--profile N`` adds cProfile's N costliest
 functions by own time (``--threads 1`` only; it slows the run).
@@ -43,10 +43,10 @@ from broker_svc.settings import DEFAULT_BROKER_URL, Settings
 from broker_svc.signature import Signature
 from broker_svc.topology import task_queue
 from broker_svc.wire.ids import uuid4_str
-from worker.feed.child import build_consumers
-from worker.feed.consumer import Consumer, Shared
-from worker.feed.spec import FeedSpec
-from worker.pool.child import SoftLimit
+from worker.child.consumer import Consumer, Shared
+from worker.child.serve import build_consumers
+from worker.child.soft_limits import SoftLimit
+from worker.child.spec import FeedSpec
 
 _TASKS = {"noop": ("bench.tasks.noop", ()), "sleep": ("bench.tasks.timed", (SLEEP_S,))}
 
@@ -102,7 +102,7 @@ def one_round(url: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _consumers(spec: FeedSpec) -> tuple[list[Consumer], Shared, SharedFeedConnection | None]:
-    # As worker/feed/child.py's serve builds them, without the control thread and the board.
+    # As worker/child/serve.py's serve builds them, without the control thread and the board.
     shared = Shared(revoked=set(), wanted=list(spec.queues))
     shared.may_consume.set()
     consumers, connection = build_consumers(

@@ -1,7 +1,7 @@
 """What ``--dedupe-window`` and the counts cost a consuming child per task: ``python -m bench.dedupe``.
 
-No broker: the shared window (``worker/feed/dedupe.py``) and the child's ledger
-(``worker/feed/ledger.py``) alone, as a child calls them for each delivery. Figures are
+No broker: the shared window (``worker/shared/dedupe.py``) and the child's ledger
+(``worker/consume/ledger.py``) alone, as a child calls them for each delivery. Figures are
 microseconds per task, the best of ``--rounds``:
 
 - ``claim+release``: one claim and its release (finished), an empty table and a full one (every
@@ -23,11 +23,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from worker.consume.disposition import Disposition, Fate
-from worker.feed.dedupe import SharedDedupe
-from worker.feed.ledger import FeedLedger
-from worker.pool.child import ChildChannel
-from worker.pool.ipc import Job
+from worker.child.channel import ChildChannel
+from worker.consume.ledger import FeedLedger
+from worker.ipc import Job
+from worker.rules.disposition import Disposition, Fate
+from worker.shared.dedupe import SharedDedupe
 
 _FINISHED = Disposition(Fate.ACK, ran=True, finished=True)
 

@@ -63,7 +63,6 @@ class Clockwork:
             yield proc
 
     def consumers(self, shape: Shape) -> int:
-        args = [*WORKER_ARGS.split(), *self._extra_worker_args]
         if shape is Shape.PAIR or self._wide_threads:
             return 2  # each child consumes, its threads (--threads) on one shared consumer
         return self._wide

@@ -17,7 +17,7 @@ a success, the errbacks after a failure.
 - ``chord(header, body)`` (or ``group(...) | body``, or a group followed by more steps in a chain)
   sends the header's tasks, each carrying the body (with the chord's size) in its ``chord`` field;
   their workers leave each header task's end with the chord's joiner, which sends the body with
-  the header's results once all are in (worker/consume/chord_join.py). The call returns the
+  the header's results once all are in (worker/single_active/chord_join.py). The call returns the
   body's result, whose ``parent`` is the header's ``GroupResult``.
 """
 
@@ -206,7 +206,7 @@ class chord(Signature):
     """A header of tasks run in parallel, then ``body`` once with the list of their results.
 
     ``chord(header)(body)``, ``chord(header, body).apply_async()`` and ``group(...) | body`` all
-    send it. The header's results are counted in the broker (worker/consume/chord_join.py): no
+    send it. The header's results are counted in the broker (worker/single_active/chord_join.py): no
     result store, no polling. If a header task fails, the body does not run and its result is a
     ``ChordError`` naming the failed task.
     """

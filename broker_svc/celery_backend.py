@@ -2,7 +2,7 @@
 
 Celery refuses chords on ``rpc://``, and its other backends need a store (Redis, a database) that
 counts the header's results. With this backend a Celery client keeps ``rpc://`` results and sends
-chords that Clockwork workers join in the broker (worker/consume/chord_join.py)::
+chords that Clockwork workers join in the broker (worker/single_active/chord_join.py)::
 
     app = Celery("proj", broker="amqp://...", backend="broker_svc.celery_backend:ChordBackend")
     chord([add.s(2, 2), add.s(4, 4)])(xsum.s()).get()          # 12

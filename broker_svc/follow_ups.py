@@ -299,7 +299,7 @@ def runs_in_process(app: App, errback: Mapping[str, Any]) -> bool:
     """A new-style errback: a task of this app whose body takes (request, exc, traceback).
 
     Celery calls such an errback in the failed task's process rather than sending it; the pool
-    child does the same (worker/pool/child.py). Any other errback is sent as a task with the
+    child does the same (worker/child/run.py). Any other errback is sent as a task with the
     failed task's id.
     """
     task = app.tasks.get(str(errback.get("task") or ""))

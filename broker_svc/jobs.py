@@ -159,7 +159,7 @@ class Jobs:
         self, sig: Signature, depends_on: list[Job | AsyncResult | str], allow_failure: bool
     ) -> Job:
         # The task goes to the dependents queue with what it waits for; a worker releases it
-        # (worker/consume/dependents.py). Sent with a confirm: once this returns, it waits there.
+        # (worker/single_active/dependents.py). Sent with a confirm: once this returns, it waits there.
         app = self._app
         ids = [item if isinstance(item, str) else item.id for item in depends_on]
         message, (queue, exchange), serializer = build_message(

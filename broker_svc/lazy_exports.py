@@ -1,7 +1,7 @@
 """A package ``__getattr__`` that imports an exported name's module on first use (PEP 562).
 
 For packages whose exports pull in heavy libraries that not every importer needs: the worker's pool
-children import ``worker.pool.child``, which runs ``worker/__init__.py``; with its exports loaded
+children import ``worker.child.main``, which runs ``worker/__init__.py``; with its exports loaded
 eagerly, each child would carry aio-pika, the control plane and pika it never uses.
 """
 

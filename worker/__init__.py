@@ -1,4 +1,4 @@
-"""The Clockwork worker: consumes task queues and runs task bodies in a process pool."""
+"""The Clockwork worker: a main process supervising a pool of children that consume and run tasks."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ if TYPE_CHECKING:
 
 __all__ = ["WorkerConfig", "WorkerService"]
 
-# Loaded on first use: the pool's forkserver and children import ``worker.pool.child`` and ``worker.pool.ipc``
-# only, and would otherwise load the whole service (aio-pika, the control plane, pika) with this
-# package, about 15 MiB in each of those processes.
+# Loaded on first use: the pool's forkserver and children import ``worker.child.main`` and what it
+# runs only, and would otherwise load the whole service (aio-pika, the control plane, pika) with
+# this package, about 15 MiB in each of those processes.
 _EXPORTS = {"WorkerConfig": "worker.config", "WorkerService": "worker.service"}
 
 

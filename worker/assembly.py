@@ -10,10 +10,10 @@ import structlog
 
 from broker_svc.app import App
 from broker_svc.topology import dead_letter_queue
+from worker.child.spec import FeedSpec
 from worker.config import WorkerConfig, time_limits_over_consumer_timeout
-from worker.consume.rate_limits import parse_rate
-from worker.feed.spec import FeedSpec
 from worker.pool.pool import ProcessPool
+from worker.rules.rate_limits import parse_rate
 
 if TYPE_CHECKING:
     from worker.metrics import WorkerMetrics

@@ -95,7 +95,7 @@ class WorkerConfig:
             count: with 1, a child holds no task it cannot start now, and a busy worker hoards nothing.
         shutdown_timeout_s: how long running tasks may finish after SIGTERM.
         dedupe_window_s: skip a task id this worker finished within this many seconds (opt-in
-            dedupe, per worker: one window shared by the children, ``worker.feed.dedupe``). None:
+            dedupe, per worker: one window shared by the children, ``worker.shared.dedupe``). None:
             at-least-once, every delivery runs. The delivery limit is ``settings.delivery_limit``.
         time_limit_s: hard time limit for tasks that set none (the task's and the call's win).
         soft_time_limit_s: soft time limit for tasks that set none.

@@ -36,7 +36,7 @@ class NotAnApp(ValueError):
     """The ``-A`` spec names something that is not a ``broker_svc.App``."""
 
 
-# Where the pool children find the user's modules (``use_current_directory``; worker.pool.child).
+# Where the pool children find the user's modules (``use_current_directory``; worker.child.run).
 APP_PATH_ENV: Final = "CLOCKWORK_APP_PATH"
 
 

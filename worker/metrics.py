@@ -11,7 +11,7 @@ Ours, under ``clockwork_``: dead letters by queue and reason, redeliveries, the 
 (busy or idle), each consumed queue's depth and consumers (sampled every 15 s), and how long the
 broker takes to confirm what the worker publishes. One registry in the worker's main process is
 the whole count: the pool children count their own tasks and send their counts in batches
-(``worker/feed/tally.py``), added here by :meth:`WorkerMetrics.add`.
+(``worker/consume/tally.py``), added here by :meth:`WorkerMetrics.add`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from worker.feed.tally import Tally
+from worker.consume.tally import Tally
 
 __all__ = ["WorkerMetrics"]
 

@@ -22,23 +22,23 @@ from control.aio.header_ints import install_header_int_guard
 from control.protocol.commands import CommandRegistry
 from worker.amqp.connection import connect
 from worker.amqp.queue_depth import QueueDepth
-from worker.amqp.subscriptions import TaskQueues
+from worker.amqp.task_queues import TaskQueues
 from worker.assembly import feed_spec, serve_metrics, warn_time_limits
 from worker.background import Background
 from worker.cluster import mingle_step, run_shared_queue_check, start_events, start_mailbox
 from worker.config import WorkerConfig
-from worker.consume.chord_join import ChordJoiner
-from worker.consume.dependents import DependentsJoiner
 from worker.events import Heart, software_version
-from worker.gate.gatekeeper import Gatekeeper
 from worker.pool.autoscale import Autoscaler, PoolSizer
 from worker.pool.demand import BacklogDemand
 from worker.pool.pool import ProcessPool
+from worker.pool.state import WorkerState
 from worker.remote.commands import WorkerCommands
 from worker.remote.revocation_log import RevocationLog
 from worker.remote.revoked_set import RevokedSet
 from worker.remote.revoker import Revoker
-from worker.state import WorkerState
+from worker.single_active.chord_join import ChordJoiner
+from worker.single_active.dependents import DependentsJoiner
+from worker.single_active.gatekeeper import Gatekeeper
 
 __all__ = ["WorkerService"]
 
@@ -142,7 +142,7 @@ class WorkerService:
         events = await start_events(publishing, config=config, clock=self._clock)
         metrics = serve_metrics(config, pool)
         feeding = pool.feeding
-        # The task queues the children consume, declared here first (worker.amqp.subscriptions).
+        # The task queues the children consume, declared here first (worker.amqp.task_queues).
         queues = TaskQueues(await consuming.channel(publisher_confirms=False), settings=config.settings)
         sizer = PoolSizer(pool, multiplier=config.prefetch_multiplier, threads=config.threads)
         autoscaler = None
@@ -175,7 +175,7 @@ class WorkerService:
         heart = Heart(
             events, lambda: (len(feeding.running()), feeding.processed), freq_s=config.event_heartbeat_s
         )
-        # Keyed dedup: one worker of the cluster keeps each gate shard (worker/gate/gatekeeper.py).
+        # Keyed dedup: one worker of the cluster keeps each gate shard (worker/single_active/gatekeeper.py).
         gate = Gatekeeper(
             settings=config.settings, clock=self._clock, hostname=config.hostname, events=events,
             metrics=metrics,
@@ -234,7 +234,7 @@ class WorkerService:
                 background.spawn(run_mingle(), name="mingle")
 
         publishing.reconnect_callbacks.add(on_reconnect)
-        # Chords: one worker of the cluster joins at a time (worker/consume/chord_join.py).
+        # Chords: one worker of the cluster joins at a time (worker/single_active/chord_join.py).
         joiner = ChordJoiner(
             app=self._app,
             clock=self._clock,
@@ -244,7 +244,7 @@ class WorkerService:
         background.spawn(joiner.run(publishing), name="chord-joiner")
         background.spawn(joiner.watch(), name="chord-watch")
         if config.settings.task_states:
-            # depends_on: one worker of the cluster releases waiting tasks (worker/consume/dependents.py).
+            # depends_on: one worker of the cluster releases waiting tasks (single_active/dependents.py).
             dependents = DependentsJoiner(
                 settings=config.settings, clock=self._clock, hostname=config.hostname
             )

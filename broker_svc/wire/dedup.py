@@ -2,7 +2,7 @@
 
 Pure. A task sent with a dedup key goes to a gate shard queue (``topology.dedup_gate_queue``)
 instead of its own, with the headers below; the worker that is the shard's single active consumer
-(``worker/gate/gatekeeper.py``) decides, per key, to send it on (``accept``), hold it (``block``)
+(``worker/single_active/gatekeeper.py``) decides, per key, to send it on (``accept``), hold it (``block``)
 or answer it ``DECLINED`` (docs/architecture.md, "Deduplication under faults"). Three kinds of
 message of the gate's own travel in the same queue, each an empty body with headers:
 

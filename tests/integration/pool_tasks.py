@@ -8,7 +8,7 @@ from typing import Any
 
 from broker_svc import App
 from broker_svc.errors import SoftTimeLimitExceeded
-from worker.pool.child import current_request, send_update
+from worker.child.run import current_request, send_update
 
 app = App("pooltests")
 

@@ -141,7 +141,7 @@ def test_a_task_that_kills_its_child_is_retried_then_dead_lettered(
         result.get(timeout=60)
     assert getattr(info.value, "exc_type", "") == "WorkerLostError"
     dead = wait_for(lambda: drain(test_vhost_url, f"{queue}.dead"), timeout_s=20, message="no dead letter")
-    # One delivery limit for child and worker deaths (worker.consume.admission): 1 run + 3 more, then the DLQ.
+    # One delivery limit for child and worker deaths (worker.rules.deliveries): 1 run + 3 more, then the DLQ.
     assert dead[0].headers["x-clockwork-reason"] == "delivery_limit"
     assert dead[0].headers["x-clockwork-deliveries"] == 3
     # Each of the 4 runs killed its child; the worker's own consumer counts the retries (3), a

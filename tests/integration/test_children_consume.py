@@ -7,8 +7,6 @@ child's connection is serviced while the task runs).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -231,13 +229,6 @@ def test_a_revoked_task_is_answered_and_never_runs(
         result.get(timeout=30)
     assert result.state == State.REVOKED
     assert not path.exists()
-
-
-def test_pika_is_not_loaded_by_a_job_taking_child():
-    # The consuming child loads pika through worker.feed; a child that takes jobs must not.
-    code = "import sys, worker.pool.child; print('pika' in sys.modules, 'aio_pika' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["False", "False"]
 
 
 def test_inspect_active_shows_what_each_child_runs_and_terminate_ends_it(

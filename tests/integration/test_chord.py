@@ -1,7 +1,7 @@
 """Chords on RabbitMQ alone: our client's chord run by our workers, the body sent exactly once.
 
 The header's parts are counted in the join queue by one worker of the cluster at a time
-(worker/consume/chord_join.py). These tests run chords end to end, fail a header task, and make
+(worker/single_active/chord_join.py). These tests run chords end to end, fail a header task, and make
 the joiner fail over with parts held and copies of parts sent, counting the body's runs.
 """
 

@@ -20,7 +20,7 @@ import pytest
 
 from broker_svc.settings import Settings
 from tests.support.waiting import async_wait_for, wait_for
-from worker.feed.spec import FeedSpec
+from worker.child.spec import FeedSpec
 from worker.pool.pool import PoolClosedError, ProcessPool
 
 pytestmark = pytest.mark.timeout(60)
@@ -126,7 +126,7 @@ async def test_start_reports_an_app_that_cannot_be_loaded() -> None:
 _ORPHAN_SCRIPT = f"""
 import asyncio, multiprocessing
 from broker_svc.settings import Settings
-from worker.feed.spec import FeedSpec
+from worker.child.spec import FeedSpec
 from worker.pool.pool import ProcessPool
 
 async def main():

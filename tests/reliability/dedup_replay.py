@@ -1,6 +1,6 @@
 """Replay the gates' ``dedup-*`` events through the gate's own state machine, key by key (pure).
 
-Each event is a decision a gate committed (``worker/gate/gatekeeper.py`` sends it after the
+Each event is a decision a gate committed (``worker/single_active/gatekeeper.py`` sends it after the
 commit, in commit order). Per key, :func:`replay` feeds the events to a ``GateKeys`` (the model)
 and compares each logged verdict with the model's: a gate that blocked where the model declines
 would hold two waiting tasks for one key. A release or eviction must end the model's head.
@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from broker_svc.wire.dedup import shard_of
-from worker.gate.keys import GateKeys, Verdict
+from worker.single_active.gate_keys import GateKeys, Verdict
 
 __all__ = ["ARRIVALS", "ENDINGS", "GateEvent", "Replay", "replay"]
 

@@ -2,7 +2,7 @@
 
 The poison either kills the child running it or the whole worker; a supervisor loop here restarts
 the worker each time it dies, as systemd or Kubernetes would. Classic and quorum queues both: the
-count travels with the message (worker.consume.admission), so it survives the restarts.
+count travels with the message (worker.rules.deliveries), so it survives the restarts.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def test_under_threads_a_poison_on_a_classic_queue_runs_limit_plus_one_times_and
     """R2 with ``--threads 4``: a classic queue's count travels in a copy confirmed before the
     original is acked. A sibling thread that took the copy and crashed the child before that ack
     would bring the original back beside it, the poison queued twice and run more often; it waits
-    for the ack (``worker/feed/settle.py:CopiesInFlight``). Siblings that share the child with the
+    for the ack (``worker/consume/settle.py:CopiesInFlight``). Siblings that share the child with the
     poison run again, marked (the guide's "Threads for I/O-bound tasks")."""
     queue = r2_queue
     journal = Journal(tmp_path / "journal")

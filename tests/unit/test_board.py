@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from worker.pool.board import Board
+from worker.shared.board import Board
 
 
 def _run_in_child(path: str, slots: int, slot: int, task_id: str) -> None:

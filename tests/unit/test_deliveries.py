@@ -1,4 +1,4 @@
-"""Delivery counting and the broker's dead-letter reasons (worker.consume.admission), pure parts."""
+"""Delivery counting and the broker's dead-letter reasons (worker.rules.deliveries), pure parts."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from broker_svc.errors import ConfigurationError
 from broker_svc.settings import Settings
-from worker.consume.admission import (
+from worker.rules.deliveries import (
     BROKER_COUNT_HEADER,
     DELIVERIES_HEADER,
     broker_dead_letter,

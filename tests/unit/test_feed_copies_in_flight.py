@@ -1,4 +1,4 @@
-"""A threaded child's copies in flight (worker.feed.settle.CopiesInFlight): a sibling that takes a
+"""A threaded child's copies in flight (worker.consume.settle.CopiesInFlight): a sibling that takes a
 copy waits for its original's ack. R2 under ``--threads`` checks it against a real broker
 (tests/reliability/test_delivery_limit.py)."""
 
@@ -8,7 +8,7 @@ import threading
 import time
 
 from broker_svc.connection.feed_connection import TaskDelivery
-from worker.feed.settle import CopiesInFlight
+from worker.consume.settle import CopiesInFlight
 
 
 def _delivery(task_id: object) -> TaskDelivery:

@@ -1,4 +1,4 @@
-"""The dedupe window consuming children share (worker.feed.dedupe): one table, whichever child asks."""
+"""The dedupe window consuming children share (worker.shared.dedupe): one table, whichever child asks."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.waiting import wait_for
-from worker.feed.dedupe import WAYS, Claim, SharedDedupe
+from worker.shared.dedupe import WAYS, Claim, SharedDedupe
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -86,7 +86,7 @@ def test_a_key_claimed_by_a_child_that_died_runs_again(table: SharedDedupe):
 def test_a_key_claimed_by_a_zombie_runs_again(table: SharedDedupe):
     # The broker requeues a dead child's task as its socket closes, before anyone reaps it.
     code = (
-        "import os, sys; from pathlib import Path; from worker.feed.dedupe import SharedDedupe; "
+        "import os, sys; from pathlib import Path; from worker.shared.dedupe import SharedDedupe; "
         "SharedDedupe(Path(sys.argv[1]), ttl_s=60, owner=False).claim('z', 0); os._exit(0)"
     )
     proc = subprocess.Popen([sys.executable, "-c", code, str(table.path)], cwd=ROOT)

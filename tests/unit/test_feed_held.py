@@ -18,10 +18,10 @@ import pytest
 from structlog.testing import capture_logs
 
 from broker_svc import Settings
-from worker.feed.spec import FeedSpec
-from worker.pool.child import ChildChannel
+from worker.child.channel import ChildChannel
+from worker.child.spec import FeedSpec
 from worker.pool.feeding import Feeding
-from worker.state import WorkerState
+from worker.pool.state import WorkerState
 
 
 @pytest.fixture

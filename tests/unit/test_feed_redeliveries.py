@@ -1,4 +1,4 @@
-"""What a consuming child makes of a copy the broker sends back (worker.feed.redeliveries)."""
+"""What a consuming child makes of a copy the broker sends back (worker.child.redeliveries)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 
 from broker_svc.connection.feed_connection import ConnectionLost, FeedConnection, TaskDelivery
 from broker_svc.settings import Settings
-from worker.consume.disposition import Fate
-from worker.feed.dedupe import SharedDedupe
-from worker.feed.redeliveries import FeedRedeliveries, RecentRuns, Verdict
-from worker.pool.board import Board
+from worker.child.redeliveries import FeedRedeliveries, RecentRuns, Verdict
+from worker.rules.disposition import Fate
+from worker.shared.board import Board
+from worker.shared.dedupe import SharedDedupe
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,7 +58,7 @@ def test_a_copy_of_a_task_another_slot_runs_waits(board: Board, done: SharedDedu
 def test_a_copy_of_a_task_shown_by_a_dead_process_runs(board: Board, done: SharedDedupe):
     # A child shows the task, then dies without clearing its slot (the worker has not yet).
     shows = (
-        "from worker.pool.board import Board;"
+        "from worker.shared.board import Board;"
         f"Board.attach({str(board.path)!r}, {board.slots}).start(1, {{'id': 't2'}})"
     )
     subprocess.run([sys.executable, "-c", shows], check=True, cwd=ROOT)

@@ -1,6 +1,6 @@
 """A revoke command waits for every consuming child to apply the revoke (worker.pool.feeding).
 
-The children here are the real control loop of a consuming child (``worker.feed.child``) on one
+The children here are the real control loop of a consuming child (``worker.child.serve``) on one
 end of a socket pair, or a child the test answers for by hand, so it can be slow on purpose.
 """
 
@@ -16,11 +16,11 @@ import pytest
 from structlog.testing import capture_logs
 
 from broker_svc import Settings
-from worker.feed.child import _follow_worker
-from worker.feed.consumer import Shared
-from worker.feed.spec import FeedSpec
-from worker.pool import ipc
-from worker.pool.child import ChildChannel
+from worker import ipc
+from worker.child.channel import ChildChannel
+from worker.child.consumer import Shared
+from worker.child.serve import _follow_worker
+from worker.child.spec import FeedSpec
 from worker.pool.feeding import Feeding
 
 

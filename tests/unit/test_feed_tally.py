@@ -1,4 +1,4 @@
-"""A consuming child's counts (worker.feed.tally) and its ledger (worker.feed.ledger), without a broker."""
+"""A child's counts (worker.consume.tally) and its ledger (worker.consume.ledger), without a broker."""
 
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ import pytest
 
 from broker_svc import Settings
 from broker_svc.errors import DecodeError
-from worker.consume.disposition import ACK, HAND_BACK, Disposition, Fate
-from worker.feed.dedupe import SharedDedupe
-from worker.feed.ledger import FeedLedger
-from worker.feed.spec import FeedSpec
-from worker.feed.tally import Tally
-from worker.pool import ipc
-from worker.pool.child import ChildChannel
+from worker import ipc
+from worker.child.channel import ChildChannel
+from worker.child.spec import FeedSpec
+from worker.consume.ledger import FeedLedger
+from worker.consume.tally import Tally
+from worker.ipc import Job
 from worker.pool.feeding import Feeding
-from worker.pool.ipc import Job
+from worker.rules.disposition import ACK, HAND_BACK, Disposition, Fate
+from worker.shared.dedupe import SharedDedupe
 
 
 def test_a_tally_goes_through_its_frame_unchanged():

@@ -6,7 +6,7 @@ import datetime as dt
 import random
 
 from broker_svc.wire.dedup import eta_wait_s
-from worker.gate.keys import GateKeys, Verdict
+from worker.single_active.gate_keys import GateKeys, Verdict
 
 
 def test_one_runs_one_waits_the_rest_are_declined():

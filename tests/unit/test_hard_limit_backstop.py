@@ -11,9 +11,9 @@ import signal
 import time
 from multiprocessing.synchronize import Event
 
-from worker.pool import ipc
-from worker.pool.board import Board
+from worker import ipc
 from worker.pool.hard_limits import GRACE_S, HardLimitBackstop
+from worker.shared.board import Board
 
 
 def _show_then_hang(path: str, slots: int, slot: int, limit_s: float | None, shown: Event) -> None:

@@ -6,7 +6,7 @@ import msgpack
 import pytest
 
 from broker_svc.errors import DecodeError, MessageTooLarge
-from worker.pool.ipc import (
+from worker.ipc import (
     HEADER,
     MAX_FRAME_BYTES,
     decode_frame,

@@ -13,7 +13,7 @@ from kombu.utils.json import loads as kombu_loads
 
 from broker_svc.errors import DecodeError
 from broker_svc.wire import codec
-from worker.pool import ipc
+from worker import ipc
 
 UUID = uuid.UUID("12345678-1234-5678-1234-567812345678")
 VALUES: dict[str, object] = {

@@ -15,7 +15,7 @@ import worker
 def test_a_pool_child_imports_neither_amqp_client_nor_the_control_plane() -> None:
     # What the forkserver preloads (worker.pool.pool): the child module and the app's module.
     heavy = ("pika", "aio_pika", "aiormq", "control", "worker.service")
-    probe = f"import sys, worker.pool.child, examples.tasks; print(sorted(set({heavy!r}) & set(sys.modules)))"
+    probe = f"import sys, worker.child.main, examples.tasks; print(sorted(set({heavy!r}) & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

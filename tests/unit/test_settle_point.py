@@ -1,4 +1,4 @@
-"""One settle point: only worker/feed/settle.py, in the pool child that consumed it, acks, nacks or
+"""One settle point: only worker/consume/settle.py, in the pool child that consumed it, acks, nacks or
 rejects a task delivery (DESIGN §5)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ SETTLE_CALLS = frozenset({"ack", "nack", "reject", "basic_ack", "basic_nack", "b
 ALLOWED = {
     # The settle point itself: every task delivery's disposition is carried out here, on the
     # consuming child's own connection.
-    "worker/feed/settle.py",
+    "worker/consume/settle.py",
     # Revocation-log stream entries, not task deliveries: a stream hands out more as these are acked.
     "worker/remote/revocation_log.py",
     # Members-stream events read by the control client (aio side), not task deliveries.
@@ -27,13 +27,13 @@ ALLOWED = {
     # A scheduler's journal records (acked as read) and its snapshot (peeked: got, then requeued).
     "broker_svc/connection/beat_journal.py",
     # Chord parts, not task deliveries: acked in the transaction that sends their chord's body.
-    "worker/consume/chord_join.py",
+    "worker/single_active/chord_join.py",
     # Tasks waiting for their dependencies (in the dependents queue, not a task queue): each acked
     # in the transaction that releases it; state records read from the stream.
-    "worker/consume/dependents.py",
+    "worker/single_active/dependents.py",
     # Tasks at a dedup gate (in a gate shard queue, not a task queue) and the gate's own markers:
     # each acked in the transaction that sends it on, declines it or ends its key's head.
-    "worker/gate/gatekeeper.py",
+    "worker/single_active/gatekeeper.py",
     # Election bids and term tokens, not task deliveries: a leader acks each token once the next
     # one is back (its lease), and bids as they come.
     "broker_svc/leader/election.py",

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from worker.feed.shared_file import SharedFile, pid_alive, sweep_stale
+from worker.shared.shared_file import SharedFile, pid_alive, sweep_stale
 
 
 def _dead_pid() -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.feed.rates import SharedRates
+from worker.shared.rates import SharedRates
 
 NAMES = ("other", "t", "unlimited")  # every process of a worker attaches with the same names
 

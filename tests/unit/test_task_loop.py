@@ -12,9 +12,8 @@ from typing import Any
 import pytest
 
 from broker_svc.errors import SoftTimeLimitExceeded, TaskRevokedError
-from worker.feed.thread_limits import ThreadSoftLimits
-from worker.pool.child import SoftLimit
-from worker.pool.task_loop import TaskLoop
+from worker.child.soft_limits import SoftLimit, ThreadSoftLimits
+from worker.child.task_loop import TaskLoop
 
 
 @pytest.fixture

@@ -12,8 +12,8 @@ import pytest
 
 from broker_svc import App, Settings
 from control.protocol.commands import COMMANDS, CommandRegistry
-from worker.feed.spec import FeedSpec
-from worker.pool.child import ChildChannel
+from worker.child.channel import ChildChannel
+from worker.child.spec import FeedSpec
 from worker.pool.feeding import Feeding
 from worker.remote.commands import COMMAND_NAMES, WorkerCommands
 

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from broker_svc.settings import Settings
-from worker.feed.spec import FeedSpec
-from worker.pool.board import Running
+from worker.child.spec import FeedSpec
 from worker.pool.feeding import Feeding
-from worker.state import WorkerState
+from worker.pool.state import WorkerState
+from worker.shared.board import Running
 
 DELIVERY = {"exchange": "", "routing_key": "q", "priority": 0, "redelivered": False}
 

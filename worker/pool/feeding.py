@@ -1,11 +1,11 @@
 """The pool's side of its consuming children: their start-up order, what they run, what they hold.
 
-Each child consumes for itself (``worker/feed``); the pool tells it the revoked ids and when to
-start, and reads what it runs from the shared board (``worker/pool/board.py``) for ``inspect``,
+Each child consumes for itself (``worker/child``); the pool tells it the revoked ids and when to
+start, and reads what it runs from the shared board (``worker/shared/board.py``) for ``inspect``,
 the heartbeat's counts and ``revoke --terminate``. The children's counts come in ``tally`` frames
-(``worker/feed/tally.py``), at most one a second from each, for ``stats`` and the metrics.
+(``worker/consume/tally.py``), at most one a second from each, for ``stats`` and the metrics.
 What a child holds and has not started (a deeper prefetch, ``--threads``) is on no board: the
-children are asked when ``inspect reserved`` asks (``worker/feed/held.py``); ``inspect stats``
+children are asked when ``inspect reserved`` asks (``worker/child/held.py``); ``inspect stats``
 asks each for the counts it has not reported yet, so its ``total`` is exact.
 """
 
@@ -23,15 +23,15 @@ from typing import Any, Final
 import structlog
 
 from broker_svc.errors import DecodeError
-from worker.feed.dedupe import SharedDedupe
-from worker.feed.rates import SharedRates
-from worker.feed.redeliveries import DONE_MAX_IDS, DONE_REMEMBERED_S
-from worker.feed.shared_file import sweep_stale
-from worker.feed.spec import FeedSpec
-from worker.feed.tally import Tally
-from worker.pool import ipc
-from worker.pool.board import Board, Running
+from worker import ipc
+from worker.child.redeliveries import DONE_MAX_IDS, DONE_REMEMBERED_S
+from worker.child.spec import FeedSpec
+from worker.consume.tally import Tally
 from worker.pool.hard_limits import HardLimitBackstop
+from worker.shared.board import Board, Running
+from worker.shared.dedupe import SharedDedupe
+from worker.shared.rates import SharedRates
+from worker.shared.shared_file import sweep_stale
 
 __all__ = ["REVOKE_KNOWN_WAIT_S", "Feeding"]
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from typing import Any, Final
 
-from worker.pool import ipc
+from worker import ipc
 from worker.pool import spawn as spawn_module
 
 __all__ = ["EXIT_GRACE_S", "ChildHandle"]

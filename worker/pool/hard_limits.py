@@ -1,7 +1,7 @@
 """The worker's backstop for consuming children's hard time limits: a task that holds the GIL.
 
 A consuming child ends a task at its hard time limit itself: a watchdog thread answers the caller
-``TimeLimitExceeded``, acks and exits (``worker/feed/hard_limit.py``). A thread needs the GIL to
+``TimeLimitExceeded``, acks and exits (``worker/child/hard_limit.py``). A thread needs the GIL to
 run, and a task inside one long call into C (a regex, a C extension's loop) keeps it: the
 watchdog then waits with everyone else. So the worker, which sees each task's start and hard limit
 on the board, ends a child whose task is still shown ``GRACE_S`` past its limit, with SIGKILL, as
@@ -21,8 +21,8 @@ from typing import Final
 
 import structlog
 
-from worker.pool import ipc
-from worker.pool.board import Board, Running
+from worker import ipc
+from worker.shared.board import Board, Running
 
 __all__ = ["CHECK_EVERY_S", "GRACE_S", "HardLimitBackstop"]
 

@@ -10,9 +10,8 @@ import signal
 import structlog
 
 from broker_svc.errors import BrokerSvcError
-from worker.feed.spec import FeedSpec
+from worker.child.spec import FeedSpec
 from worker.loader import SAFE_PATH_ADDED_ENV, load_app, split_spec
-from worker.pool import child as child_module
 from worker.pool.feeding import Feeding
 from worker.pool.handle import EXIT_GRACE_S, ChildHandle
 from worker.pool.spawn import PoolStartError, go_without_resource_tracker
@@ -40,7 +39,7 @@ class ProcessPool(ChildSupervisor):
     Args:
         app_spec: ``package.module:attr`` of the app (``package.module`` means attribute ``app``).
         concurrency: number of children.
-        feed: what each child is told at start: where to connect, what to consume (``worker/feed``).
+        feed: what each child is told at start: where to connect, what to consume (``worker/child``).
         start_timeout_s: how long a child may take to import the app and report ready.
         exit_grace_s: how long a child told to stop may take to exit before it is killed (it
             finishes the task it runs first).
@@ -118,17 +117,15 @@ class ProcessPool(ChildSupervisor):
         # Children fork from a server that already imported the app, so replacements start fast and
         # never inherit this process's event loop or sockets. There is one forkserver per process:
         # if it is already running, its preload list stays as it was.
-        # Children also share their loop's modules with the server (copy-on-write), instead of each
-        # importing its own copy after the fork.
+        # The child's entry imports its whole loop, shared with the server (copy-on-write), instead
+        # of each child importing its own copy after the fork.
         go_without_resource_tracker()
-        self._context.set_forkserver_preload(
-            [child_module.__name__, "worker.feed.child", split_spec(self._app_spec)[0]]
-        )
+        self._context.set_forkserver_preload(["worker.child.main", split_spec(self._app_spec)[0]])
         loop = asyncio.get_running_loop()
         first_starts: list[asyncio.Future[None]] = [loop.create_future() for _ in range(self._concurrency)]
         # The forkserver runs ``python -c``, which puts the current directory first on its path,
         # where a user's ``worker.py`` would replace our package: PYTHONSAFEPATH keeps it off (the
-        # children drop it again, and find the user's modules last: worker.pool.child).
+        # children drop it again, and find the user's modules last: worker.child.main).
         added = "PYTHONSAFEPATH" not in os.environ
         if added:
             os.environ["PYTHONSAFEPATH"] = "1"

@@ -15,11 +15,12 @@ from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any, Final
 
 from broker_svc.errors import BrokerSvcError, DecodeError, MessageTooLarge
-from worker.pool import ipc
-from worker.pool.child import ChildChannel, main
+from worker import ipc
+from worker.child.channel import ChildChannel
+from worker.child.main import main
 
 if TYPE_CHECKING:
-    from worker.feed.spec import FeedSpec
+    from worker.child.spec import FeedSpec
 
 __all__ = ["PoolStartError", "go_without_resource_tracker", "reap", "spawn"]
 
@@ -38,7 +39,7 @@ def go_without_resource_tracker() -> None:
 
     The forkserver starts the stdlib's tracker, a whole interpreter (about 7 MiB of PSS, a tenth of
     an idle worker), to unlink named semaphores and shared memory that a dead process leaked. The
-    pool creates neither (its shared state is ``worker/feed/shared_file.py``'s own files). So the
+    pool creates neither (its shared state is ``worker/shared/shared_file.py``'s own files). So the
     tracker's pipe is ``/dev/null``: it always looks alive, and what task code registers there (a
     ``multiprocessing`` lock, say) is not cleaned up after a crash, as under Celery, which has no
     tracker either. A tracker that already runs (started by someone else) is left alone.

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Final
 import structlog
 
 from broker_svc.errors import DecodeError, MessageTooLarge
-from worker.pool import ipc
+from worker import ipc
 from worker.pool import spawn as spawn_module
 from worker.pool.handle import ChildHandle
 from worker.pool.spawn import PoolStartError

@@ -18,19 +18,19 @@ from control.aio.node import request_headers
 from control.protocol.commands import CommandRegistry
 from control.protocol.request import nok, ok
 from control.protocol.revoke_log import LOGGED_HEADER
-from worker.amqp.subscriptions import TaskQueues
+from worker.amqp.task_queues import TaskQueues
 from worker.config import WorkerConfig
-from worker.consume.rate_limits import parse_rate
 from worker.events import EventDispatcher, Heart
 from worker.pool.autoscale import Autoscaler, PoolSizer
 from worker.pool.pool import ProcessPool
+from worker.pool.state import WorkerState
 from worker.remote.mingle import HELLO_REVOKED_LIMIT
 from worker.remote.revocation_log import RevocationLog
 from worker.remote.revoker import Revoker
-from worker.state import WorkerState
+from worker.rules.rate_limits import parse_rate
 
 if TYPE_CHECKING:
-    from worker.gate.gatekeeper import Gatekeeper
+    from worker.single_active.gatekeeper import Gatekeeper
 
 __all__ = ["COMMAND_NAMES", "WorkerCommands", "queue_info"]
 

@@ -1,0 +1,1 @@
+"""Memory shared by the worker and its children: files mapped by every process of one worker."""

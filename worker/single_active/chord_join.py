@@ -1,0 +1,325 @@
+"""The chord joiner: counts each chord's parts in the broker and sends its body exactly once.
+
+Every header task of a chord ends by leaving a part in the join queue (worker/consume/canvas.py):
+its index, the chord's size, its state and result, and the body. Every worker subscribes to that
+queue, which has a single active consumer: one worker of the cluster joins at a time.
+
+The joiner holds each part unacked until its chord is settled, so what it knows is always what the
+broker holds: if it dies or loses its connection, the broker hands every part to the next active
+joiner, which rebuilds the same chords. Its channel is transactional, and the body and the acks
+of all its chord's parts are committed together: either the body is sent and its parts gone, or
+neither, so the body is sent once however often joiners fail over. A header task run twice (its
+worker died before acking it) sends its part twice; the index keys the part, so the copy counts
+once and is acked with the rest.
+
+A failed (or revoked, or refused) header task fails the chord at once: the body's caller gets a
+``ChordError`` naming it, the body's errbacks are sent, and the body never runs. The chord's
+other parts are still held until all are in, so its end is still known after a failover.
+Nothing polls: the joiner only acts when a part arrives.
+
+Known limit: a joiner remembers settled chords for a while (``_SETTLED_KEPT``), to ack a late
+copy of a part. A copy that arrives after the chord was settled by an earlier joiner (a header's
+worker died between sending its part and acking its task, and the joiner failed over since) is
+held as a chord that never completes, and logged as such after ``STALE_AFTER_S``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import aio_pika
+import aio_pika.abc
+import aiormq.abc
+import aiormq.exceptions
+import structlog
+from aiormq import spec
+
+from broker_svc.app import App
+from broker_svc.clock import LamportClock
+from broker_svc.follow_ups import FollowUp, as_list, follow_ups
+from broker_svc.topology import chord_join_queue, dead_letter_queue
+from broker_svc.wire import codec
+from broker_svc.wire.chord_part import ChordPart, decode_part
+from broker_svc.wire.result_message import Outcome, wire_exception
+from broker_svc.wire.states import State
+from broker_svc.wire.task_message import CLOCK_HEADER, TaskMessage, WireMessage, encode_task
+from control.aio.declare import declare_queue
+from worker.amqp.connection import one_time_channel
+from worker.rules.canvas_plan import follow_up_queue
+from worker.single_active.resubscribe import resubscribing
+
+__all__ = ["STALE_AFTER_S", "ChordJoiner"]
+
+log = structlog.get_logger(__name__)
+
+# How many settled chords a joiner remembers, to recognise a late copy of one of their parts.
+_SETTLED_KEPT: Final = 100_000
+# A chord with no new part for this long is logged (once per period) as waiting.
+STALE_AFTER_S: Final = 3600.0
+# After the join channel is lost, how long to wait before subscribing again: doubling from the
+# first to the last while it keeps failing (a refused permission, say).
+
+
+@dataclass(slots=True)
+class _Chord:
+    size: int
+    parts: dict[int, ChordPart] = field(default_factory=dict)
+    held: list[aio_pika.abc.AbstractIncomingMessage] = field(default_factory=list)
+    failed: bool = False
+    content_type: str = codec.JSON
+    last_part_at: float = field(default_factory=time.monotonic)
+
+
+class ChordJoiner:
+    """Joins the chords whose parts reach this worker's join queue subscription.
+
+    Args:
+        app: the worker's app (routes and queue types for the body).
+        clock: the worker's Lamport clock (stamped on what it sends).
+        namespace: the control namespace, which names the join queue.
+        max_body_bytes: parts larger than this are refused (dead-lettered).
+    """
+
+    def __init__(self, *, app: App, clock: LamportClock, namespace: str, max_body_bytes: int) -> None:
+        self._app = app
+        self._clock = clock
+        self._queue = chord_join_queue(namespace)
+        self._max_bytes = max_body_bytes
+        self._chords: dict[str, _Chord] = {}
+        self._settled: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._lock = asyncio.Lock()
+        self._channel: aiormq.abc.AbstractChannel | None = None
+        self._declared: set[str] = set()
+        self.fired = 0
+
+    @property
+    def waiting(self) -> int:
+        """Chords with some, not all, of their parts in (this joiner's view)."""
+        return len(self._chords)
+
+    async def run(self, connection: aio_pika.abc.AbstractRobustConnection) -> None:
+        """Subscribe to the join queue, and again whenever the subscription is lost; until cancelled."""
+        await resubscribing(
+            lambda: self._serve(connection),
+            forget=self._forget_held,
+            log=log,
+            event="chord_joiner_resubscribing",
+        )
+
+    async def _serve(self, connection: aio_pika.abc.AbstractRobustConnection) -> bool:
+        # Returns once the subscription is lost; True if it was made at all.
+        channel = await one_time_channel(connection)  # not robust: see gatekeeper._serve
+        try:
+            queue = await declare_queue(channel, self._queue)
+            await channel.set_qos(prefetch_count=0)  # a chord's parts are all held until it settles
+            underlay = await channel.get_underlay_channel()
+            await underlay.tx_select()
+            self._channel = underlay
+            self._declared.clear()
+            await queue.consume(self._on_message)
+            log.info("chord_joiner_subscribed", queue=self._queue.name)
+            try:
+                await underlay.closing
+            except Exception as exc:  # the channel's end, however it came
+                log.info("chord_joiner_channel_closed", error=f"{type(exc).__name__}: {exc}")
+            return True
+        finally:
+            self._channel = None
+            if not channel.is_closed:
+                try:
+                    async with asyncio.timeout(5):
+                        await channel.close()
+                except Exception as exc:  # closing a channel of a lost connection: nothing to undo
+                    log.debug("chord_joiner_channel_close_failed", error=str(exc))
+
+    def _forget_held(self) -> None:
+        # The broker returned every unacked part to the queue with the channel: start afresh.
+        self._chords.clear()
+
+    async def _on_message(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        async with self._lock:
+            channel = self._channel
+            try:
+                current = channel is not None and message.channel is channel
+            except aiormq.exceptions.ChannelInvalidStateError:
+                current = False
+            if channel is None or not current:
+                return  # from a channel already lost: the broker has requeued it
+            try:
+                await self._take(channel, message)
+            except Exception as exc:
+                # A failed transaction: close the channel, so the broker requeues every held part
+                # and the next subscription (here or on another worker) starts from the broker's state.
+                log.error("chord_join_failed", error=f"{type(exc).__name__}: {exc}")
+                await channel.close()
+
+    async def _take(
+        self, channel: aiormq.abc.AbstractChannel, message: aio_pika.abc.AbstractIncomingMessage
+    ) -> None:
+        try:
+            part = decode_part(message.body, message.content_type, max_bytes=self._max_bytes)
+        except ValueError as exc:
+            await self._dead_letter(channel, message, str(exc))
+            return
+        if part.group_id in self._settled:
+            log.info("chord_part_late", group_id=part.group_id, index=part.index, task_id=part.task_id)
+            await message.ack()
+            await channel.tx_commit()
+            return
+        chord = self._chords.get(part.group_id)
+        if chord is None:
+            chord = self._chords[part.group_id] = _Chord(
+                size=part.size, content_type=message.content_type or codec.JSON
+            )
+        chord.held.append(message)
+        chord.last_part_at = time.monotonic()
+        if part.index in chord.parts:
+            log.info("chord_part_duplicate", group_id=part.group_id, index=part.index, task_id=part.task_id)
+        else:
+            chord.parts[part.index] = part
+        if part.state != State.SUCCESS.value and not chord.failed:
+            chord.failed = True
+            await self._fail(channel, chord, part)
+        if len(chord.parts) >= chord.size:
+            if not chord.failed:
+                await self._fire(channel, chord)
+            for held in chord.held:
+                await held.ack()
+            await channel.tx_commit()  # the body (if any) and every part's ack, together
+            del self._chords[part.group_id]
+            self._remember(part.group_id)
+            if not chord.failed:
+                self.fired += 1
+                log.info("chord_body_sent", group_id=part.group_id, size=chord.size)
+            log.info("chord_settled", group_id=part.group_id, size=chord.size, failed=chord.failed)
+
+    async def _fire(self, channel: aiormq.abc.AbstractChannel, chord: _Chord) -> None:
+        ordered = [chord.parts[index] for index in range(chord.size)]
+        last = ordered[-1]
+        results = [p.result for p in ordered]
+        parent = self._parent(last, chord.content_type)
+        for item in follow_ups(last.body, parent=parent, partial=(results,)):
+            await self._send_task(channel, item)
+
+    async def _fail(self, channel: aiormq.abc.AbstractChannel, chord: _Chord, part: ChordPart) -> None:
+        # Celery's words: "Dependency <id> raised <exception>".
+        cause = part.result if isinstance(part.result, dict) else {}
+        shown = f"{cause.get('exc_type', part.state)}({cause.get('exc_message', '')!r})"
+        error = wire_exception("ChordError", f"Dependency {part.task_id} raised {shown}")
+        options = part.body.get("options") or {}
+        body_id = options.get("task_id")
+        reply_to = options.get("reply_to") or part.reply_to
+        log.warning(
+            "chord_failed", group_id=part.group_id, task_id=part.task_id, state=part.state, body_id=body_id
+        )
+        if isinstance(body_id, str) and reply_to:
+            outcome = Outcome(task_id=body_id, status=State.FAILURE, result=error)
+            content_type = (
+                chord.content_type if chord.content_type in (codec.JSON, codec.MSGPACK) else codec.JSON
+            )
+            payload, ctype, encoding = codec.encode(outcome.to_wire(), content_type)
+            properties = spec.Basic.Properties(
+                content_type=ctype, content_encoding=encoding, correlation_id=body_id, delivery_mode=2,
+                headers={CLOCK_HEADER: self._clock.forward()},
+            )  # fmt: skip
+            await channel.basic_publish(payload, exchange="", routing_key=reply_to, properties=properties)
+        # The body's errbacks run with its id, as after the body's own failure.
+        parent = self._parent(part, chord.content_type, task_id=body_id if isinstance(body_id, str) else None)
+        for errback in as_list(options.get("link_error")):
+            for item in follow_ups(errback, parent=parent, partial=(parent.id,)):
+                await self._send_task(channel, item)
+        await channel.tx_commit()  # the failure is told now; the parts stay held until all are in
+
+    def _parent(self, part: ChordPart, content_type: str, *, task_id: str | None = None) -> TaskMessage:
+        # What a follow-up takes from the task before it: ids, result queue, content type.
+        return TaskMessage(
+            id=task_id or part.task_id,
+            task="celery.chord",
+            root_id=part.root_id,
+            reply_to=part.reply_to,
+            content_type=content_type if content_type in (codec.JSON, codec.MSGPACK) else codec.JSON,
+        )
+
+    async def _send_task(self, channel: aiormq.abc.AbstractChannel, item: FollowUp) -> None:
+        message = item.message
+        queue = follow_up_queue(self._app, item)
+        if queue not in self._declared:
+            await self._declare(self._app.settings.task_queue(queue))
+            self._declared.add(queue)
+        serializer = "json" if message.content_type == codec.JSON else "msgpack"
+        wire = encode_task(message, serializer=serializer)
+        properties = _task_properties(wire, self._clock)
+        await channel.basic_publish(wire.body, exchange="", routing_key=queue, properties=properties)
+        log.info(
+            "task_follow_up_sent", follow_up_id=message.id, follow_up=message.task, queue=queue, why="chord"
+        )
+
+    async def _declare(self, queue: Any) -> None:
+        # Declared through aio-pika on the same channel would need its wrapper; the underlay is enough.
+        channel = self._channel
+        assert channel is not None
+        options = queue.declare_options()
+        await channel.queue_declare(queue.name, durable=options["durable"], arguments=options["arguments"])
+
+    async def _dead_letter(
+        self, channel: aiormq.abc.AbstractChannel, message: aio_pika.abc.AbstractIncomingMessage, why: str
+    ) -> None:
+        dead = dead_letter_queue(self._queue.name)
+        if dead.name not in self._declared:
+            await channel.queue_declare(dead.name, durable=True)
+            self._declared.add(dead.name)
+        log.error("chord_part_refused", error=why, size=len(message.body), content_type=message.content_type)
+        properties = spec.Basic.Properties(
+            content_type=message.content_type,
+            content_encoding=message.content_encoding,
+            delivery_mode=2,
+            headers={
+                **(message.headers or {}),
+                "x-clockwork-reason": "bad_chord_part",
+                "x-clockwork-error": why,
+            },
+        )
+        await channel.basic_publish(message.body, exchange="", routing_key=dead.name, properties=properties)
+        await message.ack()
+        await channel.tx_commit()
+
+    def _remember(self, group_id: str) -> None:
+        self._settled[group_id] = None
+        if len(self._settled) > _SETTLED_KEPT:
+            self._settled.popitem(last=False)
+
+    def stale(self, *, now: float | None = None) -> list[str]:
+        """The chords that had no new part for ``STALE_AFTER_S``."""
+        moment = time.monotonic() if now is None else now
+        return [gid for gid, chord in self._chords.items() if moment - chord.last_part_at > STALE_AFTER_S]
+
+    async def watch(self) -> None:
+        """Log, once per ``STALE_AFTER_S``, the chords still waiting for parts; until cancelled."""
+        while True:
+            await asyncio.sleep(STALE_AFTER_S)
+            for group_id in self.stale():
+                chord = self._chords.get(group_id)
+                if chord is not None:
+                    log.warning(
+                        "chord_waiting", group_id=group_id, parts=len(chord.parts), size=chord.size,
+                        hint="a header task of this chord has not ended yet, or this is a late copy of "
+                        "a part of a chord settled before the joiner failed over",
+                    )  # fmt: skip
+
+
+def _task_properties(wire: WireMessage, clock: LamportClock) -> spec.Basic.Properties:
+    """The AMQP properties of an encoded task the joiner sends, stamped with the worker's clock."""
+    return spec.Basic.Properties(
+        content_type=wire.content_type,
+        content_encoding=wire.content_encoding,
+        headers={**wire.headers, CLOCK_HEADER: clock.forward()},
+        delivery_mode=wire.delivery_mode,
+        correlation_id=wire.correlation_id,
+        reply_to=wire.reply_to,
+        priority=wire.priority,
+        expiration=wire.expiration,
+    )
