@@ -16,7 +16,7 @@ from broker_svc.errors import ConfigurationError
 
 if TYPE_CHECKING:
     from broker_svc.app import App
-    from broker_svc.beat.schedule_client import ScheduleClient
+    from broker_svc.schedules.client import ScheduleClient
 
 __all__ = ["CONTROL_ENTRY_POINT_GROUP", "ControlPlane", "Destination", "Inspector", "Replies", "load_control"]
 

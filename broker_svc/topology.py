@@ -446,7 +446,7 @@ EXPIRED_QUEUE: Final = "clockwork.expired"
 
 
 def leader_queue(name: str) -> QueueSpec:
-    """The election queue of the leader role ``name`` (``broker_svc/leader/``).
+    """The election queue of the leader role ``name`` (``worker/leader/``).
 
     A quorum queue, so the term's token survives the loss of a node, with a single active consumer:
     every candidate consumes it, the broker delivers only to the one active consumer, and moves
@@ -461,7 +461,7 @@ def leader_queue(name: str) -> QueueSpec:
 
 
 def beat_journal_stream(name: str) -> QueueSpec:
-    """The journal of the scheduler ``name`` (``broker_svc/beat/``): what it fired, what finished,
+    """The journal of the scheduler ``name`` (``worker/beat/``): what it fired, what finished,
     and the schedule changes made at runtime.
 
     Each fire reaches its task queue and this stream in one publish (the stream is the message's

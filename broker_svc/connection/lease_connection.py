@@ -1,6 +1,6 @@
 """An election candidate's own connection: consume the election queue, publish tokens, ack them.
 
-The conversation of ``broker_svc/leader/election.py`` with the broker, on one socket read and
+The conversation of ``worker/leader/election.py`` with the broker, on one socket read and
 written by one thread (the election's keeper), on ``FrameSocket``
 (``broker_svc/connection/feed_socket.py``): the handshake, frames, heartbeats both ways. No pika:
 the keeper must see every frame as it comes and never wait on another thread's I/O loop, since the

@@ -13,8 +13,8 @@ from broker_svc.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from broker_svc.errors import LeadershipLost
-    from broker_svc.leader.election import Election
-    from broker_svc.leader.term import LeaderHooks, Term
+    from worker.leader.election import Election
+    from worker.leader.term import LeaderHooks, Term
 
 __all__ = [
     # the election and its hooks
@@ -27,9 +27,9 @@ __all__ = [
 
 # Loaded on first use: importing the package does not open the connection module.
 _EXPORTS = {
-    "Election": "broker_svc.leader.election",
-    "LeaderHooks": "broker_svc.leader.term",
-    "Term": "broker_svc.leader.term",
+    "Election": "worker.leader.election",
+    "LeaderHooks": "worker.leader.term",
+    "Term": "worker.leader.term",
     "LeadershipLost": "broker_svc.errors",
 }
 

@@ -1,7 +1,7 @@
 """The messages of a leader election queue: bids and term tokens, as JSON bodies.
 
 Pure (``broker_svc/connection/lease_connection.py`` sends and receives them; the election in
-``broker_svc/leader/election.py`` gives them meaning). Two kinds travel in an election queue:
+``worker/leader/election.py`` gives them meaning). Two kinds travel in an election queue:
 
 - a **bid**: published by every candidate when it joins, so that a fresh queue holds a message and
   whoever the broker makes the active consumer learns it (AMQP 0-9-1 tells a consumer it is active

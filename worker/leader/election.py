@@ -21,7 +21,7 @@ How it works (docs/guide.md, "Leaders and ordered queues", has the guarantees an
   closed: the next leader finds it and starts at once.
 
 Threads: a keeper thread owns the connection (reads, heartbeats, tokens); the runner (the thread
-calling :meth:`Election.run`) calls the hooks (``broker_svc/leader/runner.py``). Any connection
+calling :meth:`Election.run`) calls the hooks (``worker/leader/runner.py``). Any connection
 failure or lost lease ends the term, and the keeper joins again as a new candidate.
 """
 
@@ -37,12 +37,12 @@ from typing import Any, Final
 
 from broker_svc.connection.lease_connection import LeaseConnection, TokenDelivery
 from broker_svc.errors import BrokerUnavailable, DecodeError
-from broker_svc.leader.runner import TermRunner
-from broker_svc.leader.term import LeaderHooks, Term
 from broker_svc.library_log import get_logger
 from broker_svc.settings import Settings
 from broker_svc.topology import leader_queue
-from broker_svc.wire.leader_token import CONTENT_TYPE, Token, decode_token, encode_token, last_term
+from worker.leader.runner import TermRunner
+from worker.leader.term import LeaderHooks, Term
+from worker.leader.token import CONTENT_TYPE, Token, decode_token, encode_token, last_term
 
 __all__ = ["Election"]
 
@@ -64,7 +64,7 @@ class Election(TermRunner):
         settings: the broker (URL, failover list), ``heartbeat_s`` (how soon the broker notices a
             dead or frozen leader), ``connect_timeout_s``.
         name: the role; candidates of the same role elect one leader among them.
-        hooks: ``inaugurate``, ``execute``, ``hand_over`` (:class:`~broker_svc.leader.term.LeaderHooks`).
+        hooks: ``inaugurate``, ``execute``, ``hand_over`` (:class:`~worker.leader.term.LeaderHooks`).
         atomic: ``execute`` may be aborted at once when the term ends or a step-down is asked
             (``LeadershipLost`` is raised into it at its next bytecode); else it is asked to finish
             (``term.wait`` returns False, ``term.stepping_down``) and handing over waits for it.

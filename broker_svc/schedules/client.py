@@ -12,10 +12,10 @@ import datetime as dt
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from broker_svc.beat.state import BeatState
 from broker_svc.schedules import Crontab, Entry, Every, next_due
+from broker_svc.schedules.journal_record import Change, ChangeOp
+from broker_svc.schedules.state import BeatState
 from broker_svc.settings import Settings
-from broker_svc.wire.beat_record import Change, ChangeOp
 
 __all__ = ["ScheduleClient", "ScheduledEntry"]
 

@@ -1,7 +1,7 @@
 """The periodic scheduler: any number of instances stand for election, and only the leader fires.
 
 ``Beat(app)`` fires the entries of ``app.conf.beat_schedule`` (and those added at runtime) for as
-long as it leads the role ``beat.<name>`` (``broker_svc/leader/``). Why a fire is never doubled
+long as it leads the role ``beat.<name>`` (``worker/leader/``). Why a fire is never doubled
 nor lost across a failover:
 
 - **One publish.** A fire goes to its task queue and to the scheduler's journal stream in one
@@ -13,7 +13,7 @@ nor lost across a failover:
   deletes before reading the journal, so a late publish from a leader that lost its term (frozen
   between its lease check and its publish) is refused; and every publish comes right after
   ``term.guard()``.
-- **Sent once** (``broker_svc/beat/firing.py``): a fire whose confirm was lost is not resent; the
+- **Sent once** (``worker/beat/firing.py``): a fire whose confirm was lost is not resent; the
   journal, read again first, says whether it got through.
 - **Deterministic ids** (``fire_id``: entry and scheduled instant): a run of an entry at a time has
   one task id, whoever fired it.
@@ -31,18 +31,18 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final
 
-from broker_svc.beat.firing import Firing
-from broker_svc.beat.state import BeatState
 from broker_svc.errors import BrokerSvcError
 from broker_svc.library_log import get_logger
 from broker_svc.schedules import Entry, due_times, next_due, parse_beat_schedule
+from broker_svc.schedules.journal_record import Change
+from broker_svc.schedules.state import BeatState
 from broker_svc.topology import beat_term_exchange
-from broker_svc.wire.beat_record import Change
+from worker.beat.firing import Firing
 
 if TYPE_CHECKING:
     from broker_svc.app import App
     from broker_svc.connection.beat_journal import Journal, JournalFollower
-    from broker_svc.leader import Election, Term
+    from worker.leader import Election, Term
 
 __all__ = ["Beat"]
 
@@ -82,8 +82,8 @@ class Beat(Firing):
         snapshot_interval_s: float = 60.0,
     ) -> None:
         from broker_svc.connection.beat_journal import Journal
-        from broker_svc.connection.event_sender import EventSender
-        from broker_svc.leader import Election
+        from worker.beat.event_sender import EventSender
+        from worker.leader import Election
 
         super().__init__(app)
         self.app = app

@@ -1,4 +1,4 @@
-"""``clockwork-beat``: the periodic scheduler as a process of its own (``broker_svc/beat/``).
+"""``clockwork-beat``: the periodic scheduler as a process of its own (``worker/beat/``).
 
 Run as many as you like, on any hosts: they elect one leader, which fires; the others wait to
 take over. ``clockwork-worker -B`` runs the same scheduler inside a worker.
@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from types import FrameType
 
 from broker_svc.app import App
-from broker_svc.beat.scheduler import Beat
 from broker_svc.errors import BrokerUnavailable, ConfigurationError
 from broker_svc.logging import configure_logging
+from worker.beat.scheduler import Beat
 from worker.loader import AppNotFound, BadAppSpec, NotAnApp, load_app, use_current_directory
 
 __all__ = ["add_beat_options", "beat_for", "main", "parse_args"]

@@ -1,9 +1,9 @@
 """The runner's side of an election: serving a term through the hooks, and handing it back.
 
-The runner is the thread calling :meth:`~broker_svc.leader.election.Election.run`. For each term
+The runner is the thread calling :meth:`~worker.leader.election.Election.run`. For each term
 the keeper starts it calls ``inaugurate``, ``execute`` and ``hand_over`` (``LeaderHooks``), aborts an
 atomic ``execute`` when asked (``LeadershipLost`` raised into it), and passes the handover state to
-the keeper, which publishes it in a token and releases the queue (``broker_svc/leader/election.py``).
+the keeper, which publishes it in a token and releases the queue (``worker/leader/election.py``).
 """
 
 from __future__ import annotations
@@ -15,19 +15,19 @@ from collections.abc import Iterator
 from typing import Any
 
 from broker_svc.errors import LeadershipLost
-from broker_svc.leader.term import LeaderHooks, Term
 from broker_svc.library_log import get_logger
 from broker_svc.settings import Settings
+from worker.leader.term import LeaderHooks, Term
 
 __all__ = ["TermRunner"]
 
-log = get_logger("broker_svc.leader.election")
+log = get_logger("worker.leader.election")
 
 
 class TermRunner:
     """The current term, the hooks that serve it and the runner's handover to the keeper.
 
-    A base of :class:`~broker_svc.leader.election.Election`, which sets the attributes annotated
+    A base of :class:`~worker.leader.election.Election`, which sets the attributes annotated
     here (its role, identity, settings, lease and stop event).
     """
 

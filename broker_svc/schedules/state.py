@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from broker_svc.schedules import Entry
-from broker_svc.wire.beat_record import Change, Done, Fire, JournalItem, Marker, TermOpened
+from broker_svc.schedules.journal_record import Change, Done, Fire, JournalItem, Marker, TermOpened
 from broker_svc.wire.states import READY_STATES
 
 __all__ = ["BeatState", "OpenRun"]

@@ -1,5 +1,5 @@
 """How the scheduler's leader fires: through its term's exchange, once per message, and what it
-does when a fire fails (``Firing``, a base of ``broker_svc/beat/scheduler.py:Beat``).
+does when a fire fails (``Firing``, a base of ``worker/beat/scheduler.py:Beat``).
 
 A fire goes out through an app of its own that sends each message once (``publish_attempts=1``):
 after a lost confirm, the journal, read again before the next fire, says whether the fire got
@@ -13,18 +13,18 @@ import time
 from typing import TYPE_CHECKING, Final
 
 from broker_svc.app import App
-from broker_svc.beat.state import BeatState
 from broker_svc.errors import BrokerSvcError, Unroutable
 from broker_svc.library_log import get_logger
 from broker_svc.schedules import Entry, fire_id
+from broker_svc.schedules.journal_record import Fire, FireMark
+from broker_svc.schedules.state import BeatState
 from broker_svc.send_message import build_message
 from broker_svc.signature import Signature
-from broker_svc.wire.beat_record import Fire, FireMark
 
 if TYPE_CHECKING:
     from broker_svc.connection.beat_journal import Journal
-    from broker_svc.connection.event_sender import EventSender
-    from broker_svc.leader import Term
+    from worker.beat.event_sender import EventSender
+    from worker.leader import Term
 
 __all__ = ["Firing"]
 
