@@ -35,9 +35,9 @@ from bench.control import vhost
 from bench.queues import delete
 from bench.scenarios import SLEEP_S
 from bench.tasks import app as bench_app
+from broker_svc.amqp.shared_feed_connection import SharedFeedConnection
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
-from broker_svc.connection.shared_feed_connection import SharedFeedConnection
 from broker_svc.logging import configure_logging
 from broker_svc.settings import DEFAULT_BROKER_URL, Settings
 from broker_svc.signature import Signature

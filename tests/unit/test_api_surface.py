@@ -161,7 +161,7 @@ def test_broker_svc_schedules_exports_exactly_the_schedules_entries_and_firing()
 
 
 # worker/leader/ is blocking (threads) but opens no socket of its own: its one connection is
-# broker_svc/connection/lease_connection.py, a FrameSocket (no pika), so the folder imports no
+# broker_svc/amqp/lease_connection.py, a FrameSocket (no pika), so the folder imports no
 # AMQP library, no socket and no asyncio; an embedding worker runs it on threads.
 LEADER_FOLDERS = ("worker/leader/",)
 
@@ -173,6 +173,20 @@ def test_the_leader_folder_reaches_the_broker_only_through_its_lease_connection(
             assert not _top(names) & IO_LIBRARIES, path
             checked += 1
     assert checked >= 3
+
+
+# broker_svc/amqp/ is our own AMQP 0-9-1 client: blocking, on sockets of its own, and no AMQP library
+# (a pool child that imports it loads neither pika nor aio-pika), nor asyncio.
+OWN_CLIENT_FOLDERS = ("broker_svc/amqp/",)
+
+
+def test_our_own_amqp_client_uses_no_amqp_library_and_no_event_loop():
+    checked = 0
+    for path, names in _package_imports("broker_svc").items():
+        if path.startswith(OWN_CLIENT_FOLDERS):
+            assert not _top(names) & (ASYNC_LIBRARIES | {"pika"}), path
+            checked += 1
+    assert checked >= 9  # frames, methods, the socket, the feed, shared feed and lease connections, ...
 
 
 def test_ordered_queues_are_public_in_topology_and_settings():

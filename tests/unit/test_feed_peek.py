@@ -9,8 +9,8 @@ from __future__ import annotations
 import socket
 import struct
 
-from broker_svc.connection.feed_peek import peeked_deliveries
-from broker_svc.wire import amqp_frames as frames
+from broker_svc.amqp import frames
+from broker_svc.amqp.peek import peeked_deliveries
 from broker_svc.wire.amqp_fields import encode_properties
 
 _TAGS = {"ctag-1": "jobs"}

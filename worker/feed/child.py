@@ -43,9 +43,9 @@ import threading
 
 import structlog
 
+from broker_svc.amqp.shared_feed_connection import SharedFeedConnection
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
-from broker_svc.connection.shared_feed_connection import SharedFeedConnection
 from worker.feed.consumer import STOP_CHECK_S, Consumer, Shared
 from worker.feed.hard_limit import signals_blocked
 from worker.feed.held import held_frame

@@ -21,9 +21,9 @@ from typing import Any, Final
 import structlog
 from structlog.contextvars import bind_contextvars, clear_contextvars
 
+from broker_svc.amqp.feed_connection import ConnectionLost, FeedConnection, TaskDelivery
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
-from broker_svc.connection.feed_connection import ConnectionLost, FeedConnection, TaskDelivery
 from broker_svc.errors import BrokerUnavailable
 from worker.consume.disposition import ACK, HAND_BACK, Fate
 from worker.feed.events import FeedEvents

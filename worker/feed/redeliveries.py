@@ -34,7 +34,7 @@ from typing import Final
 
 import structlog
 
-from broker_svc.connection.feed_connection import ConnectionLost, FeedConnection, TaskDelivery
+from broker_svc.amqp.feed_connection import ConnectionLost, FeedConnection, TaskDelivery
 from broker_svc.errors import BrokerUnavailable
 from worker.consume.disposition import Fate
 from worker.feed.dedupe import Claim, SharedDedupe

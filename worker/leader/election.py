@@ -35,7 +35,7 @@ import time
 import uuid
 from typing import Any, Final
 
-from broker_svc.connection.lease_connection import LeaseConnection, TokenDelivery
+from broker_svc.amqp.lease_connection import LeaseConnection, TokenDelivery
 from broker_svc.errors import BrokerUnavailable, DecodeError
 from broker_svc.library_log import get_logger
 from broker_svc.settings import Settings

@@ -1,6 +1,6 @@
 """The messages of a leader election queue: bids and term tokens, as JSON bodies.
 
-Pure (``broker_svc/connection/lease_connection.py`` sends and receives them; the election in
+Pure (``broker_svc/amqp/lease_connection.py`` sends and receives them; the election in
 ``worker/leader/election.py`` gives them meaning). Two kinds travel in an election queue:
 
 - a **bid**: published by every candidate when it joins, so that a fresh queue holds a message and

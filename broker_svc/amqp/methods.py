@@ -1,6 +1,6 @@
 """The AMQP 0-9-1 method frames a consuming child's connection sends, and the ones it parses.
 
-Pure bytes in, bytes out (``broker_svc/connection/feed_connection.py`` does the I/O). Method ids are
+Pure bytes in, bytes out (``broker_svc/amqp/feed_connection.py`` does the I/O). Method ids are
 ``(class, method)`` as in the spec; the argument layouts are the spec's, tested against pika's.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 import struct
 from typing import Final, NamedTuple
 
+from broker_svc.amqp import frames
 from broker_svc.topology import QueueSpec
-from broker_svc.wire import amqp_frames as frames
 from broker_svc.wire.amqp_fields import encode_table
 
 __all__ = [

@@ -4,7 +4,7 @@ Pure (no sockets). A consuming child spends most of its time here, once per deli
 general-purpose clients (pika, pamqp) decode each frame through layers of objects, and at one
 delivery in flight per child that is most of the child's CPU. This module reads exactly the frames
 a consumer meets (deliver, content header and body, confirms, returns, closes, heartbeats) and
-writes the few it sends; the connection's life cycle is in ``broker_svc/connection/feed_connection.py``.
+writes the few it sends; the connection's life cycle is in ``broker_svc/amqp/feed_connection.py``.
 
 Header tables decode as pika decodes them: long strings as ``str`` (``bytes`` if not UTF-8),
 timestamps as UTC datetimes, decimals as ``Decimal``; floats stay floats (pika truncates them).

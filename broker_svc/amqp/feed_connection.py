@@ -3,10 +3,10 @@
 Why not pika: at one delivery in flight per child, pika's layers (an I/O loop, a thread hop per
 ack, frame objects) cost more CPU than the rest of the child (BENCHMARKS.md). This does what a
 consumer needs on the calling thread: consume with a prefetch, ack, nack, publish with a confirm
-(one at a time), declare a queue; frames by ``broker_svc/wire/amqp_frames.py``.
+(one at a time), declare a queue; frames by ``broker_svc/amqp/frames.py``.
 
 The socket, its frames, the handshake and the heartbeat thread are ``FrameSocket``'s
-(``broker_svc/connection/feed_socket.py``); this class is the channel's conversation on top.
+(``broker_svc/amqp/frame_socket.py``); this class is the channel's conversation on top.
 Threads: the child's main thread does everything while no task runs; while one does, a heartbeat
 thread writes heartbeats and the hard time limit's watchdog may take the socket over, one at a
 time (the lock). Under ``--threads``, see ``SharedFeedConnection``.
@@ -26,15 +26,14 @@ import time
 from collections.abc import Sequence
 from typing import Final
 
-from broker_svc.connection.feed_delivery import ConnectionLost, TaskDelivery
-from broker_svc.connection.feed_peek import peeked_deliveries, task_delivery
-from broker_svc.connection.feed_socket import CHANNEL_CLOSE, CONNECTION_CLOSE, FrameSocket, closed_by_broker
+from broker_svc.amqp import frames, methods
+from broker_svc.amqp.delivery import ConnectionLost, TaskDelivery
+from broker_svc.amqp.frame_socket import CHANNEL_CLOSE, CONNECTION_CLOSE, FrameSocket, closed_by_broker
+from broker_svc.amqp.peek import peeked_deliveries, task_delivery
 from broker_svc.errors import BrokerUnavailable, PublishNacked, Unroutable
 from broker_svc.library_log import get_logger
 from broker_svc.settings import Settings, redact_url
 from broker_svc.topology import QueueSpec
-from broker_svc.wire import amqp_frames as frames
-from broker_svc.wire import amqp_methods as methods
 from broker_svc.wire.amqp_fields import encode_properties, encode_table
 from broker_svc.wire.task_message import WireMessage
 

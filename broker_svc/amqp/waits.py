@@ -6,7 +6,7 @@ import collections
 import threading
 from collections.abc import Callable, Mapping
 
-from broker_svc.connection.feed_delivery import ConnectionLost, TaskDelivery
+from broker_svc.amqp.delivery import ConnectionLost, TaskDelivery
 
 __all__ = ["PendingPublish", "QueuedSettle", "SettleQueue", "mark_returned"]
 

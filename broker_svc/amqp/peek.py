@@ -16,9 +16,8 @@ import socket
 import ssl
 from collections.abc import Mapping
 
-from broker_svc.connection.feed_delivery import TaskDelivery
-from broker_svc.wire import amqp_frames as frames
-from broker_svc.wire import amqp_methods as methods
+from broker_svc.amqp import frames, methods
+from broker_svc.amqp.delivery import TaskDelivery
 
 __all__ = ["peeked_deliveries", "task_delivery"]
 

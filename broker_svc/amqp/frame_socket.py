@@ -1,6 +1,6 @@
 """The socket under a consuming child's connection: AMQP frames read and written, heartbeats, a close.
 
-``FrameSocket`` is what ``FeedConnection`` (``broker_svc/connection/feed_connection.py``) stands on:
+``FrameSocket`` is what ``FeedConnection`` (``broker_svc/amqp/feed_connection.py``) stands on:
 the TCP (or TLS) socket and the AMQP handshake, one whole frame read at a time (a kernel receive
 timeout wakes a read so heartbeats go out), writes under a lock, and the heartbeat thread that
 keeps the connection alive while a task runs and peeks for a close the broker sent meanwhile. What
@@ -26,11 +26,10 @@ from contextlib import AbstractContextManager
 from typing import Final
 from urllib.parse import unquote, urlsplit
 
-from broker_svc.connection.feed_delivery import ConnectionLost
+from broker_svc.amqp import frames, methods
+from broker_svc.amqp.delivery import ConnectionLost
 from broker_svc.errors import BrokerUnavailable
 from broker_svc.settings import Settings, redact_url
-from broker_svc.wire import amqp_frames as frames
-from broker_svc.wire import amqp_methods as methods
 
 __all__ = ["CHANNEL_CLOSE", "CONNECTION_CLOSE", "FRAME_MAX", "FrameSocket", "closed_by_broker"]
 

@@ -2,7 +2,7 @@
 
 The conversation of ``worker/leader/election.py`` with the broker, on one socket read and
 written by one thread (the election's keeper), on ``FrameSocket``
-(``broker_svc/connection/feed_socket.py``): the handshake, frames, heartbeats both ways. No pika:
+(``broker_svc/amqp/frame_socket.py``): the handshake, frames, heartbeats both ways. No pika:
 the keeper must see every frame as it comes and never wait on another thread's I/O loop, since the
 lease of a leader is renewed by its own tokens coming back.
 
@@ -19,13 +19,12 @@ import struct
 import time
 from typing import Final, NamedTuple
 
-from broker_svc.connection.feed_delivery import ConnectionLost
-from broker_svc.connection.feed_socket import CHANNEL_CLOSE, CONNECTION_CLOSE, FrameSocket, closed_by_broker
+from broker_svc.amqp import frames, methods
+from broker_svc.amqp.delivery import ConnectionLost
+from broker_svc.amqp.frame_socket import CHANNEL_CLOSE, CONNECTION_CLOSE, FrameSocket, closed_by_broker
 from broker_svc.errors import BrokerUnavailable
 from broker_svc.settings import Settings, redact_url
 from broker_svc.topology import QueueSpec
-from broker_svc.wire import amqp_frames as frames
-from broker_svc.wire import amqp_methods as methods
 from broker_svc.wire.amqp_fields import encode_properties, encode_table
 
 __all__ = ["ConnectionLost", "LeaseConnection", "TokenDelivery"]

@@ -25,14 +25,13 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Final
 
-from broker_svc.connection.feed_connection import FeedConnection
-from broker_svc.connection.feed_delivery import ConnectionLost, TaskDelivery
-from broker_svc.connection.feed_waits import PendingPublish, SettleQueue, mark_returned
+from broker_svc.amqp import frames, methods
+from broker_svc.amqp.delivery import ConnectionLost, TaskDelivery
+from broker_svc.amqp.feed_connection import FeedConnection
+from broker_svc.amqp.waits import PendingPublish, SettleQueue, mark_returned
 from broker_svc.errors import BrokerUnavailable, PublishNacked, Unroutable
 from broker_svc.settings import Settings
 from broker_svc.topology import QueueSpec
-from broker_svc.wire import amqp_frames as frames
-from broker_svc.wire import amqp_methods as methods
 from broker_svc.wire.task_message import WireMessage
 
 __all__ = ["SharedFeedConnection"]
