@@ -29,6 +29,7 @@ from typing import Final
 from broker_svc.amqp import frames, methods
 from broker_svc.amqp.delivery import ConnectionLost, TaskDelivery
 from broker_svc.amqp.frame_socket import CHANNEL_CLOSE, CONNECTION_CLOSE, FrameSocket, closed_by_broker
+from broker_svc.amqp.methods import BASIC_ACK, BASIC_NACK, BASIC_RETURN
 from broker_svc.amqp.peek import peeked_deliveries, task_delivery
 from broker_svc.errors import BrokerUnavailable, PublishNacked, Unroutable
 from broker_svc.library_log import get_logger
@@ -43,9 +44,6 @@ log = get_logger(__name__)
 
 _CHANNEL: Final = 1
 _DELIVER: Final = (60, 60)
-_CONFIRM_ACK: Final = (60, 80)
-_CONFIRM_NACK: Final = (60, 120)
-_RETURN: Final = (60, 50)
 _SERVER_CANCEL: Final = (60, 30)
 _U64_BIT = struct.Struct(">QB")
 
@@ -369,12 +367,12 @@ class FeedConnection(FrameSocket):
         kind, payload = frame.method_id, frame.payload
         if kind == _DELIVER:
             self._on_deliver(payload)
-        elif kind == _CONFIRM_ACK or kind == _CONFIRM_NACK:
+        elif kind == BASIC_ACK or kind == BASIC_NACK:
             tag, bits = _U64_BIT.unpack_from(payload, 4)
-            if kind == _CONFIRM_NACK:
+            if kind == BASIC_NACK:
                 self._nacked.update(range(self._confirmed + 1, tag + 1) if bits & 1 else (tag,))
             self._confirmed = max(self._confirmed, tag)  # one publish waits at a time: in order
-        elif kind == _RETURN:
+        elif kind == BASIC_RETURN:
             code, text = methods.close_reason(payload)
             self._returned = f"{code} {text}"
             self._content()

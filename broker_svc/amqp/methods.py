@@ -14,6 +14,9 @@ from broker_svc.topology import QueueSpec
 from broker_svc.wire.amqp_fields import encode_table
 
 __all__ = [
+    "BASIC_ACK",
+    "BASIC_NACK",
+    "BASIC_RETURN",
     "Deliver",
     "close_reason",
     "connection_open",
@@ -22,6 +25,11 @@ __all__ = [
     "start_ok",
     "tune_ok",
 ]
+
+# What a confirm-mode channel is sent about a publish: a confirm, a nack, a mandatory one returned.
+BASIC_ACK: Final = (60, 80)
+BASIC_NACK: Final = (60, 120)
+BASIC_RETURN: Final = (60, 50)
 
 _DELIVER_TAIL: Final = struct.Struct(">QB")
 

@@ -28,6 +28,7 @@ from typing import Final
 from broker_svc.amqp import frames, methods
 from broker_svc.amqp.delivery import ConnectionLost, TaskDelivery
 from broker_svc.amqp.feed_connection import FeedConnection
+from broker_svc.amqp.methods import BASIC_ACK, BASIC_NACK, BASIC_RETURN
 from broker_svc.amqp.waits import PendingPublish, SettleQueue, mark_returned
 from broker_svc.errors import BrokerUnavailable, PublishNacked, Unroutable
 from broker_svc.settings import Settings
@@ -38,9 +39,6 @@ __all__ = ["SharedFeedConnection"]
 
 _WAIT_S: Final = 0.5  # the longest a waiting thread sleeps before it looks again
 _CHANNEL: Final = 1
-_CONFIRM_ACK: Final = (60, 80)
-_CONFIRM_NACK: Final = (60, 120)
-_RETURN: Final = (60, 50)
 _U64_BIT: Final = struct.Struct(">QB")
 
 
@@ -361,9 +359,9 @@ class SharedFeedConnection(FeedConnection):
     def _dispatch(self, frame: frames.Frame) -> None:
         if frame.type == frames.FRAME_METHOD:
             kind = frame.method_id
-            if kind == _CONFIRM_ACK or kind == _CONFIRM_NACK:
+            if kind == BASIC_ACK or kind == BASIC_NACK:
                 tag, bits = _U64_BIT.unpack_from(frame.payload, 4)
-                nacked, multiple = kind == _CONFIRM_NACK, bits & 1
+                nacked, multiple = kind == BASIC_NACK, bits & 1
                 with self._state:
                     for sequence, waiting in self._pending.items():
                         if sequence == tag or (multiple and sequence < tag):
@@ -371,7 +369,7 @@ class SharedFeedConnection(FeedConnection):
                     if self._confirming:
                         self._answered.notify_all()
                 return
-            if kind == _RETURN:
+            if kind == BASIC_RETURN:
                 self._on_return(frame.payload)
                 return
         super()._dispatch(frame)
