@@ -13,13 +13,13 @@ import time
 from typing import TYPE_CHECKING, Final
 
 from broker_svc.app import App
+from broker_svc.canvas.signature import Signature
 from broker_svc.errors import BrokerSvcError, Unroutable
 from broker_svc.library_log import get_logger
 from broker_svc.schedules import Entry, fire_id
 from broker_svc.schedules.journal_record import Fire, FireMark
 from broker_svc.schedules.state import BeatState
-from broker_svc.send_message import build_message
-from broker_svc.signature import Signature
+from broker_svc.sending.message import build_message
 
 if TYPE_CHECKING:
     from broker_svc.connection.beat_journal import Journal

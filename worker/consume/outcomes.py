@@ -10,7 +10,7 @@ import structlog
 
 from broker_svc import signals
 from broker_svc.app import App
-from broker_svc.follow_ups import FollowUp
+from broker_svc.canvas.follow_ups import FollowUp
 from broker_svc.wire.codec import reply_type
 from broker_svc.wire.event_fields import describe_repr
 from broker_svc.wire.result_message import (

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Final
 
-from broker_svc.task import Task
+from broker_svc.tasks.task import Task
 from broker_svc.wire.rates import parse_rate
 
 __all__ = ["RATE_RESERVED_HEADER", "RateLimits", "parse_rate"]

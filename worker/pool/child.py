@@ -28,16 +28,16 @@ import structlog
 
 from broker_svc import signals
 from broker_svc.app import App
+from broker_svc.canvas.follow_ups import runs_in_process
 from broker_svc.errors import (
     MessageTooLarge,
     Reject,
     SoftTimeLimitExceeded,
     TaskRevokedError,
 )
-from broker_svc.follow_ups import runs_in_process
 from broker_svc.logging import configure_logging
-from broker_svc.task import Request, Task, executing
-from broker_svc.trace import IGNORED, REJECTED, RETRY, SUCCESS, trace
+from broker_svc.tasks.task import Request, Task, executing
+from broker_svc.tasks.trace import IGNORED, REJECTED, RETRY, SUCCESS, trace
 from broker_svc.wire.result_message import exception_to_wire, wire_exception
 from worker.loader import SAFE_PATH_ADDED_ENV, extend_path_from_environment, load_app
 from worker.pool import ipc

@@ -1,6 +1,6 @@
 """``Task.apply()``: run a task here and now, as Celery's eager mode does (the usual test idiom).
 
-The body runs in this process through ``broker_svc.trace``, with the same signals and hooks as in
+The body runs in this process through ``broker_svc.tasks.trace``, with the same signals and hooks as in
 a worker. ``retry()`` runs it again at once (countdowns are not waited for), until it succeeds or
 its retries run out. Nothing touches the broker, unless the task itself sends tasks.
 """
@@ -11,12 +11,12 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from broker_svc.errors import TaskError
-from broker_svc.task import Request, executing
-from broker_svc.trace import FAILURE, IGNORED, REJECTED, RETRY, SUCCESS, Traced, trace
+from broker_svc.tasks.task import Request, executing
+from broker_svc.tasks.trace import FAILURE, IGNORED, REJECTED, RETRY, SUCCESS, Traced, trace
 from broker_svc.wire.ids import uuid4_str
 
 if TYPE_CHECKING:
-    from broker_svc.task import Task
+    from broker_svc.tasks.task import Task
 
 __all__ = ["EagerResult", "apply"]
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from broker_svc.clock import LamportClock
 from broker_svc.connection.channel import Consumer
 from broker_svc.connection.pending import PendingPublish
-from broker_svc.publisher import Publisher
+from broker_svc.sending.publisher import Publisher
 from broker_svc.settings import Settings
 from broker_svc.topology import QueueSpec
 

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any, Final
 from broker_svc import signals
 from broker_svc.errors import Ignore, Reject, Retry
 from broker_svc.library_log import get_logger
-from broker_svc.task import ExceptionInfo, Request
+from broker_svc.tasks.task import ExceptionInfo, Request
 
 if TYPE_CHECKING:
-    from broker_svc.task import Task
+    from broker_svc.tasks.task import Task
 
 __all__ = ["FAILURE", "IGNORED", "REJECTED", "RETRY", "SUCCESS", "Traced", "trace"]
 
@@ -67,7 +67,7 @@ def trace(
     """Run ``task`` once with its signals and hooks; how it ended (never raises for the task).
 
     Args:
-        task: the task; its ``request`` must be ``request`` (``broker_svc.task.executing``).
+        task: the task; its ``request`` must be ``request`` (``broker_svc.tasks.task.executing``).
         request: the run's request.
         args: positional arguments.
         kwargs: keyword arguments.

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any, Concatenate, Literal, cast, overload
 from typing_extensions import ParamSpec, TypeVar
 
 from broker_svc.errors import NotRegistered
-from broker_svc.task import Task as TaskBase
-from broker_svc.task import build_task_class
+from broker_svc.tasks.task import Task as TaskBase
+from broker_svc.tasks.task import build_task_class
 
 if TYPE_CHECKING:
     from broker_svc.app import App

@@ -2,7 +2,7 @@
 
 Also the signatures of Celery's built-in tasks that take one task: ``task.map(it)``,
 ``task.starmap(it)`` and ``task.chunks(it, n)``. Chains, groups and chords of signatures are in
-``broker_svc.canvas``.
+``broker_svc.canvas.primitives``.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from broker_svc.wire.ids import uuid4_str
 
 if TYPE_CHECKING:
     from broker_svc.app import App
-    from broker_svc.canvas import group
-    from broker_svc.group_result import GroupResult
-    from broker_svc.result import AsyncResult
+    from broker_svc.canvas.primitives import group
+    from broker_svc.results.group_result import GroupResult
+    from broker_svc.results.result import AsyncResult
 
 __all__ = ["Signature", "chunks", "xmap", "xstarmap"]
 
@@ -106,7 +106,7 @@ class Signature(dict[str, Any]):
         """The app that sends this signature."""
         if self._app is not None:
             return self._app
-        from broker_svc.shared import current_app  # at call time: shared imports task, which imports us
+        from broker_svc.tasks.shared import current_app  # at call time: shared imports task, which imports us
 
         return current_app()
 
@@ -162,7 +162,7 @@ class Signature(dict[str, Any]):
     def __or__(self, other: Signature) -> Signature:  # type: ignore[override]  # Celery's chain operator
         if not isinstance(other, Signature):
             return NotImplemented
-        from broker_svc.canvas import chain  # the canvas builds on signatures
+        from broker_svc.canvas.primitives import chain  # the canvas builds on signatures
 
         return chain(self, other, app=self._app)
 
@@ -247,7 +247,7 @@ class chunks(Signature):
 
     def group(self) -> group:
         """The group of ``starmap`` tasks this sends."""
-        from broker_svc.canvas import group  # the canvas builds on signatures
+        from broker_svc.canvas.primitives import group  # the canvas builds on signatures
 
         items, n = self.kwargs["it"], int(self.kwargs["n"])
         parts = [items[i : i + n] for i in range(0, len(items), n)]

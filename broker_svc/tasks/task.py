@@ -10,20 +10,20 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic
 
 from typing_extensions import ParamSpec, TypeVar
 
-from broker_svc import canvas
+import broker_svc.canvas.primitives as canvas
+from broker_svc.canvas.signature import Signature
 from broker_svc.errors import MaxRetriesExceededError, Retry
 from broker_svc.library_log import get_logger
-from broker_svc.pydantic_args import call_with_models
-from broker_svc.request import SEND_OPTIONS, ExceptionInfo, Request, current_request, executing
-from broker_svc.signature import Signature
-from broker_svc.task_class import build_task_class as build_task_class  # re-exported, as before
-from broker_svc.task_class import check_call_arguments
+from broker_svc.tasks.pydantic_args import call_with_models
+from broker_svc.tasks.request import SEND_OPTIONS, ExceptionInfo, Request, current_request, executing
+from broker_svc.tasks.task_class import build_task_class as build_task_class  # re-exported, as before
+from broker_svc.tasks.task_class import check_call_arguments
 
 if TYPE_CHECKING:
     from broker_svc.app import App
-    from broker_svc.dedup_keys import TaskDedup
-    from broker_svc.eager import EagerResult
-    from broker_svc.result import AsyncResult as ResultHandle
+    from broker_svc.results.result import AsyncResult as ResultHandle
+    from broker_svc.sending.dedup_keys import TaskDedup
+    from broker_svc.tasks.eager import EagerResult
 
 __all__ = ["SEND_OPTIONS", "ExceptionInfo", "Request", "Signature", "Task", "current_request", "executing"]
 
@@ -32,7 +32,7 @@ __all__ = ["SEND_OPTIONS", "ExceptionInfo", "Request", "Signature", "Task", "cur
 P = ParamSpec("P", default=...)
 R = TypeVar("R", default=Any)
 
-# Signature, the request and build_task_class (broker_svc.task_class) are imported from here too.
+# Signature, the request and build_task_class (broker_svc.tasks.task_class) are imported from here too.
 
 log = get_logger(__name__)
 
@@ -324,7 +324,7 @@ class Task(Generic[P, R]):
         ``retry()`` runs it again at once. With ``throw=True`` (or the app's
         ``task_eager_propagates``) a failure raises at once.
         """
-        from broker_svc.eager import apply  # eager imports trace, which imports this module
+        from broker_svc.tasks.eager import apply  # eager imports trace, which imports this module
 
         return apply(self, args, kwargs, **options)
 

@@ -12,10 +12,10 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
+from broker_svc.canvas.signature import Signature
 from broker_svc.errors import ConfigurationError
-from broker_svc.result import AsyncResult
-from broker_svc.send_message import CLIENT_HOSTNAME, build_message, state_publish
-from broker_svc.signature import Signature
+from broker_svc.results.result import AsyncResult
+from broker_svc.sending.message import CLIENT_HOSTNAME, build_message, state_publish
 from broker_svc.topology import DEFAULT_EXCHANGE, dependents_queue
 from broker_svc.wire.task_message import encode_task
 from broker_svc.wire.task_state import (

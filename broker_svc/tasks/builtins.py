@@ -16,7 +16,7 @@ from broker_svc.errors import NotRegistered
 
 if TYPE_CHECKING:
     from broker_svc.app import App
-    from broker_svc.task import Task
+    from broker_svc.tasks.task import Task
 
 __all__ = ["BUILTIN_NAMES", "register_builtins"]
 

@@ -1,6 +1,6 @@
 """A task's request (``self.request``), the one of the task running now, and the send options.
 
-Kept apart from ``broker_svc.task`` (which imports them from here, as it did) because the pool
+Kept apart from ``broker_svc.tasks.task`` (which imports them from here, as it did) because the pool
 child, the eager runner and the trace need a request without the ``Task`` class's machinery.
 """
 
@@ -26,7 +26,7 @@ SEND_OPTIONS: Final = frozenset(
         "link", "link_error", "chain", "chord", "group_id", "group_index",
         # Celery's routing and publish-retry options (docs/migrating-from-celery.md)
         "routing_key", "exchange", "retry", "retry_policy",
-        # keyed deduplication (broker_svc/dedup_keys.py)
+        # keyed deduplication (broker_svc/sending/dedup_keys.py)
         "dedup_key", "dedup_timeout",
     }
 )  # fmt: skip

@@ -11,7 +11,7 @@ from broker_svc.wire.result_view import ResultsView
 
 if TYPE_CHECKING:
     from broker_svc.app import App
-    from broker_svc.result import AsyncResult
+    from broker_svc.results.result import AsyncResult
 
 __all__ = ["GroupResult", "ResultSet"]
 

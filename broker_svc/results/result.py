@@ -19,7 +19,7 @@ from broker_svc.wire.result_view import OutcomeView
 from broker_svc.wire.states import State
 
 if TYPE_CHECKING:
-    from broker_svc.group_result import GroupResult
+    from broker_svc.results.group_result import GroupResult
 
 __all__ = ["AsyncResult", "ResultStore", "outcome_error", "outcome_value"]
 
@@ -266,7 +266,7 @@ class AsyncResult(OutcomeView, Generic[R]):
         # Celery's as_tuple(): ((id, parent), None) for a task, ((id, parent), [members]) for a group.
         (task_id, _parent), members = value
         if isinstance(members, list):
-            from broker_svc.group_result import GroupResult  # it imports this module
+            from broker_svc.results.group_result import GroupResult  # it imports this module
 
             return GroupResult(task_id, [self._from_tuple(m) for m in members if _is_result_tuple(m)])
         return AsyncResult(task_id, store=self._store)

@@ -1,7 +1,7 @@
 """The task class made from a function (``build_task_class``) and the check of sent arguments
 against that function's signature (a task's ``typing`` option).
 
-Imported by ``broker_svc.task`` (which re-exports ``build_task_class``, as before); ``Task`` is
+Imported by ``broker_svc.tasks.task`` (which re-exports ``build_task_class``, as before); ``Task`` is
 imported here only when a class is built, so there is no import cycle.
 """
 
@@ -11,12 +11,12 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from broker_svc.dedup_keys import task_dedup
+from broker_svc.sending.dedup_keys import task_dedup
 from broker_svc.wire.rates import parse_rate
 
 if TYPE_CHECKING:
     from broker_svc.app import App
-    from broker_svc.task import Task
+    from broker_svc.tasks.task import Task
 
 __all__ = ["build_task_class", "check_call_arguments"]
 
@@ -68,7 +68,7 @@ def build_task_class(
         ValueError: a ``rate_limit`` that is not a rate (``"10/s"``, ``"100/m"``, ``"2/h"``, a number),
             or a ``dedup_timeout`` out of range.
     """
-    from broker_svc.task import Task  # task imports this module
+    from broker_svc.tasks.task import Task  # task imports this module
 
     if not (isinstance(base, type) and issubclass(base, Task)):
         raise TypeError(f"base must be a subclass of broker_svc.Task, got {base!r}")

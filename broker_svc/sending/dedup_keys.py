@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from broker_svc.signature import Signature
+from broker_svc.canvas.signature import Signature
 from broker_svc.wire.dedup import DEFAULT_DEDUP_TIMEOUT_S, MAX_DEDUP_TIMEOUT_S
 
 __all__ = [

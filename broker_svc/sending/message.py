@@ -17,13 +17,13 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from broker_svc import signals
+from broker_svc.canvas.signature import Signature
 from broker_svc.clock import LamportClock
-from broker_svc.dedup_keys import dedup_call
-from broker_svc.request import SEND_OPTIONS, countdown_to_eta, current_request
-from broker_svc.result import AsyncResult
-from broker_svc.routes import route_for
+from broker_svc.results.result import AsyncResult
+from broker_svc.sending.dedup_keys import dedup_call
+from broker_svc.sending.routes import route_for
 from broker_svc.settings import Settings
-from broker_svc.signature import Signature
+from broker_svc.tasks.request import SEND_OPTIONS, countdown_to_eta, current_request
 from broker_svc.topology import DEFAULT_EXCHANGE, QueueSpec, task_states_stream
 from broker_svc.wire.dedup import (
     DEADLINE_HEADER,
@@ -37,11 +37,11 @@ from broker_svc.wire.task_state import CONTENT_TYPE as STATE_CONTENT_TYPE
 from broker_svc.wire.task_state import JobState, StateRecord
 
 if TYPE_CHECKING:
-    from broker_svc.batch import Batch
     from broker_svc.conf import Config
     from broker_svc.connection.pending import PendingPublish
-    from broker_svc.producer import Producer
-    from broker_svc.result import ResultStore
+    from broker_svc.results.result import ResultStore
+    from broker_svc.sending.batch import Batch
+    from broker_svc.sending.producer import Producer
 
 __all__ = [
     "CLIENT_HOSTNAME",

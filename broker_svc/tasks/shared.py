@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any, Concatenate, Generic, Literal, cast, over
 from typing_extensions import ParamSpec, TypeVar
 
 from broker_svc.errors import ConfigurationError
-from broker_svc.task import Task
+from broker_svc.tasks.task import Task
 
 if TYPE_CHECKING:
     from broker_svc.app import App
-    from broker_svc.result import AsyncResult
-    from broker_svc.signature import Signature
+    from broker_svc.canvas.signature import Signature
+    from broker_svc.results.result import AsyncResult
 
 __all__ = ["SharedTask", "app_created", "current_app", "shared_task"]
 

@@ -14,8 +14,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 
-from broker_svc.result import AsyncResult, ResultStore
-from broker_svc.signature import Signature
+from broker_svc.canvas.signature import Signature
+from broker_svc.results.result import AsyncResult, ResultStore
 from broker_svc.wire.ids import uuid4_str
 
 __all__ = ["SendCapture", "capturing", "current_capture"]

@@ -16,7 +16,7 @@ from types import TracebackType
 
 from broker_svc.connection.pending import PendingPublish
 from broker_svc.errors import PublishError, SpoolError
-from broker_svc.result import AsyncResult
+from broker_svc.results.result import AsyncResult
 
 __all__ = ["Batch", "BatchScope"]
 
