@@ -13,13 +13,10 @@ import datetime as dt
 import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Protocol
 
 from broker_svc.wire.ids import uuid4_str
 from broker_svc.wire.task_message import TaskMessage, parse_iso_datetime
-
-if TYPE_CHECKING:
-    from broker_svc.app import App
 
 __all__ = [
     "NESTED_HEADER",
@@ -295,7 +292,19 @@ def _when(at: Any, seconds: Any) -> dt.datetime | None:
     return None
 
 
-def runs_in_process(app: App, errback: Mapping[str, Any]) -> bool:
+class _TaskOptions(Protocol):
+    @property
+    def bind(self) -> bool: ...
+
+
+class TaskLookup(Protocol):
+    """What ``runs_in_process`` reads of an app (``App``): its tasks by name."""
+
+    @property
+    def tasks(self) -> Mapping[str, _TaskOptions]: ...
+
+
+def runs_in_process(app: TaskLookup, errback: Mapping[str, Any]) -> bool:
     """A new-style errback: a task of this app whose body takes (request, exc, traceback).
 
     Celery calls such an errback in the failed task's process rather than sending it; the pool

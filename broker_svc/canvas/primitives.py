@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, Any
 
 from broker_svc.canvas.follow_ups import NESTED_HEADER, chord_members
 from broker_svc.canvas.signature import Signature, chunks, xmap, xstarmap
+from broker_svc.results.group_result import GroupResult
 from broker_svc.sending.routes import route_for
 from broker_svc.wire.ids import uuid4_str
 
 if TYPE_CHECKING:
     from broker_svc.app import App
-    from broker_svc.results.group_result import GroupResult
     from broker_svc.results.result import AsyncResult
 
 __all__ = [
@@ -160,7 +160,6 @@ class group(Signature):
         self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None, **options: Any
     ) -> GroupResult:
         """Run every member here, one after another; their results as one."""
-        from broker_svc.results.group_result import GroupResult
 
         group_id = options.pop("group_id", None) or uuid4_str()
         return GroupResult(group_id, [member.apply(args, kwargs, **options) for member in self.tasks])
@@ -179,7 +178,6 @@ class group(Signature):
         Raises:
             PublishError: (``confirm="each"``) the broker did not confirm one of them.
         """
-        from broker_svc.results.group_result import GroupResult  # result types import the app
 
         options = {**self.options, **options}
         group_id = options.pop("group_id", None) or options.pop("task_id", None) or uuid4_str()
@@ -279,7 +277,6 @@ class chord(Signature):
             ValueError: no body, or a header holding groups, chains or chords.
             PublishError: (``confirm="each"``) the broker did not confirm a header task.
         """
-        from broker_svc.results.group_result import GroupResult  # result types import the app
 
         body = (body or self._body_or_raise()).clone()
         members = self.tasks

@@ -6,20 +6,18 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final, Generic, Literal, overload
+from typing import Any, Final, Generic, Literal, overload
 
 from typing_extensions import TypeVar
 
 from broker_svc.connection.pending import Delivery, PendingPublish
 from broker_svc.errors import MessageError, ResultTimeout, TaskDeclined, TaskError
 from broker_svc.library_log import get_logger
+from broker_svc.results.group_result import GroupResult
 from broker_svc.wire import codec
 from broker_svc.wire.result_message import Outcome, exception_from_wire
 from broker_svc.wire.result_view import OutcomeView
 from broker_svc.wire.states import State
-
-if TYPE_CHECKING:
-    from broker_svc.results.group_result import GroupResult
 
 __all__ = ["AsyncResult", "ResultStore", "outcome_error", "outcome_value"]
 
@@ -266,8 +264,6 @@ class AsyncResult(OutcomeView, Generic[R]):
         # Celery's as_tuple(): ((id, parent), None) for a task, ((id, parent), [members]) for a group.
         (task_id, _parent), members = value
         if isinstance(members, list):
-            from broker_svc.results.group_result import GroupResult  # it imports this module
-
             return GroupResult(task_id, [self._from_tuple(m) for m in members if _is_result_tuple(m)])
         return AsyncResult(task_id, store=self._store)
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Final
 from broker_svc.errors import NotRegistered
 
 if TYPE_CHECKING:
-    from broker_svc.app import App
+    from broker_svc.tasks.registry import TaskRegistry
     from broker_svc.tasks.task import Task
 
 __all__ = ["BUILTIN_NAMES", "register_builtins"]
@@ -29,7 +29,7 @@ _CHORDS_NOT_BUILT: Final = (
 _CHORD_TASKS: Final = ("celery.chord", "celery.chord_unlock", "celery.group", "celery.chain")
 
 
-def register_builtins(app: App) -> None:
+def register_builtins(app: TaskRegistry) -> None:
     """Register Celery's built-in tasks on ``app`` (``App`` does this for every app)."""
 
     def body_of(task: Mapping[str, Any] | str) -> Task:

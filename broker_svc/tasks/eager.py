@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from broker_svc.errors import TaskError
-from broker_svc.tasks.task import Request, executing
+from broker_svc.tasks.request import Request, executing
 from broker_svc.tasks.trace import FAILURE, IGNORED, REJECTED, RETRY, SUCCESS, Traced, trace
 from broker_svc.wire.ids import uuid4_str
 

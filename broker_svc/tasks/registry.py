@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Concatenate, Literal, cast, overload
+from typing import Any, Concatenate, Literal, overload
 
 from typing_extensions import ParamSpec, TypeVar
 
 from broker_svc.errors import NotRegistered
 from broker_svc.tasks.task import Task as TaskBase
-from broker_svc.tasks.task import build_task_class
-
-if TYPE_CHECKING:
-    from broker_svc.app import App
+from broker_svc.tasks.task_class import build_task_class
 
 __all__ = ["TaskRegistry"]
 
@@ -88,7 +85,7 @@ class TaskRegistry:
         if existing is not None and shared_name is not None:
             if getattr(type(existing), "__wrapped__", None) is func:
                 return existing  # the same shared task, offered again
-        cls = build_task_class(cast("App", self), func, name=name, base=base, options=options)
+        cls = build_task_class(self, func, name=name, base=base, options=options)
         if existing is not None:
             raise ValueError(f"a task named {name!r} is already registered; pass name= to rename")
         instance = cls()

@@ -14,6 +14,7 @@ import broker_svc.canvas.primitives as canvas
 from broker_svc.canvas.signature import Signature
 from broker_svc.errors import MaxRetriesExceededError, Retry
 from broker_svc.library_log import get_logger
+from broker_svc.tasks.eager import EagerResult, apply
 from broker_svc.tasks.pydantic_args import call_with_models
 from broker_svc.tasks.request import SEND_OPTIONS, ExceptionInfo, Request, current_request, executing
 from broker_svc.tasks.task_class import build_task_class as build_task_class  # re-exported, as before
@@ -23,7 +24,6 @@ if TYPE_CHECKING:
     from broker_svc.app import App
     from broker_svc.results.result import AsyncResult as ResultHandle
     from broker_svc.sending.dedup_keys import TaskDedup
-    from broker_svc.tasks.eager import EagerResult
 
 __all__ = ["SEND_OPTIONS", "ExceptionInfo", "Request", "Signature", "Task", "current_request", "executing"]
 
@@ -324,8 +324,6 @@ class Task(Generic[P, R]):
         ``retry()`` runs it again at once. With ``throw=True`` (or the app's
         ``task_eager_propagates``) a failure raises at once.
         """
-        from broker_svc.tasks.eager import apply  # eager imports trace, which imports this module
-
         return apply(self, args, kwargs, **options)
 
     def check_arguments(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:

@@ -15,7 +15,6 @@ from broker_svc.sending.dedup_keys import task_dedup
 from broker_svc.wire.rates import parse_rate
 
 if TYPE_CHECKING:
-    from broker_svc.app import App
     from broker_svc.tasks.task import Task
 
 __all__ = ["build_task_class", "check_call_arguments"]
@@ -58,9 +57,11 @@ _SIGNATURES: dict[type[Task], inspect.Signature | None] = {}
 
 
 def build_task_class(
-    app: App, fn: Callable[..., Any], *, name: str, base: type[Task], options: Mapping[str, Any]
+    app: object, fn: Callable[..., Any], *, name: str, base: type[Task], options: Mapping[str, Any]
 ) -> type[Task]:
     """Make the task subclass for ``fn`` (Celery's pattern: one class per task).
+
+    ``app`` (the ``App`` registering it) becomes the class's ``app``, as it is.
 
     Raises:
         TypeError: an unknown task option, a base that is not a ``Task``, or a ``dedup_key`` that

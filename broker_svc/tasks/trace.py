@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Final
 from broker_svc import signals
 from broker_svc.errors import Ignore, Reject, Retry
 from broker_svc.library_log import get_logger
-from broker_svc.tasks.task import ExceptionInfo, Request
+from broker_svc.tasks.request import ExceptionInfo, Request
 
 if TYPE_CHECKING:
     from broker_svc.tasks.task import Task
