@@ -1,4 +1,4 @@
-"""The deliveries a consuming child's socket holds unread, looked at and left there (feed_peek).
+"""The deliveries a consuming child's socket holds unread, looked at and left there (amqp/peek.py).
 
 The bytes are AMQP frames as the broker writes them, sent through a real socket pair; what the
 connection has read and not parsed yet is passed beside it, as ``FeedConnection.held`` does.
