@@ -35,12 +35,12 @@ from bench.control import vhost
 from bench.queues import delete
 from bench.scenarios import SLEEP_S
 from bench.tasks import app as bench_app
+from broker_svc.amqp.shared_feed_connection import SharedFeedConnection
 from broker_svc.app import App
+from broker_svc.canvas.signature import Signature
 from broker_svc.clock import LamportClock
-from broker_svc.connection.shared_feed_connection import SharedFeedConnection
 from broker_svc.logging import configure_logging
 from broker_svc.settings import DEFAULT_BROKER_URL, Settings
-from broker_svc.signature import Signature
 from broker_svc.topology import task_queue
 from broker_svc.wire.ids import uuid4_str
 from worker.child.consumer import Consumer, Shared

@@ -4,7 +4,7 @@ Usage: ``python -m bench.consume_floor [--broker URL] [--messages 20000] [--proc
 [--prefetch 1] [--rounds 3] [--threads N]``. In a vhost of its own, fills a queue with the messages (our no-op
 task's bytes) and drains it with ``--processes`` processes, each consuming with ``--prefetch``
 unacked and acking each message, nothing else: once with pika's ``BlockingConnection`` (what
-Dramatiq's workers use) and once with ``broker_svc.connection.feed_connection.FeedConnection``
+Dramatiq's workers use) and once with ``broker_svc.amqp.feed_connection.FeedConnection``
 (what a consuming pool child uses), alternating. Prints one JSON line per round and
 client: messages/s from the first process start to the last exit. With ``--threads N`` (N > 1) the
 clients are instead what a ``--threads N`` child consumes with: N threads each with a
@@ -33,8 +33,8 @@ from bench.ours import Clockwork
 from bench.queues import delete
 from bench.scenarios import Task
 from broker_svc import Settings
-from broker_svc.connection.feed_connection import FeedConnection
-from broker_svc.connection.shared_feed_connection import SharedFeedConnection
+from broker_svc.amqp.feed_connection import FeedConnection
+from broker_svc.amqp.shared_feed_connection import SharedFeedConnection
 from broker_svc.logging import configure_logging
 from broker_svc.wire.ids import uuid4_str
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from bench.control import vhost
 from bench.spine import drop_queue, parse_args, worker
 from broker_svc import App, Settings
-from broker_svc.task import Signature
+from broker_svc.tasks.task import Signature
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMED, NOOP = "bench.tasks.timed", "bench.tasks.noop"

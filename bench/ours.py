@@ -22,7 +22,7 @@ from bench.scenarios import SLEEP_S, WARMUP_CALLS, Produced, Shape, Task
 from bench.spine import NOOP, worker_command
 from broker_svc import App, Settings
 from broker_svc.logging import configure_logging
-from broker_svc.task import Signature
+from broker_svc.tasks.task import Signature
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEM = "clockwork"

@@ -21,7 +21,7 @@ import pika
 
 from broker_svc import App, Settings
 from broker_svc.logging import configure_logging
-from broker_svc.task import Signature
+from broker_svc.tasks.task import Signature
 
 NOOP = "bench.tasks.noop"
 

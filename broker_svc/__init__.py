@@ -13,7 +13,7 @@ from broker_svc.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from broker_svc.app import App
-    from broker_svc.canvas import Signature, chain, chord, chunks, group, signature, xmap, xstarmap
+    from broker_svc.canvas.primitives import Signature, chain, chord, chunks, group, signature, xmap, xstarmap
     from broker_svc.clock import LamportClock
     from broker_svc.errors import (
         BrokerBlocked,
@@ -42,13 +42,13 @@ if TYPE_CHECKING:
         TaskRevokedError,
         Unroutable,
     )
-    from broker_svc.group_result import GroupResult, ResultSet
-    from broker_svc.jobs import Job
-    from broker_svc.publisher import Publisher
-    from broker_svc.result import AsyncResult
+    from broker_svc.results.group_result import GroupResult, ResultSet
+    from broker_svc.results.jobs import Job
+    from broker_svc.results.result import AsyncResult
+    from broker_svc.sending.publisher import Publisher
     from broker_svc.settings import Settings
-    from broker_svc.shared import current_app, shared_task
-    from broker_svc.task import Task
+    from broker_svc.tasks.shared import current_app, shared_task
+    from broker_svc.tasks.task import Task
     from broker_svc.wire.states import State
     from broker_svc.wire.task_message import TaskMessage
     from broker_svc.wire.task_state import JobState
@@ -111,8 +111,8 @@ __all__ = [
 
 _EXPORTS = {
     "App": "broker_svc.app",
-    "AsyncResult": "broker_svc.result",
-    "Job": "broker_svc.jobs",
+    "AsyncResult": "broker_svc.results.result",
+    "Job": "broker_svc.results.jobs",
     "JobState": "broker_svc.wire.task_state",
     "BrokerBlocked": "broker_svc.errors",
     "BrokerSvcError": "broker_svc.errors",
@@ -121,7 +121,7 @@ _EXPORTS = {
     "ConfigurationError": "broker_svc.errors",
     "ContentDisallowed": "broker_svc.errors",
     "DecodeError": "broker_svc.errors",
-    "GroupResult": "broker_svc.group_result",
+    "GroupResult": "broker_svc.results.group_result",
     "Ignore": "broker_svc.errors",
     "InvalidTaskMessage": "broker_svc.errors",
     "LamportClock": "broker_svc.clock",
@@ -131,32 +131,32 @@ _EXPORTS = {
     "NotRegistered": "broker_svc.errors",
     "PublishError": "broker_svc.errors",
     "PublishNacked": "broker_svc.errors",
-    "Publisher": "broker_svc.publisher",
+    "Publisher": "broker_svc.sending.publisher",
     "Reject": "broker_svc.errors",
-    "ResultSet": "broker_svc.group_result",
+    "ResultSet": "broker_svc.results.group_result",
     "ResultTimeout": "broker_svc.errors",
     "Retry": "broker_svc.errors",
     "Settings": "broker_svc.settings",
-    "Signature": "broker_svc.canvas",
+    "Signature": "broker_svc.canvas.primitives",
     "SoftTimeLimitExceeded": "broker_svc.errors",
     "SpoolError": "broker_svc.errors",
     "SpoolFull": "broker_svc.errors",
     "State": "broker_svc.wire.states",
-    "Task": "broker_svc.task",
+    "Task": "broker_svc.tasks.task",
     "TaskDeclined": "broker_svc.errors",
     "TaskError": "broker_svc.errors",
     "TaskMessage": "broker_svc.wire.task_message",
     "TaskRevokedError": "broker_svc.errors",
     "Unroutable": "broker_svc.errors",
-    "chain": "broker_svc.canvas",
-    "chord": "broker_svc.canvas",
-    "chunks": "broker_svc.canvas",
-    "current_app": "broker_svc.shared",
-    "group": "broker_svc.canvas",
-    "shared_task": "broker_svc.shared",
-    "signature": "broker_svc.canvas",
-    "xmap": "broker_svc.canvas",
-    "xstarmap": "broker_svc.canvas",
+    "chain": "broker_svc.canvas.primitives",
+    "chord": "broker_svc.canvas.primitives",
+    "chunks": "broker_svc.canvas.primitives",
+    "current_app": "broker_svc.tasks.shared",
+    "group": "broker_svc.canvas.primitives",
+    "shared_task": "broker_svc.tasks.shared",
+    "signature": "broker_svc.canvas.primitives",
+    "xmap": "broker_svc.canvas.primitives",
+    "xstarmap": "broker_svc.canvas.primitives",
 }
 
 __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -7,31 +7,31 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from broker_svc import shared
-from broker_svc.batch import Batch, BatchScope
-from broker_svc.builtins import register_builtins
 from broker_svc.clock import LamportClock
 from broker_svc.conf import Config
 from broker_svc.control_plane import ControlPlane, load_control
-from broker_svc.dedup_keys import TaskDedup, resolve_dedup
-from broker_svc.library_log import get_logger
+from broker_svc.logging import get_logger
 from broker_svc.open_apps import open_apps
-from broker_svc.registry import TaskRegistry
-from broker_svc.result import AsyncResult, ResultStore
-from broker_svc.send_capture import current_capture
-from broker_svc.send_message import send_signatures
+from broker_svc.results.result import AsyncResult, ResultStore
+from broker_svc.sending.batch import Batch, BatchScope
+from broker_svc.sending.capture import current_capture
+from broker_svc.sending.dedup_keys import TaskDedup, resolve_dedup
+from broker_svc.sending.message import send_signatures
 from broker_svc.settings import Settings
-from broker_svc.task import Signature
-from broker_svc.task import Task as TaskBase
-from broker_svc.task_modules import Discovery, import_task_modules
+from broker_svc.tasks import shared
+from broker_svc.tasks.builtins import register_builtins
+from broker_svc.tasks.registry import TaskRegistry
+from broker_svc.tasks.task import Signature
+from broker_svc.tasks.task import Task as TaskBase
+from broker_svc.tasks.task_modules import Discovery, import_task_modules
 from broker_svc.topology import new_reply_queue_name, result_queue
 from broker_svc.wire import codec
 
 if TYPE_CHECKING:
     # Imported when the app first publishes: a worker, its forkserver and its children import the
     # app to run its tasks and need no pika (about 4 MiB each) unless a task sends one.
-    from broker_svc.jobs import Job, Jobs
-    from broker_svc.producer import Producer
+    from broker_svc.results.jobs import Job, Jobs
+    from broker_svc.sending.producer import Producer
     from broker_svc.spool.stats import SpoolStats
 
 __all__ = ["App"]
@@ -232,7 +232,7 @@ class App(TaskRegistry):
         # formed now, from the task's own ``dedup_key`` unless the send gave one.
         signatures = [resolve_dedup(sig, self._task_dedup) for sig in signatures]
         capture = current_capture()
-        if capture is not None:  # the asyncio client sends them (broker_svc/send_capture.py)
+        if capture is not None:  # the asyncio client sends them (broker_svc/sending/capture.py)
             return capture.keep(signatures)
         return send_signatures(
             signatures, self._ensure_producer(), batch=self._batches.current, wait=wait, conf=self.conf,
@@ -296,7 +296,7 @@ class App(TaskRegistry):
         jobs = self._jobs
         if jobs is not None:
             return jobs
-        from broker_svc.jobs import Jobs  # lazy: a worker's children never need it
+        from broker_svc.results.jobs import Jobs  # lazy: a worker's children never need it
 
         with self._lock:
             if self._jobs is None:
@@ -324,7 +324,7 @@ class App(TaskRegistry):
         producer = self._producer
         if producer is not None:
             return producer
-        from broker_svc.producer import Producer  # lazy: see the TYPE_CHECKING import
+        from broker_svc.sending.producer import Producer  # lazy: see the TYPE_CHECKING import
 
         with self._lock:
             if self._producer is None:

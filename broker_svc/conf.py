@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any, Final
 
 from broker_svc.errors import ConfigurationError
-from broker_svc.library_log import get_logger
+from broker_svc.logging import get_logger
 from broker_svc.topology import SINGLE_ACTIVE_ARGUMENT
 
 __all__ = ["ACCEPTED_AS_DESIGNED", "READ_BY_CLOCKWORK", "SETTINGS_FIELDS", "Config", "load_object"]

@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 from broker_svc.errors import ConfigurationError
 
 if TYPE_CHECKING:
-    from broker_svc.app import App
-    from broker_svc.beat.schedule_client import ScheduleClient
+    from broker_svc.schedules.client import ScheduleClient
 
 __all__ = ["CONTROL_ENTRY_POINT_GROUP", "ControlPlane", "Destination", "Inspector", "Replies", "load_control"]
 
@@ -126,8 +125,10 @@ class ControlPlane(Protocol):
     def close(self) -> None: ...
 
 
-def load_control(app: App) -> ControlPlane:
+def load_control(app: object) -> ControlPlane:
     """The ``ControlPlane`` for ``app``, from the ``clockwork.control`` entry point named ``default``.
+
+    ``app`` (an ``App``) is handed to the entry point's factory as it is.
 
     Raises:
         ConfigurationError: the entry point is missing (Clockwork is not installed).

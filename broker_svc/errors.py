@@ -86,7 +86,7 @@ class LeadershipLost(BrokerSvcError):
     """This process is not, or no longer, the leader: its term's actions must stop.
 
     Raised by ``Term.guard()`` once the term's lease ran out or it stepped down, and into a running
-    ``execute()`` hook of an atomic election when its term ends (``broker_svc/leader/``).
+    ``execute()`` hook of an atomic election when its term ends (``worker/leader/``).
     """
 
 

@@ -5,19 +5,25 @@ from __future__ import annotations
 
 import atexit
 import weakref
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from broker_svc.errors import BrokerSvcError
-from broker_svc.library_log import get_logger
-
-if TYPE_CHECKING:
-    from broker_svc.app import App
+from broker_svc.logging import get_logger
 
 __all__ = ["open_apps"]
 
 log = get_logger(__name__)
 
-open_apps: weakref.WeakSet[App] = weakref.WeakSet()
+
+class OpenApp(Protocol):
+    """What closing an app at exit needs of it (``App``)."""
+
+    main: str | None
+
+    def close(self) -> None: ...
+
+
+open_apps: weakref.WeakSet[OpenApp] = weakref.WeakSet()
 
 
 @atexit.register

@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, overload
 
-from broker_svc.library_log import get_logger
+from broker_svc.logging import get_logger
 
 __all__ = [
     "Signal",

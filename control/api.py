@@ -6,11 +6,11 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from broker_svc.beat.schedule_client import ScheduleClient
 from broker_svc.clock import LamportClock
 from broker_svc.control_plane import Destination
 from broker_svc.errors import BrokerSvcError
-from broker_svc.library_log import get_logger
+from broker_svc.logging import get_logger
+from broker_svc.schedules.client import ScheduleClient
 from broker_svc.settings import Settings
 from control.blocking.client import ControlClient
 from control.protocol.replies import (

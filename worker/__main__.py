@@ -14,7 +14,7 @@ from typing import NoReturn
 from broker_svc.errors import BrokerUnavailable, ConfigurationError
 from broker_svc.logging import configure_logging
 from broker_svc.settings import split_names
-from worker.beat import add_beat_options, beat_for
+from worker.beat.cli import add_beat_options, beat_for
 from worker.config import (
     DEFAULT_CONSUMER_TIMEOUT_S,
     DEFAULT_HOSTNAME,

@@ -8,7 +8,7 @@ An ``AsyncApp`` is made from an existing ``App`` and shares its task registry, s
 serializer and clock; it has its own connection (aio-pika) and reply queue, bound to the event
 loop it was opened on. Every send goes through the blocking code that builds messages
 (``Task.apply_async``, the canvas, ``build_message``, ``prepare_publish``) with the send kept
-instead of published (``broker_svc/send_capture.py``), so both clients send the same tasks.
+instead of published (``broker_svc/sending/capture.py``), so both clients send the same tasks.
 """
 
 from __future__ import annotations
@@ -23,15 +23,15 @@ from typing_extensions import ParamSpec, TypeVar
 from broker_svc import signals
 from broker_svc.aio.connection import AioConnection
 from broker_svc.aio.results import AioGroupResult, AioResult, ResultWaiters
+from broker_svc.canvas.signature import Signature
 from broker_svc.connection.pending import PendingPublish, prepare_publish
 from broker_svc.errors import BrokerUnavailable, ConfigurationError
-from broker_svc.group_result import ResultSet
-from broker_svc.result import AsyncResult
-from broker_svc.send_capture import capturing
-from broker_svc.send_message import after_publish, before_publish, build_message
-from broker_svc.shared import SharedTask
-from broker_svc.signature import Signature
-from broker_svc.task import Task
+from broker_svc.results.group_result import ResultSet
+from broker_svc.results.result import AsyncResult
+from broker_svc.sending.capture import capturing
+from broker_svc.sending.message import after_publish, before_publish, build_message
+from broker_svc.tasks.shared import SharedTask
+from broker_svc.tasks.task import Task
 from broker_svc.topology import new_reply_queue_name, result_queue
 from broker_svc.wire import codec
 

@@ -25,7 +25,7 @@ import pamqp.commands
 from broker_svc.aio.properties import EncodedProperties
 from broker_svc.connection.pending import PendingPublish
 from broker_svc.errors import BrokerUnavailable, PublishError, PublishNacked, Unroutable
-from broker_svc.library_log import get_logger
+from broker_svc.logging import get_logger
 from broker_svc.settings import Settings
 from broker_svc.topology import QueueSpec
 

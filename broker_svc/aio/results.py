@@ -17,8 +17,8 @@ import aio_pika.abc
 from typing_extensions import TypeVar
 
 from broker_svc.errors import MessageError, ResultTimeout
-from broker_svc.library_log import get_logger
-from broker_svc.result import outcome_value
+from broker_svc.logging import get_logger
+from broker_svc.results.result import outcome_value
 from broker_svc.wire import codec
 from broker_svc.wire.result_message import Outcome
 from broker_svc.wire.result_view import OutcomeView, ResultsView

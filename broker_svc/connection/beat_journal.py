@@ -3,7 +3,8 @@
 ``Journal`` reads the state back (the latest snapshot, then every journal record after it, up to
 a marker it writes, so nothing written before the call is missed), appends schedule changes,
 and saves snapshots. ``JournalFollower`` follows the journal from an offset on a thread of its
-own, handing each record over as ``(offset, item)``. Records are in ``broker_svc/wire/beat_record.py``.
+own, handing each record over as ``(offset, item)``. Records are in
+``broker_svc/schedules/journal_record.py``.
 """
 
 from __future__ import annotations
@@ -21,10 +22,19 @@ import pika.exceptions
 import pika.spec
 from pika.adapters.blocking_connection import BlockingChannel
 
-from broker_svc.beat.state import BeatState
 from broker_svc.connection.parameters import all_connection_parameters
 from broker_svc.errors import BrokerUnavailable, MessageError, Unroutable
-from broker_svc.library_log import get_logger
+from broker_svc.logging import get_logger
+from broker_svc.schedules.journal_record import (
+    CONTENT_TYPE,
+    RECORD_HEADER,
+    Change,
+    JournalItem,
+    Marker,
+    TermOpened,
+    classify,
+)
+from broker_svc.schedules.state import BeatState
 from broker_svc.settings import Settings
 from broker_svc.topology import (
     DEFAULT_EXCHANGE,
@@ -33,15 +43,6 @@ from broker_svc.topology import (
     beat_router_exchange,
     beat_snapshot_queue,
     beat_term_exchange,
-)
-from broker_svc.wire.beat_record import (
-    CONTENT_TYPE,
-    RECORD_HEADER,
-    Change,
-    JournalItem,
-    Marker,
-    TermOpened,
-    classify,
 )
 
 __all__ = ["Journal", "JournalFollower", "JournalRecord"]

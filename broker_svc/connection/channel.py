@@ -17,7 +17,7 @@ import pika.spec
 
 from broker_svc.connection.pending import Delivery, PendingPublish
 from broker_svc.connection.pika_internals import EncodedProperties
-from broker_svc.library_log import get_logger
+from broker_svc.logging import get_logger
 from broker_svc.topology import QueueSpec
 from broker_svc.wire.amqp_fields import encode_properties
 

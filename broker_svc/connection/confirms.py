@@ -23,7 +23,7 @@ from broker_svc.connection.failures import max_message_size, missing_exchange
 from broker_svc.connection.outbox import Outbox
 from broker_svc.connection.pending import PendingPublish
 from broker_svc.errors import BrokerBlocked, BrokerUnavailable, PublishError, PublishNacked, Unroutable
-from broker_svc.library_log import get_logger
+from broker_svc.logging import get_logger
 from broker_svc.settings import Settings
 from broker_svc.topology import QueueSpec
 

@@ -30,7 +30,7 @@ from broker_svc.connection.pending import PendingPublish
 from broker_svc.connection.pika_internals import GatheringConnection, release_while_polling
 from broker_svc.connection.watchdog import Watchdog
 from broker_svc.errors import BrokerSvcError, BrokerUnavailable
-from broker_svc.library_log import get_logger
+from broker_svc.logging import get_logger
 from broker_svc.settings import Settings, redact_url
 from broker_svc.topology import QueueSpec
 

@@ -24,7 +24,7 @@ from pika.adapters.blocking_connection import BlockingChannel
 from broker_svc.clock import LamportClock
 from broker_svc.connection.parameters import all_connection_parameters
 from broker_svc.errors import BrokerUnavailable, MessageError
-from broker_svc.library_log import get_logger
+from broker_svc.logging import get_logger
 from broker_svc.settings import Settings
 from broker_svc.topology import DEFAULT_EXCHANGE, task_states_stream
 from broker_svc.wire.task_state import MARKER_HEADER, StateRecord

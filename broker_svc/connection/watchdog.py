@@ -15,7 +15,7 @@ import pika
 from broker_svc.connection.confirms import Confirms
 from broker_svc.connection.outbox import Outbox
 from broker_svc.connection.pika_internals import abort_connection
-from broker_svc.library_log import get_logger
+from broker_svc.logging import get_logger
 from broker_svc.settings import Settings
 
 __all__ = ["Watchdog"]

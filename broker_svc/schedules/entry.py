@@ -9,11 +9,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, get_args
 
-from broker_svc.request import SEND_OPTIONS
 from broker_svc.schedules.crontab import Crontab
 from broker_svc.schedules.interval import Every
 from broker_svc.schedules.schedule import RELATIVE_REFUSED, as_schedule, schedule_from_json
 from broker_svc.schedules.wall_clock import load_zone
+from broker_svc.tasks.request import SEND_OPTIONS
 
 __all__ = ["CatchUp", "DEFAULT_CATCH_UP_WINDOW_S", "Entry", "Overlap", "parse_beat_schedule"]
 

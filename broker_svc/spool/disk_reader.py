@@ -6,11 +6,11 @@ import collections
 from pathlib import Path
 
 from broker_svc.connection.pending import PendingPublish
-from broker_svc.library_log import get_logger
+from broker_svc.logging import get_logger
 from broker_svc.settings import Settings
 from broker_svc.spool.entry import template_of
+from broker_svc.spool.record import RawRecord, decode_payload
 from broker_svc.spool.segment import MAGIC, read_records
-from broker_svc.wire.spool_record import RawRecord, decode_payload
 
 __all__ = ["DiskReader"]
 

@@ -21,7 +21,7 @@ from typing import Final
 from broker_svc.connection.io_thread import BrokerConnection
 from broker_svc.connection.pending import PendingPublish
 from broker_svc.errors import BrokerBlocked, BrokerSvcError, BrokerUnavailable, PublishNacked
-from broker_svc.library_log import get_logger
+from broker_svc.logging import get_logger
 from broker_svc.spool.entry import Entry
 from broker_svc.spool.store import SpoolStore
 

@@ -6,9 +6,9 @@ from typing import Final
 
 from broker_svc.connection.pending import PendingPublish
 from broker_svc.settings import Settings
+from broker_svc.spool.record import QueueKind, SpooledMessage
 from broker_svc.topology import QueueSpec, dedup_gate_queue, task_queue
 from broker_svc.wire.dedup import GATE_SHARDS
-from broker_svc.wire.spool_record import QueueKind, SpooledMessage
 
 __all__ = ["Entry", "spooled_of", "template_of"]
 

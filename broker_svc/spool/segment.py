@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from broker_svc.library_log import get_logger
-from broker_svc.wire.spool_record import RawRecord, scan
+from broker_svc.logging import get_logger
+from broker_svc.spool.record import RawRecord, scan
 
 __all__ = [
     "MAGIC",

@@ -18,7 +18,7 @@ from typing import Final
 from broker_svc.connection.io_thread import BrokerConnection
 from broker_svc.connection.pending import PendingPublish
 from broker_svc.errors import PublishError
-from broker_svc.library_log import get_logger
+from broker_svc.logging import get_logger
 from broker_svc.settings import Settings
 from broker_svc.spool.drain import SpoolDrain
 from broker_svc.spool.slots import claim_slot

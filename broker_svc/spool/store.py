@@ -27,13 +27,13 @@ from typing import Final
 
 from broker_svc.connection.pending import PendingPublish
 from broker_svc.errors import SpoolError, SpoolFull
-from broker_svc.library_log import get_logger
+from broker_svc.logging import get_logger
 from broker_svc.settings import Settings
 from broker_svc.spool.disk_reader import DiskReader
 from broker_svc.spool.entry import Entry, spooled_of
+from broker_svc.spool.record import HEADER, encode_payload, frame
 from broker_svc.spool.segment import SEGMENT_BYTES, Segment, SegmentWriter, segment_paths
 from broker_svc.spool.takeover import index, last_number, read_low, save_low, size_of
-from broker_svc.wire.spool_record import HEADER, encode_payload, frame
 
 __all__ = ["SpoolStore", "StoreFigures"]
 

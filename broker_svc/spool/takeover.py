@@ -15,7 +15,7 @@ import zlib
 from pathlib import Path
 from typing import Final
 
-from broker_svc.library_log import get_logger
+from broker_svc.logging import get_logger
 from broker_svc.spool.segment import Segment, recover
 
 __all__ = ["index", "last_number", "read_low", "save_low", "size_of"]

@@ -23,7 +23,7 @@ import aiormq.abc
 from broker_svc.aio.connection import connect_any
 from broker_svc.clock import LamportClock
 from broker_svc.errors import BrokerUnavailable
-from broker_svc.library_log import get_logger
+from broker_svc.logging import get_logger
 from broker_svc.settings import Settings
 from broker_svc.topology import DEFAULT_NAMESPACE, revocation_log
 from control.aio.broadcaster import AsyncBroadcaster, read_members

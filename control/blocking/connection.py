@@ -20,7 +20,7 @@ from broker_svc.clock import LamportClock
 from broker_svc.connection.failures import describe_connect_error
 from broker_svc.connection.parameters import all_connection_parameters
 from broker_svc.errors import BrokerUnavailable
-from broker_svc.library_log import get_logger
+from broker_svc.logging import get_logger
 from broker_svc.settings import Settings
 from broker_svc.topology import (
     DEFAULT_EXCHANGE,

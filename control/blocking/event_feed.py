@@ -12,7 +12,7 @@ from pika.adapters.blocking_connection import BlockingChannel as Channel
 
 from broker_svc.clock import LamportClock
 from broker_svc.errors import MessageError
-from broker_svc.library_log import get_logger
+from broker_svc.logging import get_logger
 from broker_svc.topology import event_queue
 from broker_svc.wire import codec
 from control.blocking.declarations import declare_queue

@@ -14,7 +14,7 @@ from pika.adapters.blocking_connection import BlockingChannel as Channel
 
 from broker_svc.clock import LamportClock
 from broker_svc.connection.pika_internals import underlying_channel
-from broker_svc.library_log import get_logger
+from broker_svc.logging import get_logger
 from broker_svc.topology import DEFAULT_EXCHANGE, members_stream
 from control.blocking.declarations import declare_queue
 from control.blocking.event_feed import decode_events

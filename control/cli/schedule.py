@@ -1,6 +1,6 @@
 """``ctl schedule list|add|remove|pause|resume|run-now``: the periodic schedule, changed at runtime.
 
-Changes are written to the scheduler's journal on the broker (``broker_svc/beat/schedule_client.py``):
+Changes are written to the scheduler's journal on the broker (``broker_svc/schedules/client.py``):
 durable, and applied by whichever ``clockwork-beat`` or ``worker -B`` leads, within a second.
 """
 
@@ -11,8 +11,8 @@ import datetime as dt
 import json
 from typing import Any, TextIO
 
-from broker_svc.beat.schedule_client import ScheduleClient, ScheduledEntry
 from broker_svc.schedules import Crontab, Every
+from broker_svc.schedules.client import ScheduleClient, ScheduledEntry
 from control.blocking.client import ControlClient
 from control.cli.exit_codes import EX_FAILURE, EX_OK
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from broker_svc.library_log import get_logger
+from broker_svc.logging import get_logger
 from control.protocol.request import TICKET_HEADER
 
 __all__ = ["ReplyCollector"]

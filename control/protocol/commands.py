@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Final
 
-from broker_svc.library_log import get_logger
+from broker_svc.logging import get_logger
 from control.protocol.request import nok
 
 __all__ = ["COMMANDS", "Command", "CommandKind", "CommandRegistry", "Handler", "Param"]

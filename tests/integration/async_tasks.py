@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from broker_svc import App, Settings, SoftTimeLimitExceeded, Task, signals
-from broker_svc.task import ExceptionInfo
+from broker_svc.tasks.task import ExceptionInfo
 
 app = App("async-tasks", settings=Settings.from_env())
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from broker_svc import App, Settings, SoftTimeLimitExceeded, Task
-from broker_svc.task import ExceptionInfo
+from broker_svc.tasks.task import ExceptionInfo
 
 app = App("semantics", settings=Settings.from_env())
 

@@ -18,13 +18,13 @@ from typing import Any
 import pytest
 
 from broker_svc import App, PublishError, Settings, Signature, Unroutable
-from broker_svc.beat.scheduler import Beat
 from broker_svc.schedules import Entry, Every, fire_id
 from broker_svc.topology import beat_term_exchange
 from tests.infra.session_broker import SessionBroker
 from tests.support.beats import BeatProcess, new_journal, runs, schedule_env, tick_entry, wait_runs
 from tests.support.waiting import poll, wait_for
 from tests.support.workers import ROOT, WorkerProcess, unique_queue
+from worker.beat.scheduler import Beat
 
 APP = "tests.integration.beat_tasks:app"
 CTL = str(Path(sys.executable).parent / "ctl")

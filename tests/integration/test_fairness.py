@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from broker_svc import App, Settings
-from broker_svc.task import Signature
+from broker_svc.tasks.task import Signature
 from tests.support.amqp import delete_queues
 from tests.support.pidbox import call
 from tests.support.waiting import wait_for

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 
 from broker_svc import Settings
-from broker_svc.connection.feed_connection import ConnectionLost, FeedConnection
+from broker_svc.amqp.feed_connection import ConnectionLost, FeedConnection
 from broker_svc.errors import BrokerUnavailable, Unroutable
 from broker_svc.topology import QueueSpec, dead_letter_queue, task_queue
 from broker_svc.wire.task_message import WireMessage

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from broker_svc.leader import Election, Term
 from broker_svc.settings import Settings
 from tests.infra.session_broker import SessionBroker
 from tests.reliability.leader_journal import check, gaps
 from tests.support.leaders import Candidates
 from tests.support.waiting import wait_for
+from worker.leader import Election, Term
 
 LEASE_S = 2.0
 

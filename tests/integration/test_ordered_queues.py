@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from broker_svc import App, Settings
-from broker_svc.task import Signature
+from broker_svc.tasks.task import Signature
 from tests.support.amqp import channel, delete_queues, queue_depth
 from tests.support.order_journal import OrderVerdict, check_order, read_journal
 from tests.support.waiting import wait_for

@@ -12,8 +12,8 @@ import pika
 import pytest
 
 from broker_svc import Settings
-from broker_svc.connection.feed_delivery import ConnectionLost, TaskDelivery
-from broker_svc.connection.shared_feed_connection import SharedFeedConnection
+from broker_svc.amqp.delivery import ConnectionLost, TaskDelivery
+from broker_svc.amqp.shared_feed_connection import SharedFeedConnection
 from tests.support.amqp import channel, delete_queues, publish_raw, queue_depth
 from tests.support.waiting import wait_for
 from tests.support.workers import unique_queue

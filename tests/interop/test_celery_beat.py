@@ -28,7 +28,7 @@ import pytest
 from broker_svc import Settings
 from broker_svc.connection.beat_journal import Journal
 from broker_svc.schedules import fire_id
-from broker_svc.topology_streams import beat_journal_stream
+from broker_svc.topology import beat_journal_stream
 from tests.infra.session_broker import SessionBroker
 from tests.interop.conftest import CeleryWorker, celery_worker
 from tests.support.beats import BeatProcess, new_journal, runs, schedule_env, tick_entry, wait_runs

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from broker_svc.leader import Election, Term
 from broker_svc.settings import Settings
 from tests.reliability.leader_journal import record
+from worker.leader import Election, Term
 
 
 class JournaledHooks:

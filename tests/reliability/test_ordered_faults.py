@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from broker_svc import App, Settings
-from broker_svc.task import Signature
+from broker_svc.tasks.task import Signature
 from tests.infra.private_node import PrivateNode
 from tests.reliability.journal import report
 from tests.support.order_journal import check_order, read_journal

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from broker_svc.wire import amqp_frames as frames
+from broker_svc.amqp import frames
 from broker_svc.wire.amqp_fields import encode_properties, encode_table
 
 _scalars = (

@@ -71,11 +71,14 @@ def test_imports_flow_worker_to_control_to_broker_svc_only():
 
 
 # DESIGN §1: a module is pure, blocking (pika) or async (aio-pika), never two of those. The folder says
-# which: these rules name folders, never files, so a new module is checked by where it is put.
-BLOCKING_FOLDERS = ("broker_svc/connection/", "control/blocking/")
+# which: these rules name folders, never files, so a new module is checked by where it is put. A
+# blocking folder inside an async one (the scheduler service in worker/beat/) is blocking: the more
+# specific folder wins.
+BLOCKING_FOLDERS = ("broker_svc/connection/", "control/blocking/", "worker/beat/")
 ASYNC_FOLDERS = ("worker/", "control/aio/", "broker_svc/aio/")
 PURE_FOLDERS = ("broker_svc/wire/", "control/protocol/", "broker_svc/schedules/")
 IO_LIBRARIES = {"pika", "aio_pika", "aiormq", "pamqp", "socket", "asyncio", "selectors"}
+ASYNC_LIBRARIES = {"aio_pika", "aiormq", "pamqp", "asyncio"}
 
 
 def test_pika_only_in_blocking_folders_and_aio_pika_only_in_async_folders():
@@ -86,6 +89,16 @@ def test_pika_only_in_blocking_folders_and_aio_pika_only_in_async_folders():
                 assert path.startswith(BLOCKING_FOLDERS), path
             if tops & {"aio_pika", "aiormq", "pamqp"}:
                 assert path.startswith(ASYNC_FOLDERS), path
+                assert not path.startswith(BLOCKING_FOLDERS + LEADER_FOLDERS), path
+
+
+def test_blocking_folders_inside_the_worker_run_on_threads_not_on_an_event_loop():
+    checked = 0
+    for path, names in _package_imports("worker").items():
+        if path.startswith(BLOCKING_FOLDERS + LEADER_FOLDERS):
+            assert not _top(names) & ASYNC_LIBRARIES, path
+            checked += 1
+    assert checked >= 8  # worker/beat/ and worker/leader/ exist and hold the scheduler and election
 
 
 def test_pure_folders_do_no_io():
@@ -125,12 +138,12 @@ def test_app_control_is_typed_by_a_protocol_that_control_api_satisfies():
         app.close()
 
 
-def test_broker_svc_leader_exports_exactly_the_election_its_hooks_and_its_error():
-    import broker_svc.leader
+def test_worker_leader_exports_exactly_the_election_its_hooks_and_its_error():
+    import worker.leader
 
-    assert sorted(broker_svc.leader.__all__) == ["Election", "LeaderHooks", "LeadershipLost", "Term"]
-    for name in broker_svc.leader.__all__:
-        assert getattr(broker_svc.leader, name) is not None
+    assert sorted(worker.leader.__all__) == ["Election", "LeaderHooks", "LeadershipLost", "Term"]
+    for name in worker.leader.__all__:
+        assert getattr(worker.leader, name) is not None
 
 
 def test_broker_svc_schedules_exports_exactly_the_schedules_entries_and_firing():
@@ -147,19 +160,33 @@ def test_broker_svc_schedules_exports_exactly_the_schedules_entries_and_firing()
         assert getattr(broker_svc.schedules, name) is not None
 
 
-# broker_svc/leader/ is blocking (threads) but opens no socket of its own: its one connection is
-# broker_svc/connection/lease_connection.py, a FrameSocket (no pika), so the folder imports no
+# worker/leader/ is blocking (threads) but opens no socket of its own: its one connection is
+# broker_svc/amqp/lease_connection.py, a FrameSocket (no pika), so the folder imports no
 # AMQP library, no socket and no asyncio; an embedding worker runs it on threads.
-LEADER_FOLDERS = ("broker_svc/leader/",)
+LEADER_FOLDERS = ("worker/leader/",)
 
 
 def test_the_leader_folder_reaches_the_broker_only_through_its_lease_connection():
     checked = 0
-    for path, names in _package_imports("broker_svc").items():
+    for path, names in _package_imports("worker").items():
         if path.startswith(LEADER_FOLDERS):
             assert not _top(names) & IO_LIBRARIES, path
             checked += 1
     assert checked >= 3
+
+
+# broker_svc/amqp/ is our own AMQP 0-9-1 client: blocking, on sockets of its own, and no AMQP library
+# (a pool child that imports it loads neither pika nor aio-pika), nor asyncio.
+OWN_CLIENT_FOLDERS = ("broker_svc/amqp/",)
+
+
+def test_our_own_amqp_client_uses_no_amqp_library_and_no_event_loop():
+    checked = 0
+    for path, names in _package_imports("broker_svc").items():
+        if path.startswith(OWN_CLIENT_FOLDERS):
+            assert not _top(names) & (ASYNC_LIBRARIES | {"pika"}), path
+            checked += 1
+    assert checked >= 9  # frames, methods, the socket, the feed, shared feed and lease connections, ...
 
 
 def test_ordered_queues_are_public_in_topology_and_settings():

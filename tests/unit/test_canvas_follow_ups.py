@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from broker_svc import App
-from broker_svc.follow_ups import follow_ups, runs_in_process, unhonoured
+from broker_svc.canvas.follow_ups import follow_ups, runs_in_process, unhonoured
 from broker_svc.wire.task_message import TaskMessage
 
 

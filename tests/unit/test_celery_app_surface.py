@@ -14,8 +14,8 @@ from pydantic import BaseModel, ValidationError
 from structlog.testing import capture_logs
 
 from broker_svc import App, ConfigurationError, Retry, current_app, shared_task
-from broker_svc.routes import route_for
-from broker_svc.task import Request, executing
+from broker_svc.sending.routes import route_for
+from broker_svc.tasks.task import Request, executing
 
 URL = "amqp://guest:guest@127.0.0.1:5672/%2Fsurface"
 

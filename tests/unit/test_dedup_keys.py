@@ -10,13 +10,13 @@ from typing import Any
 import pytest
 
 from broker_svc import App, Settings, Task, chain, chord, group
+from broker_svc.canvas.signature import Signature
 from broker_svc.connection.pending import prepare_publish
-from broker_svc.dedup_keys import KEY_MAX_BYTES, TaskDedup, check_dedup_key, dedup_call
 from broker_svc.schedules.entry import Entry
 from broker_svc.schedules.interval import Every
-from broker_svc.send_capture import SendCapture, capturing
-from broker_svc.send_message import Destination, build_message
-from broker_svc.signature import Signature
+from broker_svc.sending.capture import SendCapture, capturing
+from broker_svc.sending.dedup_keys import KEY_MAX_BYTES, TaskDedup, check_dedup_key, dedup_call
+from broker_svc.sending.message import Destination, build_message
 from broker_svc.spool.entry import spooled_of, template_of
 from broker_svc.topology import dedup_gate_queue
 from broker_svc.wire.dedup import (

@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
-from broker_svc.connection.feed_connection import TaskDelivery
+from broker_svc.amqp.feed_connection import TaskDelivery
 from worker.consume.settle import CopiesInFlight
 
 

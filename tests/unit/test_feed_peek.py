@@ -1,4 +1,4 @@
-"""The deliveries a consuming child's socket holds unread, looked at and left there (feed_peek).
+"""The deliveries a consuming child's socket holds unread, looked at and left there (amqp/peek.py).
 
 The bytes are AMQP frames as the broker writes them, sent through a real socket pair; what the
 connection has read and not parsed yet is passed beside it, as ``FeedConnection.held`` does.
@@ -9,8 +9,8 @@ from __future__ import annotations
 import socket
 import struct
 
-from broker_svc.connection.feed_peek import peeked_deliveries
-from broker_svc.wire import amqp_frames as frames
+from broker_svc.amqp import frames
+from broker_svc.amqp.peek import peeked_deliveries
 from broker_svc.wire.amqp_fields import encode_properties
 
 _TAGS = {"ctag-1": "jobs"}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from broker_svc.connection.feed_connection import ConnectionLost, FeedConnection, TaskDelivery
+from broker_svc.amqp.feed_connection import ConnectionLost, FeedConnection, TaskDelivery
 from broker_svc.settings import Settings
 from worker.child.redeliveries import FeedRedeliveries, RecentRuns, Verdict
 from worker.rules.disposition import Fate

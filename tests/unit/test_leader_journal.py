@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from broker_svc.errors import DecodeError, LeadershipLost
-from broker_svc.leader.term import Term
 from broker_svc.topology import leader_queue
-from broker_svc.wire.leader_token import Token, decode_token, encode_token, last_term
 from tests.reliability.leader_journal import Interval, check, check_intervals, record
+from worker.leader.term import Term
+from worker.leader.token import Token, decode_token, encode_token, last_term
 
 
 def test_the_checker_finds_no_overlap_in_back_to_back_terms():

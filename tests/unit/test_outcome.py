@@ -11,7 +11,7 @@ from broker_svc.errors import (
     TaskError,
     TaskRevokedError,
 )
-from broker_svc.result import outcome_error, outcome_value
+from broker_svc.results.result import outcome_error, outcome_value
 from broker_svc.wire.result_message import Outcome, exception_from_wire, exception_to_wire, wire_exception
 from broker_svc.wire.result_view import OutcomeView
 from broker_svc.wire.states import READY_STATES

@@ -36,7 +36,7 @@ ALLOWED = {
     "worker/single_active/gatekeeper.py",
     # Election bids and term tokens, not task deliveries: a leader acks each token once the next
     # one is back (its lease), and bids as they come.
-    "broker_svc/leader/election.py",
+    "worker/leader/election.py",
 }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from broker_svc.wire.spool_record import HEADER, SpooledMessage, decode_payload, encode_payload, frame, scan
+from broker_svc.spool.record import HEADER, SpooledMessage, decode_payload, encode_payload, frame, scan
 from broker_svc.wire.task_message import WireMessage
 
 

@@ -20,9 +20,9 @@ from typing import Final
 import structlog
 from structlog.contextvars import bind_contextvars, clear_contextvars
 
+from broker_svc.amqp.feed_connection import ConnectionLost, FeedConnection, TaskDelivery
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
-from broker_svc.connection.feed_connection import ConnectionLost, FeedConnection, TaskDelivery
 from broker_svc.errors import BrokerUnavailable
 from worker.child.hard_limit import HardLimit
 from worker.child.redeliveries import FeedRedeliveries, RecentRuns, Verdict, task_identity

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 
 import structlog
 
-from broker_svc.connection.feed_connection import FeedConnection, TaskDelivery
+from broker_svc.amqp.feed_connection import FeedConnection, TaskDelivery
 from worker.consume.settle import FeedSettler
 from worker.ipc import Job
 from worker.rules.disposition import ACK

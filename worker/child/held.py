@@ -14,7 +14,7 @@ from typing import Any
 
 import structlog
 
-from broker_svc.connection.feed_connection import FeedConnection, TaskDelivery
+from broker_svc.amqp.feed_connection import FeedConnection, TaskDelivery
 from broker_svc.errors import MessageError
 from broker_svc.settings import Settings
 from broker_svc.wire import codec

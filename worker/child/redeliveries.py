@@ -33,7 +33,7 @@ from typing import Final
 
 import structlog
 
-from broker_svc.connection.feed_connection import ConnectionLost, FeedConnection, TaskDelivery
+from broker_svc.amqp.feed_connection import ConnectionLost, FeedConnection, TaskDelivery
 from broker_svc.errors import BrokerUnavailable
 from worker.child.spec import FeedSpec
 from worker.rules.disposition import Fate

@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
+from broker_svc.amqp.feed_connection import FeedConnection
 from broker_svc.app import App
-from broker_svc.connection.feed_connection import FeedConnection
+from broker_svc.canvas.follow_ups import runs_in_process
 from broker_svc.errors import (
     Reject,
     TaskRevokedError,
 )
-from broker_svc.follow_ups import runs_in_process
-from broker_svc.task import Request, Task, executing
-from broker_svc.trace import IGNORED, REJECTED, RETRY, SUCCESS, trace
+from broker_svc.tasks.task import Request, Task, executing
+from broker_svc.tasks.trace import IGNORED, REJECTED, RETRY, SUCCESS, trace
 from broker_svc.wire.result_message import exception_to_wire, wire_exception
 from worker import ipc
 from worker.child.hard_limit import HardLimit

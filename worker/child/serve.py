@@ -43,9 +43,9 @@ import threading
 
 import structlog
 
+from broker_svc.amqp.shared_feed_connection import SharedFeedConnection
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
-from broker_svc.connection.shared_feed_connection import SharedFeedConnection
 from worker import ipc
 from worker.child.channel import ChildChannel
 from worker.child.consumer import STOP_CHECK_S, Consumer, Shared

@@ -14,8 +14,8 @@ from typing import Any
 import structlog
 
 from broker_svc import signals
+from broker_svc.amqp.feed_connection import TaskDelivery
 from broker_svc.app import App
-from broker_svc.connection.feed_connection import TaskDelivery
 from broker_svc.wire.codec import reply_type
 from broker_svc.wire.event_fields import describe_repr
 from broker_svc.wire.result_message import Outcome, wire_exception

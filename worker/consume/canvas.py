@@ -11,7 +11,7 @@ from typing import Any
 import structlog
 
 from broker_svc.app import App
-from broker_svc.follow_ups import FollowUp
+from broker_svc.canvas.follow_ups import FollowUp
 from broker_svc.topology import chord_join_queue
 from broker_svc.wire.states import State
 from broker_svc.wire.task_message import TaskMessage

@@ -11,8 +11,8 @@ from typing import Any
 
 import structlog
 
+from broker_svc.amqp.feed_connection import FeedConnection
 from broker_svc.clock import LamportClock
-from broker_svc.connection.feed_connection import FeedConnection
 from broker_svc.errors import BrokerUnavailable
 from broker_svc.topology import event_exchange
 from broker_svc.wire.event_fields import encode_event, event_body, routing_key

@@ -19,9 +19,9 @@ import structlog
 from structlog.contextvars import bind_contextvars, clear_contextvars
 
 from broker_svc import signals
+from broker_svc.amqp.feed_connection import TaskDelivery
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
-from broker_svc.connection.feed_connection import TaskDelivery
 from broker_svc.errors import MessageError
 from broker_svc.topology import DELAY_HOLD_WINDOW_S, EXPIRED_QUEUE, delay_bucket_ms
 from broker_svc.wire import codec

@@ -23,7 +23,7 @@ from typing import Any, Final, TypeVar
 
 import structlog
 
-from broker_svc.connection.feed_connection import TaskDelivery
+from broker_svc.amqp.feed_connection import TaskDelivery
 from broker_svc.wire.task_message import TaskMessage
 from worker import ipc
 from worker.child.channel import ChildChannel

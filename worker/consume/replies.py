@@ -14,8 +14,8 @@ from typing import Any
 
 import structlog
 
+from broker_svc.amqp.feed_connection import FeedConnection, TaskDelivery
 from broker_svc.clock import LamportClock
-from broker_svc.connection.feed_connection import FeedConnection, TaskDelivery
 from broker_svc.errors import Unroutable
 from broker_svc.topology import (
     DEAD_LETTER_ERROR_HEADER,

@@ -16,7 +16,7 @@ from typing import Final
 
 import structlog
 
-from broker_svc.connection.feed_connection import FeedConnection, TaskDelivery
+from broker_svc.amqp.feed_connection import FeedConnection, TaskDelivery
 from broker_svc.errors import BrokerSvcError
 from broker_svc.topology import QueueSpec, dedup_gate_queue, delay_queue
 from broker_svc.wire.dedup import gate_headers, release_of, shard_of

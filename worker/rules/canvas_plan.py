@@ -13,8 +13,14 @@ from typing import Any
 import structlog
 
 from broker_svc.app import App
-from broker_svc.follow_ups import FollowUp, chord_header_problem, follow_ups, runs_in_process, unhonoured
-from broker_svc.routes import route_for
+from broker_svc.canvas.follow_ups import (
+    FollowUp,
+    chord_header_problem,
+    follow_ups,
+    runs_in_process,
+    unhonoured,
+)
+from broker_svc.sending.routes import route_for
 from broker_svc.wire.chord_part import ChordPart, encode_part
 from broker_svc.wire.result_message import wire_exception
 from broker_svc.wire.states import State

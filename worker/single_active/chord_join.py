@@ -39,8 +39,8 @@ import structlog
 from aiormq import spec
 
 from broker_svc.app import App
+from broker_svc.canvas.follow_ups import FollowUp, as_list, follow_ups
 from broker_svc.clock import LamportClock
-from broker_svc.follow_ups import FollowUp, as_list, follow_ups
 from broker_svc.topology import chord_join_queue, dead_letter_queue
 from broker_svc.wire import codec
 from broker_svc.wire.chord_part import ChordPart, decode_part

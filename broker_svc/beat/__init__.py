@@ -1,1 +1,0 @@
-"""The periodic scheduler (``clockwork-beat``, ``worker -B``): see ``broker_svc/beat/scheduler.py``."""

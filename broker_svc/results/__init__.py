@@ -1,0 +1,1 @@
+"""What a client reads back: ``AsyncResult``, ``GroupResult``, and task states as jobs."""

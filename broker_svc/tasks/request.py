@@ -1,0 +1,157 @@
+"""A task's request (``self.request``), the one of the task running now, and the send options.
+
+Kept apart from ``broker_svc.tasks.task`` (which imports them from here, as it did) because the pool
+child, the eager runner and the trace need a request without the ``Task`` class's machinery.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import datetime as dt
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+__all__ = ["SEND_OPTIONS", "ExceptionInfo", "Request", "countdown_to_eta", "current_request", "executing"]
+
+
+# Options ``apply_async``/``send_task`` accept; anything else is a TypeError with this list, so a
+# typo (``countdwon=``) is caught at the call instead of silently ignored.
+SEND_OPTIONS: Final = frozenset(
+    {
+        "task_id", "queue", "priority", "countdown", "eta", "expires", "time_limit",
+        "soft_time_limit", "ignore_result", "serializer", "headers", "shadow",
+        "parent_id", "root_id", "retries", "reply_to",
+        # the canvas: callbacks, errbacks, the rest of a chain, a group's id and place
+        "link", "link_error", "chain", "chord", "group_id", "group_index",
+        # Celery's routing and publish-retry options (docs/migrating-from-celery.md)
+        "routing_key", "exchange", "retry", "retry_policy",
+        # keyed deduplication (broker_svc/sending/dedup_keys.py)
+        "dedup_key", "dedup_timeout",
+    }
+)  # fmt: skip
+
+
+@dataclass(slots=True, kw_only=True)
+class Request:
+    """What a running task knows about its own call (``self.request`` in a bound task).
+
+    ``called_directly`` is True when the task body runs in-process (``task(...)``), not in a worker.
+    """
+
+    id: str | None = None
+    task: str = ""
+    args: list[Any] = field(default_factory=list)
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    retries: int = 0
+    hostname: str | None = None
+    delivery_info: dict[str, Any] = field(default_factory=dict)
+    root_id: str | None = None
+    parent_id: str | None = None
+    group: str | None = None
+    eta: str | None = None
+    expires: str | None = None
+    reply_to: str | None = None
+    correlation_id: str | None = None
+    origin: str | None = None
+    ignore_result: bool = False
+    timelimit: tuple[float | None, float | None] = (None, None)
+    called_directly: bool = True
+    # Run here by ``apply()`` (Celery's eager mode), not by a worker.
+    is_eager: bool = False
+    # The signatures to run if this task fails for good (``link_error``), as the message carried them.
+    errbacks: list[dict[str, Any]] | None = None
+    # The message's own headers (``apply_async(headers=...)``), also readable as attributes, as
+    # Celery shows them: ``self.request.headers["tenant"]`` or ``self.request.tenant``.
+    headers: dict[str, Any] | None = None
+    # The ids of the tasks this run has sent (Celery's ``request.children``; ``result.children``).
+    children: list[str] = field(default_factory=list)
+    # Set by the worker: sends a state update ({"state", "meta"}) to the task's client.
+    send_update: Callable[[dict[str, Any]], None] | None = field(default=None, repr=False)
+    # Set by ``Task.retry`` when no retries are left, so the worker dead-letters the message.
+    retries_exhausted: bool = False
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names that are not fields: a custom header, as Celery's Context has them.
+        headers = object.__getattribute__(self, "headers")
+        if headers and name in headers:
+            return headers[name]
+        raise AttributeError(f"the request has no attribute or header {name!r}")
+
+    @classmethod
+    def from_worker(
+        cls,
+        context: Mapping[str, Any],
+        *,
+        task: str,
+        args: list[Any],
+        kwargs: dict[str, Any],
+        send_update: Callable[[dict[str, Any]], None] | None,
+    ) -> Request:
+        """Build the request of a task the worker is running, from the context it sent along."""
+        limits = context.get("timelimit") or (None, None)
+        return cls(
+            id=context.get("id"),
+            task=task,
+            args=args,
+            kwargs=kwargs,
+            retries=int(context.get("retries") or 0),
+            hostname=context.get("hostname"),
+            delivery_info=dict(context.get("delivery_info") or {}),
+            root_id=context.get("root_id"),
+            parent_id=context.get("parent_id"),
+            group=context.get("group"),
+            eta=context.get("eta"),
+            expires=context.get("expires"),
+            reply_to=context.get("reply_to"),
+            correlation_id=context.get("correlation_id"),
+            origin=context.get("origin"),
+            ignore_result=bool(context.get("ignore_result")),
+            timelimit=(limits[0], limits[1]),
+            errbacks=context.get("errbacks"),
+            headers=context.get("headers"),
+            called_directly=False,
+            send_update=send_update,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ExceptionInfo:
+    """The ``einfo`` passed to ``on_failure``/``on_retry``/``after_return`` (as Celery's)."""
+
+    exception: BaseException
+    traceback: str
+
+
+# The request of the task running in this context; set only around a task call by the worker,
+# so tasks sent from inside a task inherit parent_id and root_id.
+_current: contextvars.ContextVar[Request | None] = contextvars.ContextVar("clockwork_request", default=None)
+
+
+def current_request() -> Request | None:
+    """The request of the task running in this context, or None outside a task."""
+    return _current.get()
+
+
+class executing:
+    """Make ``request`` the current one while a task body runs (used by the worker).
+
+    A class, not a generator: it is entered once per task, and costs a third as much.
+    """
+
+    __slots__ = ("_request", "_token")
+
+    def __init__(self, request: Request) -> None:
+        self._request = request
+
+    def __enter__(self) -> Request:
+        self._token = _current.set(self._request)
+        return self._request
+
+    def __exit__(self, *exc: object) -> None:
+        _current.reset(self._token)
+
+
+def countdown_to_eta(countdown: float) -> dt.datetime:
+    """The ETA ``countdown`` seconds from now, in UTC (as Celery's client converts it)."""
+    return dt.datetime.now(dt.UTC) + dt.timedelta(seconds=countdown)

@@ -1,0 +1,1 @@
+"""The periodic scheduler (``clockwork-beat``, ``worker -B``): see ``worker/beat/scheduler.py``."""
