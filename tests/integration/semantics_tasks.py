@@ -103,6 +103,16 @@ def recorded(self: Task, path: str, seconds: float) -> list[float]:
     return [started, time.time()]
 
 
+@app.task(bind=True)
+def recorded_until(self: Task, path: str, flag: str, max_s: float) -> list[float]:
+    """Note this run in ``path`` as it starts, then run until ``flag`` exists (at most ``max_s``)."""
+    started = time.time()
+    _record(path, {"id": self.request.id, "pid": os.getpid(), "started": started})
+    while not os.path.exists(flag) and time.time() - started < max_s:
+        time.sleep(0.05)
+    return [started, time.time()]
+
+
 @app.task(bind=True, track_started=True)
 def progress(self: Task, steps: int) -> str:
     for step in range(steps):

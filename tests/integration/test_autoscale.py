@@ -87,7 +87,7 @@ def test_the_autoscale_command_moves_the_range_and_pool_grow_and_shrink_are_refu
     assert now["prefetch_count"] == 3  # each child its own prefetch of 1: no headroom needed
     wait_for(lambda: len(stats(client, scaled)["pool"]["processes"]) == 3, timeout_s=10,
              message="three children")  # fmt: skip
-    wait_for(lambda: prefetches(session_broker, test_vhost_url, queue) == [1, 1, 1], timeout_s=10,
+    wait_for(lambda: prefetches(session_broker, test_vhost_url, queue) == [1, 1, 1], timeout_s=30,
              message="a consumer of prefetch 1 for each of three children")  # fmt: skip
 
     # A lower maximum shrinks it at once (idle children retire).
@@ -95,7 +95,7 @@ def test_the_autoscale_command_moves_the_range_and_pool_grow_and_shrink_are_refu
     now = stats(client, scaled)
     assert now["autoscaler"]["current"] == 2 and len(now["pool"]["processes"]) == 2
     assert now["prefetch_count"] == 2
-    wait_for(lambda: prefetches(session_broker, test_vhost_url, queue) == [1, 1], timeout_s=10,
+    wait_for(lambda: prefetches(session_broker, test_vhost_url, queue) == [1, 1], timeout_s=30,
              message="the retired child's consumer gone")  # fmt: skip
 
     # One bound alone keeps the other; a range that makes no sense is refused as Celery refuses.

@@ -11,6 +11,7 @@ consumer_timeout on a private node.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -57,7 +58,7 @@ def _runs(notes: Path, task_id: str) -> list[dict[str, object]]:
 def test_a_copy_sent_back_while_its_task_runs_is_not_run_again(
     session_broker: SessionBroker, vhost_url: str, tmp_path: Path, concurrency: int
 ):
-    queue, notes = unique_queue("redeliver"), tmp_path / "runs.jsonl"
+    queue, notes, flag = unique_queue("redeliver"), tmp_path / "runs.jsonl", tmp_path / "closed"
     app = App("redeliver-client", settings=Settings(broker_url=vhost_url))
     args = ["--broker-heartbeat", "1", "--without-mingle"]
     try:
@@ -65,11 +66,14 @@ def test_a_copy_sent_back_while_its_task_runs_is_not_run_again(
             vhost_url, app=f"{TASKS}:app", queues=[queue], concurrency=concurrency, extra_args=args
         ) as worker:
             worker.wait_ready()
-            result = app.send_task(f"{TASKS}.recorded", args=(str(notes), 3.0), queue=queue)
+            # The task runs until the test has closed its connection, however long rabbitmqctl takes.
+            result = app.send_task(f"{TASKS}.recorded_until", args=(str(notes), str(flag), 60.0), queue=queue)
             wait_for(lambda: _runs(notes, result.id), timeout_s=30, message="the task started")
             assert _close_child_connections(session_broker, vhost_url, worker) == concurrency
-            started, ended = result.get(timeout=30)
-            assert ended - started >= 3.0
+            closed = time.time()
+            flag.touch()
+            started, ended = result.get(timeout=90)
+            assert started < closed <= ended  # the connection was closed under the running task
             worker.first("task_outcome_sent_after_reconnect")
             # The copy is settled without a second run: parked, then acked once the outcome is out.
             worker.first("task_settled_by_redelivery" if concurrency > 1 else "task_redelivery_done_acked")
