@@ -2,8 +2,8 @@
 
 Publishing keeps up to ``CONFIRM_WINDOW`` confirms awaited at once; consuming acks each message,
 first answering one with a ``reply_to`` on a second channel in confirm mode (the reply's confirm
-awaited before the ack, as our worker does). Everything runs on uvloop when it is installed, as
-our worker does.
+awaited before the ack, as our worker does). Everything runs on uvloop when it is installed (the
+ceiling of what aio-pika can do; our worker's main process, out of the task path, does not use it).
 
 The round trip's client has one channel in confirm mode that publishes each call and consumes the
 reply queue (no acks). Confirms are pipelined as our client's: each call's publish is a task of

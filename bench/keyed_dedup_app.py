@@ -3,7 +3,7 @@
 With ``BENCH_KEYED_COUNTS`` set to a file, the worker's main process (where the dedup gate runs)
 counts its aio-pika channels' AMQP calls (``basic_publish``, ``basic_ack``, ``basic_nack``,
 ``basic_reject``, ``tx_commit``, on aiormq's ``Channel``) and writes them to that file as JSON
-whenever it gets SIGUSR2. In the default design the main process consumes no tasks, so during a
+whenever it gets SIGUSR2. The main process consumes no tasks (its children do), so during a
 benchmark these are the gate's calls (plus the control plane's, idle). The count costs a coroutine
 call per AMQP call, about a microsecond. Pool children (their own connections) are not counted.
 """

@@ -8,7 +8,7 @@ import platform
 import subprocess
 from pathlib import Path
 
-OUR_DISTRIBUTIONS = ("clockwork", "pika", "aio-pika", "aiormq", "pamqp", "uvloop", "structlog", "msgpack")
+OUR_DISTRIBUTIONS = ("clockwork", "pika", "aio-pika", "aiormq", "pamqp", "structlog", "msgpack")
 
 
 def _first(path: str, key: str) -> str | None:

@@ -144,8 +144,8 @@ def test_a_task_that_kills_its_child_is_retried_then_dead_lettered(
     # One delivery limit for child and worker deaths (worker.rules.deliveries): 1 run + 3 more, then the DLQ.
     assert dead[0].headers["x-clockwork-reason"] == "delivery_limit"
     assert dead[0].headers["x-clockwork-deliveries"] == 3
-    # Each of the 4 runs killed its child; the worker's own consumer counts the retries (3), a
-    # consuming child's worker each death (4: the dead letter comes with the next delivery).
+    # Each of the 4 runs killed its child, and the worker logs each death (4: the dead letter comes
+    # with the next delivery).
     assert worker.count("task_child_lost_retrying") == 4
     # The pool replaced its children: the worker still runs tasks.
     assert client.send_task("tests.integration.e2e_tasks.add", (1, 1), queue=queue).get(timeout=30) == 2

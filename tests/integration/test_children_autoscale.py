@@ -1,4 +1,4 @@
-"""``--autoscale``, ``pool_grow`` and ``pool_shrink`` with ``--children-consume``: each child is a consumer.
+"""``--autoscale``, ``pool_grow`` and ``pool_shrink``: each child is a consumer of its own.
 
 The pool grows while every child is busy and the queue holds ready messages, and shrinks back to
 MIN after ``--autoscale-keepalive`` seconds of spare children. Each child consumes at the spec's

@@ -1,4 +1,4 @@
-"""``--children-consume`` (issue 16, experimental): each pool child consumes, runs, answers and acks.
+"""Consuming children (issue 16): each pool child consumes, runs, answers and acks its own tasks.
 
 One worker for the module (``-c 2``, a 1 s AMQP heartbeat so a task that outlives it proves the
 child's connection is serviced while the task runs).

@@ -1,4 +1,4 @@
-"""``--dedupe-window``, inspect ``stats`` ``total`` and the metrics with ``--children-consume``.
+"""``--dedupe-window``, inspect ``stats`` ``total`` and the metrics, counted by the children.
 
 The dedupe window is the worker's, shared by its children: a copy of a task id reaching another
 child than the one that ran (or runs) it is a duplicate. ``stats`` and the metrics count the

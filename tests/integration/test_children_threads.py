@@ -1,4 +1,4 @@
-"""``--threads N`` with ``--children-consume``: N task threads per child, on one shared connection.
+"""``--threads N``: N task threads per child, on one shared connection.
 
 The behaviours every consuming child has (results, retries, limits, revokes, runtime changes) are
 run with threads too by ``test_children_consume.py`` and ``test_task_semantics.py``; this module

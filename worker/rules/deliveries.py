@@ -7,8 +7,8 @@ worker restarts, and needs no queue arguments (task queues stay equal to Celery'
 - quorum queues: the broker's ``x-delivery-count`` header, set on every redelivery;
 - classic queues only say ``redelivered``: a redelivered message is published again (confirmed)
   with ``x-clockwork-deliveries`` set to its count before it runs, and the original acked;
-- a child death: the message is published again with the count plus one (the broker never saw a
-  failure, as the worker's connection is fine).
+- a child death: its connection dies with it, so the broker requeues the delivery, marked
+  redelivered, and counts it as any other redelivery.
 
 Past ``delivery_limit`` the next delivery goes to ``<queue>.dead`` (reason ``delivery_limit``), so a
 poison task runs at most ``delivery_limit + 1`` times whether it kills its child or its worker.
