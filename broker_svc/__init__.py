@@ -42,9 +42,8 @@ if TYPE_CHECKING:
         TaskRevokedError,
         Unroutable,
     )
-    from broker_svc.results.group_result import GroupResult, ResultSet
     from broker_svc.results.jobs import Job
-    from broker_svc.results.result import AsyncResult
+    from broker_svc.results.result import AsyncResult, GroupResult, ResultSet
     from broker_svc.sending.publisher import Publisher
     from broker_svc.settings import Settings
     from broker_svc.tasks.shared import current_app, shared_task
@@ -121,7 +120,7 @@ _EXPORTS = {
     "ConfigurationError": "broker_svc.errors",
     "ContentDisallowed": "broker_svc.errors",
     "DecodeError": "broker_svc.errors",
-    "GroupResult": "broker_svc.results.group_result",
+    "GroupResult": "broker_svc.results.result",
     "Ignore": "broker_svc.errors",
     "InvalidTaskMessage": "broker_svc.errors",
     "LamportClock": "broker_svc.clock",
@@ -133,7 +132,7 @@ _EXPORTS = {
     "PublishNacked": "broker_svc.errors",
     "Publisher": "broker_svc.sending.publisher",
     "Reject": "broker_svc.errors",
-    "ResultSet": "broker_svc.results.group_result",
+    "ResultSet": "broker_svc.results.result",
     "ResultTimeout": "broker_svc.errors",
     "Retry": "broker_svc.errors",
     "Settings": "broker_svc.settings",

@@ -12,7 +12,8 @@ from broker_svc.conf import Config
 from broker_svc.control_plane import ControlPlane, load_control
 from broker_svc.logging import get_logger
 from broker_svc.open_apps import open_apps
-from broker_svc.results.result import AsyncResult, ResultStore
+from broker_svc.results.result import AsyncResult
+from broker_svc.results.store import ResultStore
 from broker_svc.sending.batch import Batch, BatchScope
 from broker_svc.sending.capture import current_capture
 from broker_svc.sending.dedup_keys import TaskDedup, resolve_dedup

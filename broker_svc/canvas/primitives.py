@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from broker_svc.canvas.follow_ups import NESTED_HEADER, chord_members
 from broker_svc.canvas.signature import Signature, chunks, xmap, xstarmap
-from broker_svc.results.group_result import GroupResult
+from broker_svc.results.result import GroupResult
 from broker_svc.sending.routes import route_for
 from broker_svc.wire.ids import uuid4_str
 

@@ -15,8 +15,7 @@ from broker_svc.wire.ids import uuid4_str
 if TYPE_CHECKING:
     from broker_svc.app import App
     from broker_svc.canvas.primitives import group
-    from broker_svc.results.group_result import GroupResult
-    from broker_svc.results.result import AsyncResult
+    from broker_svc.results.result import AsyncResult, GroupResult
 
 __all__ = ["Signature", "chunks", "xmap", "xstarmap"]
 
