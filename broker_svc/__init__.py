@@ -13,7 +13,8 @@ from broker_svc.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from broker_svc.app import App
-    from broker_svc.canvas.primitives import Signature, chain, chord, chunks, group, signature, xmap, xstarmap
+    from broker_svc.canvas.maps import chunks, xmap, xstarmap
+    from broker_svc.canvas.signature import Signature, chain, chord, group, signature
     from broker_svc.clock import LamportClock
     from broker_svc.errors import (
         BrokerBlocked,
@@ -136,7 +137,7 @@ _EXPORTS = {
     "ResultTimeout": "broker_svc.errors",
     "Retry": "broker_svc.errors",
     "Settings": "broker_svc.settings",
-    "Signature": "broker_svc.canvas.primitives",
+    "Signature": "broker_svc.canvas.signature",
     "SoftTimeLimitExceeded": "broker_svc.errors",
     "SpoolError": "broker_svc.errors",
     "SpoolFull": "broker_svc.errors",
@@ -147,15 +148,15 @@ _EXPORTS = {
     "TaskMessage": "broker_svc.wire.task_message",
     "TaskRevokedError": "broker_svc.errors",
     "Unroutable": "broker_svc.errors",
-    "chain": "broker_svc.canvas.primitives",
-    "chord": "broker_svc.canvas.primitives",
-    "chunks": "broker_svc.canvas.primitives",
+    "chain": "broker_svc.canvas.signature",
+    "chord": "broker_svc.canvas.signature",
+    "chunks": "broker_svc.canvas.maps",
     "current_app": "broker_svc.tasks.shared",
-    "group": "broker_svc.canvas.primitives",
+    "group": "broker_svc.canvas.signature",
     "shared_task": "broker_svc.tasks.shared",
-    "signature": "broker_svc.canvas.primitives",
-    "xmap": "broker_svc.canvas.primitives",
-    "xstarmap": "broker_svc.canvas.primitives",
+    "signature": "broker_svc.canvas.signature",
+    "xmap": "broker_svc.canvas.maps",
+    "xstarmap": "broker_svc.canvas.maps",
 }
 
 __getattr__ = lazy_exports(__name__, _EXPORTS)

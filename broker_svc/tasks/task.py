@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic
 
 from typing_extensions import ParamSpec, TypeVar
 
-import broker_svc.canvas.primitives as canvas
+from broker_svc.canvas import maps
 from broker_svc.canvas.signature import Signature
 from broker_svc.errors import MaxRetriesExceededError, Retry
 from broker_svc.logging import get_logger
@@ -358,17 +358,17 @@ class Task(Generic[P, R]):
 
     subtask = signature
 
-    def map(self, it: Iterable[Any]) -> canvas.xmap:
+    def map(self, it: Iterable[Any]) -> maps.xmap:
         """One task calling this one with each item (Celery's ``celery.map``)."""
-        return canvas.xmap(self.s(), it)
+        return maps.xmap(self.s(), it)
 
-    def starmap(self, it: Iterable[Sequence[Any]]) -> canvas.xstarmap:
+    def starmap(self, it: Iterable[Sequence[Any]]) -> maps.xstarmap:
         """One task calling this one with each item's arguments (Celery's ``celery.starmap``)."""
-        return canvas.xstarmap(self.s(), it)
+        return maps.xstarmap(self.s(), it)
 
-    def chunks(self, it: Iterable[Sequence[Any]], n: int) -> canvas.chunks:
+    def chunks(self, it: Iterable[Sequence[Any]], n: int) -> maps.chunks:
         """The items in parts of ``n``, one ``starmap`` task per part, sent as a group."""
-        return canvas.chunks(self.s(), it, n)
+        return maps.chunks(self.s(), it, n)
 
     def AsyncResult(self, task_id: str) -> ResultHandle[R]:  # Celery's name
         """A result handle for a task this client sent (see ``App.AsyncResult``)."""
