@@ -32,11 +32,12 @@ from typing import TYPE_CHECKING, Any
 from broker_svc.canvas.follow_ups import NESTED_HEADER, chord_members
 from broker_svc.results.result import GroupResult
 from broker_svc.sending.routes import route_for
+from broker_svc.task_app import current_app
 from broker_svc.wire.ids import uuid4_str
 
 if TYPE_CHECKING:
-    from broker_svc.app import App
     from broker_svc.results.result import AsyncResult
+    from broker_svc.task_app import TaskApp
 
 __all__ = ["Signature", "chain", "chord", "group", "maybe_signature", "signature", "wire_value"]
 
@@ -63,7 +64,7 @@ class Signature(dict[str, Any]):
         *,
         immutable: bool = False,
         subtask_type: str | None = None,
-        app: App | None = None,
+        app: TaskApp | None = None,
         **more_options: Any,
     ) -> None:
         if not isinstance(task, str):  # a map (cheaper to test than isinstance(task, Mapping))
@@ -122,13 +123,9 @@ class Signature(dict[str, Any]):
         return task_id
 
     @property
-    def app(self) -> App:
+    def app(self) -> TaskApp:
         """The app that sends this signature."""
-        if self._app is not None:
-            return self._app
-        from broker_svc.tasks.shared import current_app  # at call time: shared imports task, which imports us
-
-        return current_app()
+        return self._app if self._app is not None else current_app()
 
     def __repr__(self) -> str:
         shown = [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs.items()]
@@ -245,7 +242,7 @@ class chain(Signature):
     """Steps run one after another, each given the one before's result (``a | b | c``)."""
 
     def __init__(
-        self, *tasks: Signature | Iterable[Signature], app: App | None = None, **options: Any
+        self, *tasks: Signature | Iterable[Signature], app: TaskApp | None = None, **options: Any
     ) -> None:
         steps: list[Signature] = []
         for item in tasks:
@@ -324,7 +321,7 @@ class group(Signature):
     """Tasks sent together, run in parallel, collected as one ``GroupResult``."""
 
     def __init__(
-        self, *tasks: Signature | Iterable[Signature], app: App | None = None, **options: Any
+        self, *tasks: Signature | Iterable[Signature], app: TaskApp | None = None, **options: Any
     ) -> None:
         members: list[Signature] = []
         for item in tasks:
@@ -406,7 +403,7 @@ class chord(Signature):
         header: Signature | Iterable[Signature],
         body: Signature | None = None,
         *,
-        app: App | None = None,
+        app: TaskApp | None = None,
         **options: Any,
     ) -> None:
         if isinstance(header, group):

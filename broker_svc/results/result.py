@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Final, Generic, Literal, overload
+from typing import Any, Final, Generic, Literal, overload
 
 from typing_extensions import TypeVar
 
@@ -15,9 +15,6 @@ from broker_svc.results.store import OnMessage, ResultStore
 from broker_svc.wire.result_message import Outcome, exception_from_wire
 from broker_svc.wire.result_view import OutcomeView, ResultsView
 from broker_svc.wire.states import State
-
-if TYPE_CHECKING:
-    from broker_svc.app import App
 
 __all__ = ["AsyncResult", "GroupResult", "ResultSet", "outcome_error", "outcome_value"]
 
@@ -222,9 +219,14 @@ class AsyncResult(OutcomeView, Generic[R]):
 
 
 class ResultSet(ResultsView):
-    """Several results (each an ``AsyncResult`` or a nested ``GroupResult``), waited on together."""
+    """Several results (each an ``AsyncResult`` or a nested ``GroupResult``), waited on together.
 
-    def __init__(self, results: Sequence[AsyncResult | ResultSet], *, app: App | None = None) -> None:
+    ``app`` is the app that sent them, kept as Celery's is for code that passes or reads it; results
+    come to the client's reply queue, so nothing here uses it. It is an ``object`` because the app's
+    Protocol (``broker_svc/task_app.py``) names ``AsyncResult``, and so sits above this module.
+    """
+
+    def __init__(self, results: Sequence[AsyncResult | ResultSet], *, app: object | None = None) -> None:
         self.results = list(results)
         self.app = app
 
@@ -284,7 +286,7 @@ class GroupResult(ResultSet):
     """The results of a ``group``, with the group's id."""
 
     def __init__(
-        self, id: str, results: Sequence[AsyncResult | ResultSet], *, app: App | None = None
+        self, id: str, results: Sequence[AsyncResult | ResultSet], *, app: object | None = None
     ) -> None:
         super().__init__(results, app=app)
         self.id = id

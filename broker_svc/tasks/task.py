@@ -21,9 +21,9 @@ from broker_svc.tasks.task_class import build_task_class as build_task_class  # 
 from broker_svc.tasks.task_class import check_call_arguments
 
 if TYPE_CHECKING:
-    from broker_svc.app import App
     from broker_svc.results.result import AsyncResult as ResultHandle
     from broker_svc.sending.dedup_keys import TaskDedup
+    from broker_svc.task_app import TaskApp
 
 __all__ = ["SEND_OPTIONS", "ExceptionInfo", "Request", "Signature", "Task", "current_request", "executing"]
 
@@ -49,7 +49,7 @@ class Task(Generic[P, R]):
     """
 
     name: ClassVar[str] = ""
-    app: ClassVar[App]
+    app: ClassVar[TaskApp]
     bind: ClassVar[bool] = False
     ignore_result: ClassVar[bool] = False
     queue: ClassVar[str | None] = None
