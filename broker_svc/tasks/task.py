@@ -14,11 +14,10 @@ from broker_svc.canvas import maps
 from broker_svc.canvas.signature import Signature
 from broker_svc.errors import MaxRetriesExceededError, Retry
 from broker_svc.logging import get_logger
+from broker_svc.tasks.arguments import check_call_arguments
 from broker_svc.tasks.eager import EagerResult, apply
 from broker_svc.tasks.pydantic_args import call_with_models
 from broker_svc.tasks.request import SEND_OPTIONS, ExceptionInfo, Request, current_request, executing
-from broker_svc.tasks.task_class import build_task_class as build_task_class  # re-exported, as before
-from broker_svc.tasks.task_class import check_call_arguments
 
 if TYPE_CHECKING:
     from broker_svc.results.result import AsyncResult as ResultHandle
@@ -32,7 +31,7 @@ __all__ = ["SEND_OPTIONS", "ExceptionInfo", "Request", "Signature", "Task", "cur
 P = ParamSpec("P", default=...)
 R = TypeVar("R", default=Any)
 
-# Signature, the request and build_task_class (broker_svc.tasks.task_class) are imported from here too.
+# Signature and the request are imported from here too.
 
 log = get_logger(__name__)
 

@@ -1,7 +1,7 @@
 """``App`` is what tasks, signatures and results are typed against (``broker_svc/task_app.py``).
 
 The modules below ``App`` name Protocols, not ``App`` (no import cycle); these assignments are
-where mypy checks that an ``App`` still is what those Protocols say.
+where mypy checks that an ``App`` and a ``Task`` still are what those Protocols say.
 """
 
 from __future__ import annotations
@@ -9,6 +9,9 @@ from __future__ import annotations
 from broker_svc import App, Signature, current_app
 from broker_svc.results.jobs import JobsApp
 from broker_svc.task_app import TaskApp
+from broker_svc.tasks.arguments import CheckedTask
+from broker_svc.tasks.eager import EagerTask
+from broker_svc.tasks.trace import TracedTask
 
 URL = "amqp://guest:guest@127.0.0.1:5672/%2Ftask-app"
 
@@ -27,3 +30,17 @@ def test_an_app_is_the_task_app_its_tasks_signatures_and_jobs_see():
     assert Signature("task-app.add").app is current_app() is app
     assert as_task_app.get_task(add.name) is add
     assert as_task_app.conf.get("task_always_eager") is None
+
+
+def test_a_task_is_what_a_run_an_eager_run_and_the_argument_check_read():
+    app = App("task-app", broker=URL)
+
+    @app.task
+    def double(x: int) -> int:
+        return 2 * x
+
+    traced: TracedTask = double
+    eager: EagerTask = double
+    checked: CheckedTask = double
+    assert traced is double and eager is double and checked is app.tasks[double.name]
+    assert double.apply((4,)).get() == 8
