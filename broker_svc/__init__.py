@@ -13,7 +13,8 @@ from broker_svc.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from broker_svc.app import App
-    from broker_svc.canvas.primitives import Signature, chain, chord, chunks, group, signature, xmap, xstarmap
+    from broker_svc.canvas.maps import chunks, xmap, xstarmap
+    from broker_svc.canvas.signature import Signature, chain, chord, group, signature
     from broker_svc.clock import LamportClock
     from broker_svc.errors import (
         BrokerBlocked,
@@ -42,12 +43,12 @@ if TYPE_CHECKING:
         TaskRevokedError,
         Unroutable,
     )
-    from broker_svc.results.group_result import GroupResult, ResultSet
     from broker_svc.results.jobs import Job
-    from broker_svc.results.result import AsyncResult
+    from broker_svc.results.result import AsyncResult, GroupResult, ResultSet
     from broker_svc.sending.publisher import Publisher
     from broker_svc.settings import Settings
-    from broker_svc.tasks.shared import current_app, shared_task
+    from broker_svc.task_app import current_app
+    from broker_svc.tasks.shared import shared_task
     from broker_svc.tasks.task import Task
     from broker_svc.wire.states import State
     from broker_svc.wire.task_message import TaskMessage
@@ -121,7 +122,7 @@ _EXPORTS = {
     "ConfigurationError": "broker_svc.errors",
     "ContentDisallowed": "broker_svc.errors",
     "DecodeError": "broker_svc.errors",
-    "GroupResult": "broker_svc.results.group_result",
+    "GroupResult": "broker_svc.results.result",
     "Ignore": "broker_svc.errors",
     "InvalidTaskMessage": "broker_svc.errors",
     "LamportClock": "broker_svc.clock",
@@ -133,11 +134,11 @@ _EXPORTS = {
     "PublishNacked": "broker_svc.errors",
     "Publisher": "broker_svc.sending.publisher",
     "Reject": "broker_svc.errors",
-    "ResultSet": "broker_svc.results.group_result",
+    "ResultSet": "broker_svc.results.result",
     "ResultTimeout": "broker_svc.errors",
     "Retry": "broker_svc.errors",
     "Settings": "broker_svc.settings",
-    "Signature": "broker_svc.canvas.primitives",
+    "Signature": "broker_svc.canvas.signature",
     "SoftTimeLimitExceeded": "broker_svc.errors",
     "SpoolError": "broker_svc.errors",
     "SpoolFull": "broker_svc.errors",
@@ -148,15 +149,15 @@ _EXPORTS = {
     "TaskMessage": "broker_svc.wire.task_message",
     "TaskRevokedError": "broker_svc.errors",
     "Unroutable": "broker_svc.errors",
-    "chain": "broker_svc.canvas.primitives",
-    "chord": "broker_svc.canvas.primitives",
-    "chunks": "broker_svc.canvas.primitives",
-    "current_app": "broker_svc.tasks.shared",
-    "group": "broker_svc.canvas.primitives",
+    "chain": "broker_svc.canvas.signature",
+    "chord": "broker_svc.canvas.signature",
+    "chunks": "broker_svc.canvas.maps",
+    "current_app": "broker_svc.task_app",
+    "group": "broker_svc.canvas.signature",
     "shared_task": "broker_svc.tasks.shared",
-    "signature": "broker_svc.canvas.primitives",
-    "xmap": "broker_svc.canvas.primitives",
-    "xstarmap": "broker_svc.canvas.primitives",
+    "signature": "broker_svc.canvas.signature",
+    "xmap": "broker_svc.canvas.maps",
+    "xstarmap": "broker_svc.canvas.maps",
 }
 
 __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -12,12 +12,14 @@ from broker_svc.conf import Config
 from broker_svc.control_plane import ControlPlane, load_control
 from broker_svc.logging import get_logger
 from broker_svc.open_apps import open_apps
-from broker_svc.results.result import AsyncResult, ResultStore
+from broker_svc.results.result import AsyncResult
+from broker_svc.results.store import ResultStore
 from broker_svc.sending.batch import Batch, BatchScope
 from broker_svc.sending.capture import current_capture
 from broker_svc.sending.dedup_keys import TaskDedup, resolve_dedup
 from broker_svc.sending.message import send_signatures
 from broker_svc.settings import Settings
+from broker_svc.task_app import set_current_app
 from broker_svc.tasks import shared
 from broker_svc.tasks.builtins import register_builtins
 from broker_svc.tasks.registry import TaskRegistry
@@ -104,7 +106,9 @@ class App(TaskRegistry):
         self._lock = threading.Lock()
         open_apps.add(self)
         register_builtins(self)
-        shared.app_created(self, set_as_current=set_as_current)
+        if set_as_current:
+            set_current_app(self)
+        shared.app_created(self)
 
     # -- configuration ---------------------------------------------------------------------------
 
@@ -166,7 +170,7 @@ class App(TaskRegistry):
 
     def set_current(self) -> None:
         """Make this the app ``shared_task`` proxies send through (``current_app``)."""
-        shared.app_created(self, set_as_current=True)
+        set_current_app(self)
 
     @property
     def Task(self) -> type[TaskBase]:  # Celery's name
@@ -300,7 +304,7 @@ class App(TaskRegistry):
 
         with self._lock:
             if self._jobs is None:
-                self._jobs = Jobs(self)
+                self._jobs = Jobs(self, store=self._store, producer=self._ensure_producer)
                 self._close_hooks.append(self._jobs.close)
             return self._jobs
 

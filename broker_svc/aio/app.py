@@ -26,8 +26,7 @@ from broker_svc.aio.results import AioGroupResult, AioResult, ResultWaiters
 from broker_svc.canvas.signature import Signature
 from broker_svc.connection.pending import PendingPublish, prepare_publish
 from broker_svc.errors import BrokerUnavailable, ConfigurationError
-from broker_svc.results.group_result import ResultSet
-from broker_svc.results.result import AsyncResult
+from broker_svc.results.result import AsyncResult, ResultSet
 from broker_svc.sending.capture import capturing
 from broker_svc.sending.message import after_publish, before_publish, build_message
 from broker_svc.tasks.shared import SharedTask

@@ -1,8 +1,27 @@
-"""A signature: one task call not sent yet, as a map with Celery's keys (``add.s(2, 2)``).
+"""The canvas: signatures, and the chains, groups and chords built of them, sent as Celery's client
+sends them. One module, as one concept: ``a | b`` on a signature makes a chain, a chain of a group
+and a step makes a chord, and each of them is a signature.
 
-Also the signatures of Celery's built-in tasks that take one task: ``task.map(it)``,
-``task.starmap(it)`` and ``task.chunks(it, n)``. Chains, groups and chords of signatures are in
-``broker_svc.canvas.primitives``.
+A ``Signature`` is a task call not sent yet, and a map with Celery's keys (``task``, ``args``,
+``kwargs``, ``options``, ``subtask_type``, ``immutable``), so it travels inside a task message as
+it is: as a ``link``/``link_error`` callback, or as a step of a chain. The worker runs what follows
+(worker/consume/canvas.py): the next step of a chain with the parent's result, the callbacks after
+a success, the errbacks after a failure.
+
+- ``chain(a, b, c)`` (or ``a | b | c``) sends ``a`` with ``b`` and ``c`` in its ``chain`` field
+  (last step first, as Celery stores it); every step has its id and this client's reply queue, so
+  each step's result comes back here; the call returns the last step's result, whose ``parent``
+  is the one before.
+- ``group(a, b, c)`` sends each with the group's id and its index, in one hand-over to the
+  connection, and returns a ``GroupResult``.
+- ``task.map(it)``, ``task.starmap(it)`` and ``task.chunks(it, n)`` are Celery's built-in tasks
+  ``celery.map``, ``celery.starmap`` and (as a group of starmaps) ``celery.chunks``
+  (``broker_svc/canvas/maps.py``).
+- ``chord(header, body)`` (or ``group(...) | body``, or a group followed by more steps in a chain)
+  sends the header's tasks, each carrying the body (with the chord's size) in its ``chord`` field;
+  their workers leave each header task's end with the chord's joiner, which sends the body with
+  the header's results once all are in (worker/single_active/chord_join.py). The call returns the
+  body's result, whose ``parent`` is the header's ``GroupResult``.
 """
 
 from __future__ import annotations
@@ -10,15 +29,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from broker_svc.canvas.follow_ups import NESTED_HEADER, chord_members
+from broker_svc.results.result import GroupResult
+from broker_svc.sending.routes import route_for
+from broker_svc.task_app import current_app
 from broker_svc.wire.ids import uuid4_str
 
 if TYPE_CHECKING:
-    from broker_svc.app import App
-    from broker_svc.canvas.primitives import group
-    from broker_svc.results.group_result import GroupResult
     from broker_svc.results.result import AsyncResult
+    from broker_svc.task_app import TaskApp
 
-__all__ = ["Signature", "chunks", "xmap", "xstarmap"]
+__all__ = ["Signature", "chain", "chord", "group", "maybe_signature", "signature", "wire_value"]
 
 
 class Signature(dict[str, Any]):
@@ -43,7 +64,7 @@ class Signature(dict[str, Any]):
         *,
         immutable: bool = False,
         subtask_type: str | None = None,
-        app: App | None = None,
+        app: TaskApp | None = None,
         **more_options: Any,
     ) -> None:
         if not isinstance(task, str):  # a map (cheaper to test than isinstance(task, Mapping))
@@ -102,13 +123,9 @@ class Signature(dict[str, Any]):
         return task_id
 
     @property
-    def app(self) -> App:
+    def app(self) -> TaskApp:
         """The app that sends this signature."""
-        if self._app is not None:
-            return self._app
-        from broker_svc.tasks.shared import current_app  # at call time: shared imports task, which imports us
-
-        return current_app()
+        return self._app if self._app is not None else current_app()
 
     def __repr__(self) -> str:
         shown = [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs.items()]
@@ -162,8 +179,6 @@ class Signature(dict[str, Any]):
     def __or__(self, other: Signature) -> Signature:  # type: ignore[override]  # Celery's chain operator
         if not isinstance(other, Signature):
             return NotImplemented
-        from broker_svc.canvas.primitives import chain  # the canvas builds on signatures
-
         return chain(self, other, app=self._app)
 
     # -- sending ----------------------------------------------------------------------------------
@@ -215,53 +230,324 @@ class Signature(dict[str, Any]):
         return tuple(args or ()) + self.args, {**self.kwargs, **(kwargs or {})}
 
 
-class xmap(Signature):
-    """``task.map(it)``: one task that calls ``task(item)`` for each item (Celery's ``celery.map``)."""
-
-    task_name = "celery.map"
-
-    def __init__(self, task: Signature, it: Iterable[Any], **options: Any) -> None:
-        super().__init__(
-            self.task_name, (), {"task": task.as_wire(), "it": list(it)}, options, immutable=True,
-            app=task._app,
-        )  # fmt: skip
-
-
-class xstarmap(xmap):
-    """``task.starmap(it)``: one task that calls ``task(*item)`` for each item (``celery.starmap``)."""
-
-    task_name = "celery.starmap"
-
-
-class chunks(Signature):
-    """``task.chunks(it, n)``: the items in parts of ``n``, each part one ``starmap`` task, as a group."""
-
-    def __init__(self, task: Signature, it: Iterable[Any], n: int, **options: Any) -> None:
-        if n < 1:
-            raise ValueError(f"chunk size must be at least 1, got {n}")
-        super().__init__(
-            "celery.chunks", (), {"task": task.as_wire(), "it": list(it), "n": n}, options, immutable=True,
-            app=task._app,
-        )  # fmt: skip
-        self._task = task
-
-    def group(self) -> group:
-        """The group of ``starmap`` tasks this sends."""
-        from broker_svc.canvas.primitives import group  # the canvas builds on signatures
-
-        items, n = self.kwargs["it"], int(self.kwargs["n"])
-        parts = [items[i : i + n] for i in range(0, len(items), n)]
-        return group((xstarmap(self._task, part) for part in parts), app=self._app)
-
-    def apply_async(
-        self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None, **options: Any
-    ) -> GroupResult:
-        return self.group().apply_async(**{**self.options, **options})
-
-
 def wire_value(value: Any) -> Any:
     if isinstance(value, Signature):
         return value.as_wire()
     if isinstance(value, list | tuple):
         return [wire_value(v) for v in value]
     return value
+
+
+class chain(Signature):
+    """Steps run one after another, each given the one before's result (``a | b | c``)."""
+
+    def __init__(
+        self, *tasks: Signature | Iterable[Signature], app: TaskApp | None = None, **options: Any
+    ) -> None:
+        steps: list[Signature] = []
+        for item in tasks:
+            if isinstance(item, Signature):
+                steps.extend(_steps_of(item))
+            else:
+                steps.extend(s for i in item for s in _steps_of(maybe_signature(i)))
+        if app is None:
+            app = next((s._app for s in steps if s._app is not None), None)
+        super().__init__("celery.chain", (), {"tasks": steps}, options, subtask_type="chain", app=app)
+
+    @property
+    def tasks(self) -> list[Signature]:
+        steps: list[Signature] = self.kwargs["tasks"]
+        return steps
+
+    def clone(
+        self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None, **options: Any
+    ) -> chain:
+        copy = chain(*(s.clone() for s in self.tasks), app=self._app, **{**self.options, **options})
+        if args and copy.tasks:
+            copy.tasks[0] = copy.tasks[0].clone(args)
+        return copy
+
+    def apply_async(
+        self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None, **options: Any
+    ) -> AsyncResult | GroupResult:
+        """Send the first step, carrying the rest; the last step's result (``.parent``: the one before).
+
+        Raises:
+            ValueError: an empty chain, a group as its last step, or a chord with a nested header.
+        """
+        steps = _upgrade_to_chords([step.clone() for step in self.tasks])
+        if not steps:
+            raise ValueError("an empty chain has nothing to send")
+        if len(steps) == 1:
+            return steps[0].apply_async(args, kwargs, **{**self.options, **options})
+        if steps[-1].subtask_type == "group":
+            raise ValueError("a group as the last step of a chain is not supported yet; link it instead")
+        app = self._app or steps[0].app
+        for step in steps:
+            step._app = step._app or app
+        options = {**self.options, **options}
+        last_id = options.pop("task_id", None)
+        first = steps[0].clone(args, kwargs)
+        if isinstance(first, chord):
+            root_id = uuid4_str()  # a chord's task_id is its body's
+        else:
+            root_id = first.options.get("task_id") or uuid4_str()
+            first.options["task_id"] = root_id
+        results: list[AsyncResult] = []
+        # Results are registered before anything is sent: a fast step's result finds its waiter.
+        for index, step in enumerate(steps[1:], start=1):
+            results.append(step.freeze(last_id if index == len(steps) - 1 else None, root_id=root_id))
+        rest = [step.as_wire() for step in reversed(steps[1:])]
+        previous: Any = first.apply_async(chain=rest, **options)
+        for result in results:
+            result.parent = previous
+            previous = result
+        return results[-1]
+
+    def apply(
+        self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None, **options: Any
+    ) -> Any:
+        """Run every step here, each given the one before's value; the last step's ``EagerResult``."""
+        result: Any = None
+        for index, step in enumerate(self.tasks):
+            if index == 0:
+                result = step.apply(args, kwargs, **options)
+            else:
+                result = step.apply((result.get(),), **options)
+        return result
+
+
+class group(Signature):
+    """Tasks sent together, run in parallel, collected as one ``GroupResult``."""
+
+    def __init__(
+        self, *tasks: Signature | Iterable[Signature], app: TaskApp | None = None, **options: Any
+    ) -> None:
+        members: list[Signature] = []
+        for item in tasks:
+            if isinstance(item, Signature):
+                members.append(item)
+            else:
+                members.extend(maybe_signature(i) for i in item)
+        if app is None:
+            app = next((s._app for s in members if s._app is not None), None)
+        super().__init__("celery.group", (), {"tasks": members}, options, subtask_type="group", app=app)
+
+    @property
+    def tasks(self) -> list[Signature]:
+        members: list[Signature] = self.kwargs["tasks"]
+        return members
+
+    def __or__(self, other: Signature) -> Signature:  # type: ignore[override]  # Celery's chord operator
+        if not isinstance(other, Signature):
+            return NotImplemented
+        if isinstance(other, chain):
+            return chain(chord(self, other.tasks[0], app=self._app), *other.tasks[1:], app=self._app)
+        return chord(self, other, app=self._app)
+
+    def apply(
+        self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None, **options: Any
+    ) -> GroupResult:
+        """Run every member here, one after another; their results as one."""
+
+        group_id = options.pop("group_id", None) or uuid4_str()
+        return GroupResult(group_id, [member.apply(args, kwargs, **options) for member in self.tasks])
+
+    def clone(
+        self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None, **options: Any
+    ) -> group:
+        members = (member.clone(args, kwargs) for member in self.tasks)
+        return group(members, app=self._app, **{**self.options, **options})
+
+    def apply_async(
+        self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None, **options: Any
+    ) -> GroupResult:
+        """Send every member with the group's id and its index; their results as one.
+
+        Raises:
+            PublishError: (``confirm="each"``) the broker did not confirm one of them.
+        """
+
+        options = {**self.options, **options}
+        group_id = options.pop("group_id", None) or options.pop("task_id", None) or uuid4_str()
+        app = self._app or (self.tasks[0].app if self.tasks else None)
+        if app is None:
+            return GroupResult(group_id, [])
+        plain: list[tuple[int, Signature]] = []
+        results: list[AsyncResult | GroupResult | None] = []
+        for index, member in enumerate(self.tasks):
+            step_options = {**options, "group_id": group_id, "group_index": index}
+            if member.subtask_type is None:
+                new_args, new_kwargs = member._partial(args, kwargs)
+                merged = {**member.options, **step_options}
+                plain.append((index, Signature(member.task, new_args, new_kwargs, merged)))
+                results.append(None)
+            else:
+                results.append(member.clone(args, kwargs).apply_async(**step_options))
+        for (index, _), result in zip(plain, app.send_many(s for _, s in plain), strict=True):
+            results[index] = result
+        return GroupResult(group_id, [r for r in results if r is not None], app=app)
+
+
+class chord(Signature):
+    """A header of tasks run in parallel, then ``body`` once with the list of their results.
+
+    ``chord(header)(body)``, ``chord(header, body).apply_async()`` and ``group(...) | body`` all
+    send it. The header's results are counted in the broker (worker/single_active/chord_join.py): no
+    result store, no polling. If a header task fails, the body does not run and its result is a
+    ``ChordError`` naming the failed task.
+    """
+
+    def __init__(
+        self,
+        header: Signature | Iterable[Signature],
+        body: Signature | None = None,
+        *,
+        app: TaskApp | None = None,
+        **options: Any,
+    ) -> None:
+        if isinstance(header, group):
+            members = list(header.tasks)
+        elif isinstance(header, Signature):
+            members = [header]
+        else:
+            members = [maybe_signature(item) for item in header]
+        if app is None:
+            candidates = [*members, *([body] if body is not None else [])]
+            app = next((s._app for s in candidates if s._app is not None), None)
+        super().__init__(
+            "celery.chord", (), {"header": group(members, app=app), "body": body, "kwargs": {}}, options,
+            subtask_type="chord", app=app,
+        )  # fmt: skip
+
+    @property
+    def tasks(self) -> list[Signature]:
+        """The header's task signatures."""
+        header: group = self.kwargs["header"]
+        return header.tasks
+
+    @property
+    def body(self) -> Signature | None:
+        """What runs once with the header's results."""
+        body: Signature | None = self.kwargs["body"]
+        return body
+
+    def clone(
+        self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None, **options: Any
+    ) -> chord:
+        members = [member.clone(args, kwargs) for member in self.tasks]
+        body = self.body.clone() if self.body is not None else None
+        return chord(members, body, app=self._app, **{**self.options, **options})
+
+    def __call__(self, body: Signature | None = None, **options: Any) -> AsyncResult:
+        """Send it with ``body`` (Celery's ``chord(header)(body)``); the body's result."""
+        return self.apply_async(body=body, **options)
+
+    def freeze(self, _id: str | None = None, **fields: Any) -> AsyncResult:
+        """Give the body its id (``_id``) and the chord its group id; the body's result."""
+        body = self._body_or_raise()
+        self.options.setdefault("group_id", uuid4_str())
+        fields.pop("group_id", None)
+        return body.freeze(_id, **fields)
+
+    def apply_async(
+        self,
+        args: Sequence[Any] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+        body: Signature | None = None,
+        **options: Any,
+    ) -> AsyncResult:
+        """Send the header's tasks, each carrying the body; the body's result (``.parent``: the header's).
+
+        ``args``/``kwargs`` are partial arguments for every header task. ``task_id`` is the body's
+        id. A chord with an empty header sends its body at once, with an empty list.
+
+        Raises:
+            ValueError: no body, or a header holding groups, chains or chords.
+            PublishError: (``confirm="each"``) the broker did not confirm a header task.
+        """
+
+        body = (body or self._body_or_raise()).clone()
+        members = self.tasks
+        if any(member.subtask_type is not None for member in members):
+            raise ValueError(NESTED_HEADER)
+        options = {**self.options, **options}
+        group_id = options.pop("group_id", None) or uuid4_str()
+        body_id = options.pop("task_id", None) or body.id
+        rest = options.pop("chain", None)
+        app = self._app or body.app
+        body._app = body._app or app
+        if rest:
+            body.options["chain"] = rest  # the steps after the chord run after its body
+        if body.subtask_type is None and "queue" not in body.options:
+            # Routed here, as its header is: any worker of the cluster may be the one that sends it.
+            routed = route_for(app.conf.get("task_routes"), body.task, body.args, body.kwargs, body.options)
+            body.options["queue"] = routed.get("queue") or app.settings.default_queue
+        result = body.freeze(body_id, group_id=group_id)
+        if not members:
+            body.apply_async(([],), **options)
+            result.parent = GroupResult(group_id, [], app=app)
+            return result
+        carried = {**body.as_wire(), "chord_size": len(members)}
+        sent: list[Signature] = []
+        for index, member in enumerate(members):
+            new_args, new_kwargs = member._partial(args, kwargs)
+            step = {**member.options, **options, "group_id": group_id, "group_index": index, "chord": carried}
+            sent.append(Signature(member.task, new_args, new_kwargs, step))
+        result.parent = GroupResult(group_id, app.send_many(sent), app=app)
+        return result
+
+    def apply(
+        self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None, **options: Any
+    ) -> Any:
+        """Run the header here, then the body with its values; the body's ``EagerResult``."""
+        header = group(self.tasks, app=self._app).apply(args, kwargs)
+        return self._body_or_raise().apply((header.get(),), **options)
+
+    def _body_or_raise(self) -> Signature:
+        if self.body is None:
+            raise ValueError("a chord needs a body: chord(header)(body) or chord(header, body)")
+        return self.body
+
+
+def signature(task: str | Mapping[str, Any], *args: Any, **kwargs: Any) -> Signature:
+    """A signature from a name (Celery's ``signature('tasks.add', args=(2, 2))``) or a map."""
+    if isinstance(task, Mapping):
+        return maybe_signature(task)
+    return Signature(task, *args, **kwargs)
+
+
+def maybe_signature(value: Signature | Mapping[str, Any]) -> Signature:
+    """``value`` as a signature of the right kind (a chain's or group's map becomes one)."""
+    if isinstance(value, Signature):
+        return value
+    kind = value.get("subtask_type")
+    inner = value.get("kwargs") or {}
+    options = dict(value.get("options") or {})
+    if kind == "chain":
+        return chain(*(maybe_signature(s) for s in inner.get("tasks", ())), **options)
+    if kind == "group":
+        return group(*(maybe_signature(s) for s in inner.get("tasks", ())), **options)
+    if kind == "chord":
+        header, body = chord_members(value)
+        return chord([maybe_signature(m) for m in header], maybe_signature(body), **options)
+    return Signature(value)
+
+
+def _upgrade_to_chords(steps: list[Signature]) -> list[Signature]:
+    # Celery's rule: a group followed by another step is a chord with that step as its body.
+    out: list[Signature] = []
+    index = 0
+    while index < len(steps):
+        step = steps[index]
+        if isinstance(step, group) and index + 1 < len(steps):
+            out.append(chord(step, steps[index + 1], app=step._app))
+            index += 2
+        else:
+            out.append(step)
+            index += 1
+    return out
+
+
+def _steps_of(sig: Signature) -> list[Signature]:
+    return list(sig.tasks) if isinstance(sig, chain) else [sig]

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from broker_svc.canvas.signature import Signature
 from broker_svc.errors import ConfigurationError
 from broker_svc.results.result import AsyncResult
 from broker_svc.sending.message import CLIENT_HOSTNAME, build_message, state_publish
+from broker_svc.task_app import TaskApp
 from broker_svc.topology import DEFAULT_EXCHANGE, dependents_queue
 from broker_svc.wire.task_message import encode_task
 from broker_svc.wire.task_state import (
@@ -29,8 +30,11 @@ from broker_svc.wire.task_state import (
 )
 
 if TYPE_CHECKING:
-    from broker_svc.app import App
+    from broker_svc.clock import LamportClock
     from broker_svc.connection.state_feed import StateFeed
+    from broker_svc.results.store import ResultStore
+    from broker_svc.sending.producer import Producer
+    from broker_svc.tasks.task import Task
 
 __all__ = ["AT_FRONT_PRIORITY", "RESULT_TTL_HEADER", "Job", "Jobs", "latest_state"]
 
@@ -53,15 +57,30 @@ def latest_state(history: Sequence[StateRecord]) -> str:
     return state
 
 
+class JobsApp(TaskApp, Protocol):
+    """What ``Jobs`` uses of its app (an ``App``) beyond what a task does: its clock, and its tasks
+    as ``Task``s (``TaskApp`` cannot name ``Task``)."""
+
+    @property
+    def clock(self) -> LamportClock: ...
+
+    @property
+    def tasks(self) -> Mapping[str, Task]: ...
+
+
 class Jobs:
     """``app.jobs``: task states from the stream, and RQ's calls (enqueue, fetch, cancel, delete).
 
     Args:
         app: the app whose broker, clock and control are used.
+        store: the app's result store, where an enqueued job's result comes.
+        producer: the app's producer (made on the first call), which publishes jobs and states.
     """
 
-    def __init__(self, app: App) -> None:
+    def __init__(self, app: JobsApp, *, store: ResultStore, producer: Callable[[], Producer]) -> None:
         self._app = app
+        self._store = store
+        self._producer = producer
         self._feed: StateFeed | None = None
         self._lock = threading.Lock()
 
@@ -180,8 +199,8 @@ class Jobs:
             message.id, JobState.WAITING.value, clock=message.clock or 0, hostname=CLIENT_HOSTNAME,
             name=message.task, queue=queue, info={"depends_on": ids, "allow_failure": allow_failure},
         )  # fmt: skip
-        result: AsyncResult = AsyncResult(message.id, store=app._store, publish=pending)
-        app._ensure_producer().publisher.submit([pending, state_publish(record)], wait=True)
+        result: AsyncResult = AsyncResult(message.id, store=self._store, publish=pending)
+        self._producer().publisher.submit([pending, state_publish(record)], wait=True)
         return Job(self, message.id, result=result)
 
     def cancel(self, task_id: str) -> None:
@@ -218,7 +237,7 @@ class Jobs:
         record = StateRecord.now(
             task_id, state.value, clock=self._app.clock.forward(), hostname=CLIENT_HOSTNAME, info=info
         )
-        self._app._ensure_producer().publisher.submit([state_publish(record)], wait=True)
+        self._producer().publisher.submit([state_publish(record)], wait=True)
 
     def _task_name(self, f: Callable[..., Any] | str) -> str:
         if isinstance(f, str):

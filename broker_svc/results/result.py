@@ -1,156 +1,28 @@
-"""Results over the ``rpc://`` reply queue: one queue per client, many tasks, thread-safe waits."""
+"""Result handles, as Celery's: ``AsyncResult`` for one task, ``GroupResult`` and ``ResultSet`` for
+many, read from the client's ``rpc://`` reply queue (``broker_svc/results/store.py``)."""
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final, Generic, Literal, overload
 
 from typing_extensions import TypeVar
 
-from broker_svc.connection.pending import Delivery, PendingPublish
-from broker_svc.errors import MessageError, ResultTimeout, TaskDeclined, TaskError
-from broker_svc.logging import get_logger
-from broker_svc.results.group_result import GroupResult
-from broker_svc.wire import codec
+from broker_svc.connection.pending import PendingPublish
+from broker_svc.errors import ResultTimeout, TaskDeclined, TaskError
+from broker_svc.results.store import OnMessage, ResultStore
 from broker_svc.wire.result_message import Outcome, exception_from_wire
-from broker_svc.wire.result_view import OutcomeView
+from broker_svc.wire.result_view import OutcomeView, ResultsView
 from broker_svc.wire.states import State
 
-__all__ = ["AsyncResult", "ResultStore", "outcome_error", "outcome_value"]
+__all__ = ["AsyncResult", "GroupResult", "ResultSet", "outcome_error", "outcome_value"]
 
 # What the task returns (``AsyncResult[int]`` for ``def add(...) -> int``); Any when unknown.
 R = TypeVar("R", default=Any)
 
-log = get_logger(__name__)
-
-# States kept per task for ``get(on_message=...)`` replay; progress updates beyond this are dropped
-# oldest-first (the latest state is always kept).
-_HISTORY_LIMIT: Final = 256
-
-OnMessage = Callable[[dict[str, Any]], None]
-
 # How often a chain's result looks at its earlier steps while it waits.
 _PARENT_CHECK_S: Final = 0.2
-
-
-# Results of tasks nobody waits for yet (a callback or child task whose handle comes later, from
-# ``result.children`` or ``AsyncResult(id)``), kept for that many tasks, oldest dropped first.
-_STRAY_KEPT: Final = 1000
-
-
-class ResultStore:
-    """The latest states of the tasks one client is waiting for, fed by its reply-queue consumer.
-
-    Tasks this client registered are kept while a handle holds them; the results of the last
-    ``_STRAY_KEPT`` others wait for a handle (Celery's rpc backend keeps them too, unbounded), so a
-    stray or late result costs bounded memory.
-    """
-
-    def __init__(self, *, accept: frozenset[str], max_bytes: int) -> None:
-        self._accept = accept
-        self._max_bytes = max_bytes
-        self._cond = threading.Condition()
-        self._wanted: dict[str, int] = {}
-        self._history: dict[str, deque[Outcome]] = {}
-        self._stray: OrderedDict[str, deque[Outcome]] = OrderedDict()
-        # The task-state stream's answer for a task with no result here (``App`` sets it; it
-        # returns None unless ``task_states`` is on).
-        self.state_lookup: Callable[[str], str | None] | None = None
-
-    def register(self, task_id: str) -> None:
-        """Start keeping results for ``task_id`` (one call per ``AsyncResult`` holding it)."""
-        with self._cond:
-            self._wanted[task_id] = self._wanted.get(task_id, 0) + 1
-            stray = self._stray.pop(task_id, None)
-            if stray is not None:
-                self._history.setdefault(task_id, stray)
-
-    def release(self, task_id: str) -> None:
-        """Stop keeping results for ``task_id`` once no ``AsyncResult`` holds it."""
-        with self._cond:
-            count = self._wanted.get(task_id, 0) - 1
-            if count > 0:
-                self._wanted[task_id] = count
-            else:
-                self._wanted.pop(task_id, None)
-                self._history.pop(task_id, None)
-
-    def forget(self, task_id: str) -> None:
-        """Drop the states received so far for ``task_id``."""
-        with self._cond:
-            self._history.pop(task_id, None)
-
-    def on_delivery(self, delivery: Delivery) -> None:
-        """Consumer callback (I/O thread): decode one result and wake its waiters."""
-        try:
-            body = codec.decode(
-                delivery.body, delivery.content_type, accept=self._accept, max_bytes=self._max_bytes
-            )
-            outcome = Outcome.from_wire(body, correlation_id=delivery.correlation_id)
-        except MessageError as exc:
-            log.warning("result_refused", error=str(exc), correlation_id=delivery.correlation_id)
-            return
-        with self._cond:
-            if outcome.task_id not in self._wanted:
-                self._keep_stray(outcome)
-                return
-            history = self._history.setdefault(outcome.task_id, deque(maxlen=_HISTORY_LIMIT))
-            history.append(outcome)
-            self._cond.notify_all()
-
-    def _keep_stray(self, outcome: Outcome) -> None:
-        stray = self._stray.get(outcome.task_id)
-        if stray is None:
-            stray = self._stray[outcome.task_id] = deque(maxlen=_HISTORY_LIMIT)
-            if len(self._stray) > _STRAY_KEPT:
-                self._stray.popitem(last=False)
-        stray.append(outcome)
-
-    def latest(self, task_id: str) -> Outcome | None:
-        """The newest state received for ``task_id``, if any."""
-        with self._cond:
-            history = self._history.get(task_id)
-            return history[-1] if history else None
-
-    def wait(
-        self,
-        task_id: str,
-        *,
-        timeout: float | None,
-        on_message: OnMessage | None = None,
-        publish: PendingPublish | None = None,
-    ) -> Outcome:
-        """Block until a ready state arrives; call ``on_message`` for each state, in order.
-
-        Raises:
-            ResultTimeout: no ready state within ``timeout``.
-            PublishError: the task's own publish failed, so no result can ever come.
-        """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        seen = 0
-        with self._cond:
-            while True:
-                history = self._history.get(task_id, ())
-                for outcome in list(history)[seen:]:
-                    seen += 1
-                    if on_message is not None:
-                        self._cond.release()
-                        try:
-                            on_message(outcome.to_wire())
-                        finally:
-                            self._cond.acquire()
-                if history and history[-1].ready:
-                    return history[-1]
-                if publish is not None and publish.error is not None:
-                    raise publish.error
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise ResultTimeout(f"no result for task {task_id} within {timeout} s")
-                # Wake at least every second to notice a failed publish.
-                self._cond.wait(1.0 if remaining is None else min(remaining, 1.0))
 
 
 def outcome_value(outcome: Outcome, *, propagate: bool) -> Any:
@@ -344,6 +216,88 @@ class AsyncResult(OutcomeView, Generic[R]):
     def forget(self) -> None:
         """Drop what this client holds of the result (the rpc backend keeps nothing elsewhere)."""
         self._store.forget(self.id)
+
+
+class ResultSet(ResultsView):
+    """Several results (each an ``AsyncResult`` or a nested ``GroupResult``), waited on together.
+
+    ``app`` is the app that sent them, kept as Celery's is for code that passes or reads it; results
+    come to the client's reply queue, so nothing here uses it. It is an ``object`` because the app's
+    Protocol (``broker_svc/task_app.py``) names ``AsyncResult``, and so sits above this module.
+    """
+
+    def __init__(self, results: Sequence[AsyncResult | ResultSet], *, app: object | None = None) -> None:
+        self.results = list(results)
+        self.app = app
+
+    def __iter__(self) -> Iterator[AsyncResult | ResultSet]:
+        return iter(self.results)
+
+    def _members(self) -> Sequence[Any]:
+        return self.results
+
+    def waiting(self) -> bool:
+        """At least one task has not finished."""
+        return not self.ready()
+
+    def completed_count(self) -> int:
+        """How many tasks succeeded."""
+        return sum(1 for r in self.results if r.successful())
+
+    def get(
+        self,
+        timeout: float | None = None,
+        propagate: bool = True,
+        on_message: Callable[[dict[str, Any]], None] | None = None,
+        interval: float = 0.5,
+    ) -> list[Any]:
+        """Each task's value, in order (``join``)."""
+        return self.join(timeout=timeout, propagate=propagate, on_message=on_message, interval=interval)
+
+    def join(
+        self,
+        timeout: float | None = None,
+        propagate: bool = True,
+        on_message: Callable[[dict[str, Any]], None] | None = None,
+        interval: float = 0.5,
+    ) -> list[Any]:
+        """Wait for every task, in order, within one ``timeout`` for all; their values.
+
+        Raises:
+            ResultTimeout: not all finished within ``timeout``.
+            TaskError: (``propagate``) the first failed task's error, in the group's order.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        values: list[Any] = []
+        for result in self.results:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise ResultTimeout(f"the group did not finish within {timeout} s")
+            values.append(result.get(timeout=remaining, propagate=propagate, on_message=on_message))
+        return values
+
+    def forget(self) -> None:
+        """Drop what this client holds of every result."""
+        for result in self.results:
+            result.forget()
+
+
+class GroupResult(ResultSet):
+    """The results of a ``group``, with the group's id."""
+
+    def __init__(
+        self, id: str, results: Sequence[AsyncResult | ResultSet], *, app: object | None = None
+    ) -> None:
+        super().__init__(results, app=app)
+        self.id = id
+
+    def __repr__(self) -> str:
+        return f"<GroupResult: {self.id} [{', '.join(getattr(r, 'id', '?') for r in self.results)}]>"
+
+    @property
+    def children(self) -> list[AsyncResult | ResultSet]:
+        """The member results (Celery's name)."""
+        return self.results
 
 
 class _Release:

@@ -15,7 +15,8 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 
 from broker_svc.canvas.signature import Signature
-from broker_svc.results.result import AsyncResult, ResultStore
+from broker_svc.results.result import AsyncResult
+from broker_svc.results.store import ResultStore
 from broker_svc.wire.ids import uuid4_str
 
 __all__ = ["SendCapture", "capturing", "current_capture"]

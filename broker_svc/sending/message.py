@@ -39,7 +39,7 @@ from broker_svc.wire.task_state import JobState, StateRecord
 if TYPE_CHECKING:
     from broker_svc.conf import Config
     from broker_svc.connection.pending import PendingPublish
-    from broker_svc.results.result import ResultStore
+    from broker_svc.results.store import ResultStore
     from broker_svc.sending.batch import Batch
     from broker_svc.sending.producer import Producer
 

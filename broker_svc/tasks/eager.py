@@ -8,17 +8,27 @@ its retries run out. Nothing touches the broker, unless the task itself sends ta
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from broker_svc.errors import TaskError
 from broker_svc.tasks.request import Request, executing
-from broker_svc.tasks.trace import FAILURE, IGNORED, REJECTED, RETRY, SUCCESS, Traced, trace
+from broker_svc.tasks.trace import FAILURE, IGNORED, REJECTED, RETRY, SUCCESS, Traced, TracedTask, trace
 from broker_svc.wire.ids import uuid4_str
 
 if TYPE_CHECKING:
-    from broker_svc.tasks.task import Task
+    from broker_svc.task_app import TaskApp
 
-__all__ = ["EagerResult", "apply"]
+__all__ = ["EagerResult", "EagerTask", "apply"]
+
+
+class EagerTask(TracedTask, Protocol):
+    """What a run here reads of a task (a ``Task``): its name, and its app's ``task_eager_propagates``."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def app(self) -> TaskApp: ...
 
 
 class EagerResult:
@@ -84,7 +94,7 @@ _STATE = {IGNORED: "IGNORED", REJECTED: FAILURE, RETRY: RETRY}
 
 
 def apply(
-    task: Task,
+    task: EagerTask,
     args: Sequence[Any] | None = None,
     kwargs: Mapping[str, Any] | None = None,
     *,

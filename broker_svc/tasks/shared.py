@@ -2,8 +2,8 @@
 
 A ``@shared_task`` function is registered on every ``App``, those that exist when it is defined
 and those made later. What the decorator returns is a proxy for the task on the *current* app (the
-last one made with ``set_as_current=True``, Celery's default), so ``add.delay(2, 2)`` in a module
-that never imports the app sends through the app the program made.
+last one made with ``set_as_current=True``, Celery's default: ``broker_svc/task_app.py``), so
+``add.delay(2, 2)`` in a module that never imports the app sends through the app the program made.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any, Concatenate, Generic, Literal, cast, over
 
 from typing_extensions import ParamSpec, TypeVar
 
-from broker_svc.errors import ConfigurationError
+from broker_svc.task_app import current_app
+from broker_svc.tasks.registry import TaskRegistry
 from broker_svc.tasks.task import Task
 
 if TYPE_CHECKING:
-    from broker_svc.app import App
     from broker_svc.canvas.signature import Signature
     from broker_svc.results.result import AsyncResult
 
@@ -28,29 +28,13 @@ __all__ = ["SharedTask", "app_created", "current_app", "shared_task"]
 _lock = threading.Lock()
 # Every shared task defined so far: (function, base, options, name).
 _defined: list[tuple[Callable[..., Any], type[Task] | None, dict[str, Any], str]] = []
-_apps: weakref.WeakSet[App] = weakref.WeakSet()
-_current: weakref.ReferenceType[App] | None = None
+_apps: weakref.WeakSet[TaskRegistry] = weakref.WeakSet()
 
 
-def current_app() -> App:
-    """The app ``shared_task`` proxies use: the last one made with ``set_as_current=True``.
-
-    Raises:
-        ConfigurationError: no app has been made.
-    """
-    app = _current() if _current is not None else None
-    if app is None:
-        raise ConfigurationError("no App has been created: shared tasks need one (app = App('proj'))")
-    return app
-
-
-def app_created(app: App, *, set_as_current: bool) -> None:
+def app_created(app: TaskRegistry) -> None:
     """Register every shared task on a new app (called by ``App.__init__``)."""
-    global _current
     with _lock:
         _apps.add(app)
-        if set_as_current:
-            _current = weakref.ref(app)
         defined = list(_defined)
     for fn, base, options, name in defined:
         _register(app, fn, base, options, name)
@@ -144,6 +128,6 @@ def shared_task(
 
 
 def _register(
-    app: App, fn: Callable[..., Any], base: type[Task] | None, options: dict[str, Any], name: str
+    app: TaskRegistry, fn: Callable[..., Any], base: type[Task] | None, options: dict[str, Any], name: str
 ) -> None:
     app._register(fn, base=base or Task, options=dict(options), shared_name=name)

@@ -10,20 +10,19 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic
 
 from typing_extensions import ParamSpec, TypeVar
 
-import broker_svc.canvas.primitives as canvas
+from broker_svc.canvas import maps
 from broker_svc.canvas.signature import Signature
 from broker_svc.errors import MaxRetriesExceededError, Retry
 from broker_svc.logging import get_logger
+from broker_svc.tasks.arguments import check_call_arguments
 from broker_svc.tasks.eager import EagerResult, apply
 from broker_svc.tasks.pydantic_args import call_with_models
 from broker_svc.tasks.request import SEND_OPTIONS, ExceptionInfo, Request, current_request, executing
-from broker_svc.tasks.task_class import build_task_class as build_task_class  # re-exported, as before
-from broker_svc.tasks.task_class import check_call_arguments
 
 if TYPE_CHECKING:
-    from broker_svc.app import App
     from broker_svc.results.result import AsyncResult as ResultHandle
     from broker_svc.sending.dedup_keys import TaskDedup
+    from broker_svc.task_app import TaskApp
 
 __all__ = ["SEND_OPTIONS", "ExceptionInfo", "Request", "Signature", "Task", "current_request", "executing"]
 
@@ -32,7 +31,7 @@ __all__ = ["SEND_OPTIONS", "ExceptionInfo", "Request", "Signature", "Task", "cur
 P = ParamSpec("P", default=...)
 R = TypeVar("R", default=Any)
 
-# Signature, the request and build_task_class (broker_svc.tasks.task_class) are imported from here too.
+# Signature and the request are imported from here too.
 
 log = get_logger(__name__)
 
@@ -49,7 +48,7 @@ class Task(Generic[P, R]):
     """
 
     name: ClassVar[str] = ""
-    app: ClassVar[App]
+    app: ClassVar[TaskApp]
     bind: ClassVar[bool] = False
     ignore_result: ClassVar[bool] = False
     queue: ClassVar[str | None] = None
@@ -358,17 +357,17 @@ class Task(Generic[P, R]):
 
     subtask = signature
 
-    def map(self, it: Iterable[Any]) -> canvas.xmap:
+    def map(self, it: Iterable[Any]) -> maps.xmap:
         """One task calling this one with each item (Celery's ``celery.map``)."""
-        return canvas.xmap(self.s(), it)
+        return maps.xmap(self.s(), it)
 
-    def starmap(self, it: Iterable[Sequence[Any]]) -> canvas.xstarmap:
+    def starmap(self, it: Iterable[Sequence[Any]]) -> maps.xstarmap:
         """One task calling this one with each item's arguments (Celery's ``celery.starmap``)."""
-        return canvas.xstarmap(self.s(), it)
+        return maps.xstarmap(self.s(), it)
 
-    def chunks(self, it: Iterable[Sequence[Any]], n: int) -> canvas.chunks:
+    def chunks(self, it: Iterable[Sequence[Any]], n: int) -> maps.chunks:
         """The items in parts of ``n``, one ``starmap`` task per part, sent as a group."""
-        return canvas.chunks(self.s(), it, n)
+        return maps.chunks(self.s(), it, n)
 
     def AsyncResult(self, task_id: str) -> ResultHandle[R]:  # Celery's name
         """A result handle for a task this client sent (see ``App.AsyncResult``)."""

@@ -1,59 +1,15 @@
-"""The task class made from a function (``build_task_class``) and the check of sent arguments
-against that function's signature (a task's ``typing`` option).
-
-Imported by ``broker_svc.tasks.task`` (which re-exports ``build_task_class``, as before); ``Task`` is
-imported here only when a class is built, so there is no import cycle.
-"""
+"""The task class made from a function (``build_task_class``), as ``@app.task`` registers it."""
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from broker_svc.sending.dedup_keys import task_dedup
+from broker_svc.tasks.task import Task
 from broker_svc.wire.rates import parse_rate
 
-if TYPE_CHECKING:
-    from broker_svc.tasks.task import Task
-
-__all__ = ["build_task_class", "check_call_arguments"]
-
-
-def check_call_arguments(task: Task, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
-    """Raise ``TypeError`` now if ``task``'s function would not take these arguments.
-
-    Raises:
-        TypeError: the arguments do not fit the function's signature (as Celery's ``typing``).
-    """
-    signature = _call_signature(type(task))
-    if signature is None:
-        return
-    try:
-        if task.bind:
-            signature.bind(task, *args, **kwargs)
-        else:
-            signature.bind(*args, **kwargs)
-    except TypeError as exc:
-        raise TypeError(f"{task.name}: {exc}") from None
-
-
-def _call_signature(cls: type[Task]) -> inspect.Signature | None:
-    # Worked out once per task class: ``typing`` checks every send against it.
-    if cls in _SIGNATURES:
-        return _SIGNATURES[cls]
-    function = getattr(cls, "__wrapped__", None)
-    signature: inspect.Signature | None = None
-    if function is not None:
-        try:
-            signature = inspect.signature(function)
-        except (TypeError, ValueError):
-            pass  # a builtin or C function: nothing to check against
-    _SIGNATURES[cls] = signature
-    return signature
-
-
-_SIGNATURES: dict[type[Task], inspect.Signature | None] = {}
+__all__ = ["build_task_class"]
 
 
 def build_task_class(
@@ -69,8 +25,6 @@ def build_task_class(
         ValueError: a ``rate_limit`` that is not a rate (``"10/s"``, ``"100/m"``, ``"2/h"``, a number),
             or a ``dedup_timeout`` out of range.
     """
-    from broker_svc.tasks.task import Task  # task imports this module
-
     if not (isinstance(base, type) and issubclass(base, Task)):
         raise TypeError(f"base must be a subclass of broker_svc.Task, got {base!r}")
     unknown = set(options) - base.OPTIONS

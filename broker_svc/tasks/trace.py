@@ -11,17 +11,14 @@ import traceback
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Protocol
 
 from broker_svc import signals
 from broker_svc.errors import Ignore, Reject, Retry
 from broker_svc.logging import get_logger
 from broker_svc.tasks.request import ExceptionInfo, Request
 
-if TYPE_CHECKING:
-    from broker_svc.tasks.task import Task
-
-__all__ = ["FAILURE", "IGNORED", "REJECTED", "RETRY", "SUCCESS", "Traced", "trace"]
+__all__ = ["FAILURE", "IGNORED", "REJECTED", "RETRY", "SUCCESS", "TracedTask", "Traced", "trace"]
 
 log = get_logger(__name__)
 
@@ -31,6 +28,47 @@ FAILURE: Final = "FAILURE"
 RETRY: Final = "RETRY"
 IGNORED: Final = "IGNORED"
 REJECTED: Final = "REJECTED"
+
+
+class TracedTask(Protocol):
+    """What a run calls on a task (a ``Task``): its body, as the worker runs it, and its hooks."""
+
+    def execute(self, args: Sequence[Any], kwargs: Mapping[str, Any], /) -> Any: ...
+
+    def on_success(
+        self, retval: Any, task_id: str, args: Sequence[Any], kwargs: Mapping[str, Any], /
+    ) -> None: ...
+
+    def on_failure(
+        self,
+        exc: BaseException,
+        task_id: str,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        einfo: ExceptionInfo,
+        /,
+    ) -> None: ...
+
+    def on_retry(
+        self,
+        exc: BaseException,
+        task_id: str,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        einfo: ExceptionInfo,
+        /,
+    ) -> None: ...
+
+    def after_return(
+        self,
+        status: str,
+        retval: Any,
+        task_id: str,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        einfo: ExceptionInfo | None,
+        /,
+    ) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +93,7 @@ class Traced:
 
 
 def trace(
-    task: Task,
+    task: TracedTask,
     request: Request,
     args: Sequence[Any],
     kwargs: Mapping[str, Any],
@@ -89,7 +127,7 @@ def trace(
 
 
 def _run(
-    task: Task,
+    task: TracedTask,
     request: Request,
     args: Sequence[Any],
     kwargs: Mapping[str, Any],

@@ -15,7 +15,7 @@ import msgpack
 import pytest
 
 from broker_svc import App, AsyncResult, Settings, TaskError
-from broker_svc.canvas.primitives import chain
+from broker_svc.canvas.signature import chain
 from broker_svc.errors import TaskRevokedError
 from broker_svc.wire.states import State
 from tests.support.amqp import channel, delete_queues, drain, publish_raw, queue_depth

@@ -9,7 +9,7 @@ import pytest
 
 from broker_svc import App, chain, chord, group
 from broker_svc.canvas.follow_ups import chord_header_problem, follow_ups, unhonoured
-from broker_svc.canvas.primitives import maybe_signature
+from broker_svc.canvas.signature import maybe_signature
 from broker_svc.wire.chord_part import ChordPart, decode_part, encode_part
 from broker_svc.wire.task_message import TaskMessage
 

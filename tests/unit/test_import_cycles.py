@@ -1,4 +1,5 @@
-"""The worker's layout holds: no import cycle, and each folder imports only what its process may.
+"""The packages' layout holds: no import cycle, and each of the worker's folders imports only what
+its process may.
 
 Counted as a reader meets them: imports at module level, inside functions and under
 ``TYPE_CHECKING`` alike (a cycle hidden in a function is still a cycle to whoever reads the code).
@@ -93,6 +94,13 @@ def test_the_checker_finds_a_cycle_through_a_function_level_import():
 
 def test_the_worker_has_no_import_cycle():
     assert strongly_connected(_graph("worker")) == []
+
+
+def test_the_client_library_and_the_control_plane_have_no_import_cycle():
+    # Types count too: a module annotates with a Protocol (``broker_svc/task_app.py``), not with
+    # the class of a module that imports it back.
+    assert strongly_connected(_graph("broker_svc")) == []
+    assert strongly_connected(_graph("control")) == []
 
 
 def test_a_childs_folders_never_import_the_main_processs_parts_or_aio_pika():

@@ -33,7 +33,7 @@ from worker.ipc import Job, JobStatus
 from worker.shared.board import BoardSlot
 
 if TYPE_CHECKING:
-    pass
+    from broker_svc.task_app import TaskApp
 
 log = structlog.get_logger(__name__)
 
@@ -193,14 +193,14 @@ def _call(
 
 
 def _errbacks_here(
-    app: App, request: Request, exc: BaseException, tb: str, task_loop: TaskLoop, soft_limit: SoftLimit
+    app: TaskApp, request: Request, exc: BaseException, tb: str, task_loop: TaskLoop, soft_limit: SoftLimit
 ) -> None:
     # New-style errbacks run here, in the failed task's process, with (request, exc, traceback)
     # before their own arguments, as Celery calls them; the worker sends the others as tasks.
     for errback in request.errbacks or ():
         if not runs_in_process(app, errback):
             continue
-        task = app.tasks[str(errback["task"])]
+        task: Task = app.tasks[str(errback["task"])]
         try:
             called = task(request, exc, tb, *(errback.get("args") or ()), **(errback.get("kwargs") or {}))
             if inspect.iscoroutine(called):  # an async def errback: awaited on this thread's loop

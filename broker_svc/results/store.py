@@ -1,0 +1,142 @@
+"""``ResultStore``: the ``rpc://`` reply queue's side of a client: the latest states of the tasks
+it waits for, fed by its consumer, with thread-safe waits."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from typing import Any, Final
+
+from broker_svc.connection.pending import Delivery, PendingPublish
+from broker_svc.errors import MessageError, ResultTimeout
+from broker_svc.logging import get_logger
+from broker_svc.wire import codec
+from broker_svc.wire.result_message import Outcome
+
+__all__ = ["OnMessage", "ResultStore"]
+
+log = get_logger(__name__)
+
+# States kept per task for ``get(on_message=...)`` replay; progress updates beyond this are dropped
+# oldest-first (the latest state is always kept).
+_HISTORY_LIMIT: Final = 256
+
+OnMessage = Callable[[dict[str, Any]], None]
+
+# Results of tasks nobody waits for yet (a callback or child task whose handle comes later, from
+# ``result.children`` or ``AsyncResult(id)``), kept for that many tasks, oldest dropped first.
+_STRAY_KEPT: Final = 1000
+
+
+class ResultStore:
+    """The latest states of the tasks one client is waiting for, fed by its reply-queue consumer.
+
+    Tasks this client registered are kept while a handle holds them; the results of the last
+    ``_STRAY_KEPT`` others wait for a handle (Celery's rpc backend keeps them too, unbounded), so a
+    stray or late result costs bounded memory.
+    """
+
+    def __init__(self, *, accept: frozenset[str], max_bytes: int) -> None:
+        self._accept = accept
+        self._max_bytes = max_bytes
+        self._cond = threading.Condition()
+        self._wanted: dict[str, int] = {}
+        self._history: dict[str, deque[Outcome]] = {}
+        self._stray: OrderedDict[str, deque[Outcome]] = OrderedDict()
+        # The task-state stream's answer for a task with no result here (``App`` sets it; it
+        # returns None unless ``task_states`` is on).
+        self.state_lookup: Callable[[str], str | None] | None = None
+
+    def register(self, task_id: str) -> None:
+        """Start keeping results for ``task_id`` (one call per ``AsyncResult`` holding it)."""
+        with self._cond:
+            self._wanted[task_id] = self._wanted.get(task_id, 0) + 1
+            stray = self._stray.pop(task_id, None)
+            if stray is not None:
+                self._history.setdefault(task_id, stray)
+
+    def release(self, task_id: str) -> None:
+        """Stop keeping results for ``task_id`` once no ``AsyncResult`` holds it."""
+        with self._cond:
+            count = self._wanted.get(task_id, 0) - 1
+            if count > 0:
+                self._wanted[task_id] = count
+            else:
+                self._wanted.pop(task_id, None)
+                self._history.pop(task_id, None)
+
+    def forget(self, task_id: str) -> None:
+        """Drop the states received so far for ``task_id``."""
+        with self._cond:
+            self._history.pop(task_id, None)
+
+    def on_delivery(self, delivery: Delivery) -> None:
+        """Consumer callback (I/O thread): decode one result and wake its waiters."""
+        try:
+            body = codec.decode(
+                delivery.body, delivery.content_type, accept=self._accept, max_bytes=self._max_bytes
+            )
+            outcome = Outcome.from_wire(body, correlation_id=delivery.correlation_id)
+        except MessageError as exc:
+            log.warning("result_refused", error=str(exc), correlation_id=delivery.correlation_id)
+            return
+        with self._cond:
+            if outcome.task_id not in self._wanted:
+                self._keep_stray(outcome)
+                return
+            history = self._history.setdefault(outcome.task_id, deque(maxlen=_HISTORY_LIMIT))
+            history.append(outcome)
+            self._cond.notify_all()
+
+    def _keep_stray(self, outcome: Outcome) -> None:
+        stray = self._stray.get(outcome.task_id)
+        if stray is None:
+            stray = self._stray[outcome.task_id] = deque(maxlen=_HISTORY_LIMIT)
+            if len(self._stray) > _STRAY_KEPT:
+                self._stray.popitem(last=False)
+        stray.append(outcome)
+
+    def latest(self, task_id: str) -> Outcome | None:
+        """The newest state received for ``task_id``, if any."""
+        with self._cond:
+            history = self._history.get(task_id)
+            return history[-1] if history else None
+
+    def wait(
+        self,
+        task_id: str,
+        *,
+        timeout: float | None,
+        on_message: OnMessage | None = None,
+        publish: PendingPublish | None = None,
+    ) -> Outcome:
+        """Block until a ready state arrives; call ``on_message`` for each state, in order.
+
+        Raises:
+            ResultTimeout: no ready state within ``timeout``.
+            PublishError: the task's own publish failed, so no result can ever come.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        seen = 0
+        with self._cond:
+            while True:
+                history = self._history.get(task_id, ())
+                for outcome in list(history)[seen:]:
+                    seen += 1
+                    if on_message is not None:
+                        self._cond.release()
+                        try:
+                            on_message(outcome.to_wire())
+                        finally:
+                            self._cond.acquire()
+                if history and history[-1].ready:
+                    return history[-1]
+                if publish is not None and publish.error is not None:
+                    raise publish.error
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise ResultTimeout(f"no result for task {task_id} within {timeout} s")
+                # Wake at least every second to notice a failed publish.
+                self._cond.wait(1.0 if remaining is None else min(remaining, 1.0))
