@@ -71,6 +71,15 @@ class Channel(FrameSocket):
 
     # -- opening ---------------------------------------------------------------------------------
 
+    def connect(self) -> None:
+        """Connect to the first broker that answers (failover order), open the channel, consume
+        (the subclass's, which says what it consumes).
+
+        Raises:
+            BrokerUnavailable: no broker could be reached or none let us in (each reason named).
+        """
+        raise NotImplementedError
+
     def _open_channel(self, *, confirms: bool) -> None:
         """channel.open (and confirm.select) on a connection just opened: a fresh channel's state."""
         self._tags.clear()
