@@ -1,5 +1,9 @@
 """A consuming child's one connection, shared by its task threads (``--threads N``): whoever waits reads.
 
+The shared concurrency policy over the same protocol core as ``FeedConnection``
+(``broker_svc/amqp/channel.py``): this module only says who reads, who waits and which lock
+guards what; every frame is the core's.
+
 One channel, one consumer per queue, prefetch N × ``--prefetch-multiplier`` (at 1, every delivery
 held has an idle thread to take it: docs/architecture.md). Leader/follower, no reader thread: a
 thread waiting for the broker (a delivery, a confirm, a method's answer) reads the socket when no
@@ -18,32 +22,31 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Final
 
-from broker_svc.amqp import frames, methods
+from broker_svc.amqp import frames
 from broker_svc.amqp.delivery import ConnectionLost, TaskDelivery
 from broker_svc.amqp.feed_connection import FeedConnection
-from broker_svc.amqp.methods import BASIC_ACK, BASIC_NACK, BASIC_RETURN
-from broker_svc.amqp.waits import PendingPublish, SettleQueue, mark_returned
-from broker_svc.errors import BrokerUnavailable, PublishNacked, Unroutable
+from broker_svc.amqp.waits import PendingPublish, SettleQueue
+from broker_svc.errors import BrokerUnavailable
 from broker_svc.settings import Settings
 from broker_svc.topology import QueueSpec
-from broker_svc.wire.task_message import WireMessage
 
 __all__ = ["SharedFeedConnection"]
 
 _WAIT_S: Final = 0.5  # the longest a waiting thread sleeps before it looks again
-_CHANNEL: Final = 1
-_U64_BIT: Final = struct.Struct(">QB")
 
 
 class SharedFeedConnection(FeedConnection):
     """``FeedConnection`` for the threads of one child: every method may be called from any thread.
+
+    Overrides only the policy points: the role around a method and its answer (``_expect``),
+    the leader/follower waits (``next_delivery``, ``_await_confirm``), coalesced settles
+    (``_settle_frame``), ``_state`` around what threads share, and one report per loss.
 
     Args:
         settings: broker URLs (failover order), heartbeat, timeouts, TLS.
@@ -71,7 +74,6 @@ class SharedFeedConnection(FeedConnection):
         self._depth = 0
         self._wanting = self._idle = self._confirming = 0  # threads waiting, by what for
         self._taking = False  # the reader waits for a delivery: the first one read is its own
-        self._pending: dict[int, PendingPublish] = {}  # sequence number -> publish awaiting its confirm
         self._connecting = threading.Lock()
         self._settles = SettleQueue(self._lock, self._write, self._current)
         self._told = -1  # the connection (generation) whose loss a thread has logged
@@ -278,49 +280,21 @@ class SharedFeedConnection(FeedConnection):
     def cancel(self) -> list[TaskDelivery]:
         """``FeedConnection.cancel``, once, whichever thread comes first."""
         with self._role():
-            for tag in list(self._tags):
-                cancel = frames.method(_CHANNEL, 60, 30, frames.short_string(tag) + b"\x00")
-                self._expect((60, 31), send=cancel)
-                del self._tags[tag]
-            with self._state:
-                left = list(self._deliveries)
-                self._deliveries.clear()
-            return left
+            return super().cancel()
 
-    # -- publishing ------------------------------------------------------------------------------
+    def _take_all(self) -> list[TaskDelivery]:
+        with self._state:
+            return super()._take_all()
 
-    def _publish(
-        self, message: WireMessage, routing_key: str, *, exchange: str, declare: Sequence[QueueSpec]
-    ) -> None:
-        for spec in declare:
-            if spec.name not in self._declared:
-                self._declare(spec)
-        data = self._publish_frames(message, routing_key, exchange=exchange, mandatory=True)
-        waiting = PendingPublish(exchange, routing_key, message.body)
-        with self._lock:  # a publish's sequence number is its place among the channel's writes
-            generation = self.generation
-            self._published += 1
-            sequence = self._published
-            with self._state:
-                self._pending[sequence] = waiting
-            try:
-                self._write(data)
-            except BaseException:
-                self._forget(sequence, waiting)
-                raise
-        try:
-            self._await_confirm(waiting, generation)
-        finally:
-            self._forget(sequence, waiting)
-        if waiting.nacked:
-            raise PublishNacked(f"the broker refused a message to {routing_key!r}")
-        if waiting.returned is not None:
-            raise Unroutable(f"no queue took a message to {routing_key!r} ({waiting.returned})")
+    # -- publishing: where publishes and their confirms meet ---------------------------------------
+
+    def _track(self, sequence: int, waiting: PendingPublish) -> None:
+        with self._state:  # the reader walks the publishes awaiting confirms as it dispatches
+            super()._track(sequence, waiting)
 
     def _forget(self, sequence: int, waiting: PendingPublish) -> None:
         with self._state:
-            if self._pending.get(sequence) is waiting:  # numbers start again on a new connection
-                del self._pending[sequence]
+            super()._forget(sequence, waiting)
 
     def _await_confirm(self, waiting: PendingPublish, generation: int) -> None:
         deadline = time.monotonic() + self._settings.confirm_timeout_s
@@ -347,44 +321,17 @@ class SharedFeedConnection(FeedConnection):
             finally:
                 self._leave_role()
 
-    def publish_nowait(self, message: WireMessage, routing_key: str, *, exchange: str) -> None:
-        """``FeedConnection.publish_nowait``, from any thread."""
-        data = self._publish_frames(message, routing_key, exchange=exchange, mandatory=False)
-        with self._lock:
-            self._write(data)
-            self._published += 1  # it takes a sequence number too: its confirm is nobody's
-
     # -- frames ----------------------------------------------------------------------------------
 
-    def _dispatch(self, frame: frames.Frame) -> None:
-        if frame.type == frames.FRAME_METHOD:
-            kind = frame.method_id
-            if kind == BASIC_ACK or kind == BASIC_NACK:
-                tag, bits = _U64_BIT.unpack_from(frame.payload, 4)
-                nacked, multiple = kind == BASIC_NACK, bits & 1
-                with self._state:
-                    for sequence, waiting in self._pending.items():
-                        if sequence == tag or (multiple and sequence < tag):
-                            waiting.done, waiting.nacked = True, nacked
-                    if self._confirming:
-                        self._answered.notify_all()
-                return
-            if kind == BASIC_RETURN:
-                self._on_return(frame.payload)
-                return
-        super()._dispatch(frame)
-
-    def _on_return(self, payload: bytes) -> None:
-        # The broker returns an unroutable publish before confirming it; the return does not name
-        # its sequence number, so it goes to the oldest waiting publish that sent the same thing.
-        code, text = methods.close_reason(payload)
-        at = 7 + payload[6]
-        exchange = payload[at + 1 : at + 1 + payload[at]].decode()
-        at += 1 + payload[at]
-        routing_key = payload[at + 1 : at + 1 + payload[at]].decode()
-        _properties, body = self._content()
+    def _on_confirm(self, tag: int, *, multiple: bool, nacked: bool) -> None:
         with self._state:
-            mark_returned(self._pending, exchange, routing_key, body, why=f"{code} {text}")
+            super()._on_confirm(tag, multiple=multiple, nacked=nacked)
+            if self._confirming:
+                self._answered.notify_all()
+
+    def _on_returned(self, exchange: str, routing_key: str, body: bytes, *, why: str) -> None:
+        with self._state:
+            super()._on_returned(exchange, routing_key, body, why=why)
 
     def _on_deliver(self, payload: bytes) -> None:
         super()._on_deliver(payload)
