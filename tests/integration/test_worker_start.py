@@ -8,6 +8,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
@@ -123,6 +124,21 @@ def test_a_refused_login_is_one_line_and_exit_status_1(test_vhost_url: str):
     assert "Traceback" not in result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("clockwork-worker: error:") and "refused" in last.lower(), last
+
+
+def test_an_unknown_vhost_is_one_line_naming_it_and_exit_status_1(test_vhost_url: str):
+    # The broker closes the connection as it opens the vhost: retrying cannot help, so the worker
+    # says so at once instead of retrying forever.
+    parts = urlsplit(test_vhost_url)
+    bad = urlunsplit(parts._replace(path="/clockwork-no-such-vhost"))
+    started = time.monotonic()
+    result = _start("-A", "tests.integration.e2e_tasks:app", "-c", "1", "-b", bad, "--statedb", "none")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert time.monotonic() - started < 30
+    assert "Traceback" not in result.stderr and "object at 0x" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("clockwork-worker: error:"), last
+    assert "vhost 'clockwork-no-such-vhost'" in last and "'guest'" in last, last
 
 
 def test_a_worker_warns_when_another_app_consumes_its_queue(test_vhost_url: str):

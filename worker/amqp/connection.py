@@ -11,7 +11,7 @@ import asyncio
 import ssl
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
 import aio_pika
 import aio_pika.abc
@@ -80,9 +80,38 @@ def _first_text(error: BaseException) -> str:
     return redact_url(text) if "@" in text else text
 
 
+def vhost_refused(error: BaseException) -> bool:
+    """The broker closed the connection as it opened the vhost: no such vhost, or no permission on it.
+
+    RabbitMQ answers ``connection.open`` with ``connection.close`` (530 NOT_ALLOWED); aiormq keeps
+    only the frame's repr in the error it raises, so the error is recognised by that.
+    """
+    return isinstance(error, aiormq.exceptions.InvalidFrameError) and "got <Connection.Close" in _first_text(
+        error
+    )
+
+
 def is_permanent(error: BaseException) -> bool:
-    """Wrong credentials or certificates: retrying the same way cannot succeed."""
-    return _tls_error(error) is not None or isinstance(error, aiormq.exceptions.ProbableAuthenticationError)
+    """Wrong credentials, certificates or vhost: retrying the same way cannot succeed."""
+    return (
+        _tls_error(error) is not None
+        or isinstance(error, aiormq.exceptions.ProbableAuthenticationError)
+        or vhost_refused(error)
+    )
+
+
+def _refusal(error: BaseException, url: str) -> str:
+    # What a permanent refusal means, naming what was refused (never the password).
+    parts = urlsplit(url)
+    if vhost_refused(error):
+        vhost = unquote(parts.path[1:]) or "/"
+        return (
+            f"the broker refused vhost {vhost!r}: it does not exist, or user {parts.username!r} has no "
+            "permission on it (rabbitmqctl list_vhosts, list_user_permissions)"
+        )
+    if isinstance(error, aiormq.exceptions.ProbableAuthenticationError):
+        return f"the broker refused the login of user {parts.username!r}: {describe_error(error)}"
+    return describe_error(error)
 
 
 class FailoverConnection(aio_pika.RobustConnection):
@@ -178,6 +207,7 @@ async def connect(
                 raise BrokerUnavailable("stopped while waiting for the broker") from None
             reason = describe_error(exc)
             if is_permanent(exc):
+                reason = _refusal(exc, urls[index])
                 refused[index] = reason
                 if len(refused) == len(urls):
                     log.error("broker_connect_refused", url=settings.safe_broker_url, error=reason)
