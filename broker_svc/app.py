@@ -102,6 +102,7 @@ class App(TaskRegistry):
         self._control: ControlPlane | None = None
         self._jobs: Jobs | None = None
         self._store.state_lookup = self._stream_state
+        self._store.unreachable = self._unreachable
         self._close_hooks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         open_apps.add(self)
@@ -363,6 +364,11 @@ class App(TaskRegistry):
         """
         if self._producer is not None:
             self._producer.flush(timeout)
+
+    def _unreachable(self) -> str | None:
+        # Why no result can arrive now: this client's connection to the broker is down.
+        producer = self._producer
+        return producer.publisher.connection.unavailable() if producer is not None else None
 
     def close(self, timeout: float | None = None) -> None:
         """Flush, delete this client's result queue, and close the connection (with a spool, what

@@ -18,6 +18,8 @@
     │   └── InvalidTaskMessage               decodes, but is not a protocol-v2 task
     ├── NotRegistered (KeyError)             no task of that name in the app
     ├── ResultTimeout (TimeoutError)         ``AsyncResult.get`` ran out of time
+    │   └── ResultUnreachable                ... while no connection reached the broker (also a
+    │                                        BrokerUnavailable)
     ├── SoftTimeLimitExceeded                raised inside a task when its soft time limit passes
     ├── Retry                                raised by ``Task.retry()``: run this task again later
     ├── MaxRetriesExceededError              ``Task.retry()`` with no retries left and no ``exc``
@@ -59,6 +61,7 @@ __all__ = [
     "PublishNacked",
     "Reject",
     "ResultTimeout",
+    "ResultUnreachable",
     "Retry",
     "SoftTimeLimitExceeded",
     "SpoolError",
@@ -155,6 +158,14 @@ class NotRegistered(BrokerSvcError, KeyError):
 
 class ResultTimeout(BrokerSvcError, TimeoutError):
     """A result did not arrive within the timeout."""
+
+
+class ResultUnreachable(BrokerUnavailable, ResultTimeout):
+    """A result did not arrive within the timeout, and the client has no connection to the broker.
+
+    Both a ``BrokerUnavailable`` (the reason, naming the broker's redacted URL) and a
+    ``ResultTimeout``, so code that waits for a timeout still catches it.
+    """
 
 
 class SoftTimeLimitExceeded(BrokerSvcError):

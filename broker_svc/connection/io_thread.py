@@ -89,6 +89,7 @@ class BrokerConnection:
         self._conn: GatheringConnection | None = None
         self._channel: pika.channel.Channel | None = None
         self._down_since: float | None = None
+        self._last_error: str | None = None  # why the last attempt failed or the connection was lost
         self._thread = threading.Thread(target=self._run, name=f"clockwork-io-{name}", daemon=True)
         self._started = False
 
@@ -105,6 +106,13 @@ class BrokerConnection:
     def wait_ready(self, timeout: float) -> bool:
         """Wait until connected with a channel in confirm mode."""
         return self._ready.wait(timeout)
+
+    def unavailable(self) -> str | None:
+        """Why nothing reaches the broker now (no connection, and the last error), or None when connected."""
+        if self._ready.is_set():
+            return None
+        url = redact_url(self._urls[self._url_index])
+        return f"no connection to {url}" + (f" ({self._last_error})" if self._last_error else "")
 
     @property
     def can_publish(self) -> bool:
@@ -259,7 +267,8 @@ class BrokerConnection:
                 on_close_callback=self._on_closed,
             )
         except Exception as exc:
-            log.warning("broker_connect_failed", url=redact_url(url), error=describe_connect_error(exc))
+            self._last_error = describe_connect_error(exc)
+            log.warning("broker_connect_failed", url=redact_url(url), error=self._last_error)
             if isinstance(exc, BrokerSvcError):  # the TLS files: no retry fixes them
                 self._outbox.fail_all(BrokerUnavailable(f"cannot connect to {redact_url(url)}: {exc}"))
             return
@@ -276,6 +285,7 @@ class BrokerConnection:
     def _on_open_error(self, conn: pika.SelectConnection, error: BaseException | str) -> None:
         url = redact_url(self._urls[self._url_index])
         reason = describe_connect_error(error)
+        self._last_error = reason
         log.warning("broker_connect_failed", url=url, error=reason)
         if is_permanent(error):
             # Wrong credentials, vhost or certificates will not fix themselves: fail what waits
@@ -327,6 +337,7 @@ class BrokerConnection:
             self._declare(spec, on_done=consume)
             return
         self._down_since = None
+        self._last_error = None
         self._outbox.requeue_retries()  # what a lost connection left unconfirmed goes out first
         self._ready.set()
         log.debug("broker_connected", connection=self._name)
@@ -373,6 +384,7 @@ class BrokerConnection:
         self._channel = None
         self._blocked_since = None
         self._confirms.connection_lost(reason)
+        self._last_error = f"lost: {reason}"
         if not self._stopping.is_set():
             log.warning("broker_connection_lost", connection=self._name, reason=str(reason))
         conn.ioloop.stop()

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from broker_svc.connection.pending import Delivery, PendingPublish
-from broker_svc.errors import MessageError, ResultTimeout
+from broker_svc.errors import MessageError, ResultTimeout, ResultUnreachable
 from broker_svc.logging import get_logger
 from broker_svc.wire import codec
 from broker_svc.wire.result_message import Outcome
@@ -48,6 +48,8 @@ class ResultStore:
         # The task-state stream's answer for a task with no result here (``App`` sets it; it
         # returns None unless ``task_states`` is on).
         self.state_lookup: Callable[[str], str | None] | None = None
+        # Why no result can arrive now (no connection to the broker), or None; set by the app.
+        self.unreachable: Callable[[], str | None] | None = None
 
     def register(self, task_id: str) -> None:
         """Start keeping results for ``task_id`` (one call per ``AsyncResult`` holding it)."""
@@ -116,6 +118,8 @@ class ResultStore:
 
         Raises:
             ResultTimeout: no ready state within ``timeout``.
+            ResultUnreachable: no ready state within ``timeout``, and no connection to the broker
+                (a ``ResultTimeout`` and a ``BrokerUnavailable``, saying why).
             PublishError: the task's own publish failed, so no result can ever come.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -137,6 +141,9 @@ class ResultStore:
                     raise publish.error
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
+                    why = self.unreachable() if self.unreachable is not None else None
+                    if why is not None:
+                        raise ResultUnreachable(f"no result for task {task_id} within {timeout} s: {why}")
                     raise ResultTimeout(f"no result for task {task_id} within {timeout} s")
                 # Wake at least every second to notice a failed publish.
                 self._cond.wait(1.0 if remaining is None else min(remaining, 1.0))

@@ -155,9 +155,11 @@ class Publisher:
                 failed.append(pending)
         if failed or unconfirmed:
             first: BrokerSvcError | None = failed[0].error if failed else None
+            why = self._connection.unavailable() if unconfirmed else None
             error = PublishError(
                 f"{len(failed)} message(s) failed and {unconfirmed} unconfirmed"
                 + (f"; first error: {first}" if first else f" after {timeout} s")
+                + (f": {why}" if why else "")
             )
             raise error from first
 
@@ -168,15 +170,18 @@ class Publisher:
             PublishError: what ``flush`` raises; the queue is deleted and the connection closed all
                 the same.
         """
+        timeout = self._settings.confirm_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         try:
-            self.flush(self._settings.confirm_timeout_s if timeout is None else timeout)
+            self.flush(timeout)
         finally:
-            if delete_queue is not None:
+            # What is left of ``timeout`` bounds the rest: a broker that is down never answers.
+            if delete_queue is not None and self._connection.can_publish:
                 try:
-                    self._connection.delete_queue(delete_queue, timeout=2.0)
+                    self._connection.delete_queue(delete_queue, timeout=min(2.0, _left(deadline)))
                 except BrokerSvcError:
                     pass  # its x-expires removes it later
-            self._connection.close()
+            self._connection.close(timeout=_left(deadline))
 
     def _prune(self) -> None:
         # Drop settled messages from the front so a long-running producer keeps a bounded list.
@@ -185,3 +190,8 @@ class Publisher:
             pending = inflight.popleft()
             if pending.error is not None:
                 self._failed.append(pending)
+
+
+def _left(deadline: float) -> float:
+    # What is left until ``deadline``, never negative.
+    return max(0.0, deadline - time.monotonic())
