@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
@@ -89,10 +90,19 @@ class Jobs:
     def history(self, task_id: str, *, timeout: float = 10.0) -> list[StateRecord]:
         """Every record of ``task_id`` on the stream (within retention), in order.
 
+        A task this process sent is read after its QUEUED record: once the broker confirmed that
+        record, the marker the reader appends next lands behind it on the stream, so the answer
+        holds it (read-your-writes; without the wait, a status asked right after ``delay()`` could
+        read up to a marker that overtook the record, and answer UNKNOWN).
+
         Raises:
             BrokerUnavailable: the stream could not be read up to now within ``timeout``.
         """
-        return self._ensure_feed().history(task_id, timeout=timeout)
+        deadline = time.monotonic() + timeout
+        record = self._store.queued_record(task_id)
+        if record is not None:
+            record.wait(timeout)  # a failed or late one: the stream answers what it has
+        return self._ensure_feed().history(task_id, timeout=max(0.0, deadline - time.monotonic()))
 
     def status(self, task_id: str, *, timeout: float = 10.0) -> str:
         """The task's latest state: QUEUED, STARTED, RETRY, SUCCESS, FAILURE, REVOKED, DELETED,

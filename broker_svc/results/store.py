@@ -28,6 +28,9 @@ OnMessage = Callable[[dict[str, Any]], None]
 # Results of tasks nobody waits for yet (a callback or child task whose handle comes later, from
 # ``result.children`` or ``AsyncResult(id)``), kept for that many tasks, oldest dropped first.
 _STRAY_KEPT: Final = 1000
+# QUEUED records this client sent and may still be waiting on (read-your-writes for app.jobs):
+# the newest ones, as a status asked right after a send is what needs it.
+_QUEUED_KEPT: Final = 10_000
 
 
 class ResultStore:
@@ -44,6 +47,7 @@ class ResultStore:
         self._cond = threading.Condition()
         self._wanted: dict[str, int] = {}
         self._history: dict[str, deque[Outcome]] = {}
+        self._queued: OrderedDict[str, PendingPublish] = OrderedDict()
         self._stray: OrderedDict[str, deque[Outcome]] = OrderedDict()
         # The task-state stream's answer for a task with no result here (``App`` sets it; it
         # returns None unless ``task_states`` is on).
@@ -99,6 +103,22 @@ class ResultStore:
             if len(self._stray) > _STRAY_KEPT:
                 self._stray.popitem(last=False)
         stray.append(outcome)
+
+    def note_queued(self, task_id: str, record: PendingPublish) -> None:
+        """This client sent ``task_id``'s QUEUED record to the task-state stream (``record``)."""
+        with self._cond:
+            self._queued[task_id] = record
+            while len(self._queued) > _QUEUED_KEPT:
+                self._queued.popitem(last=False)
+
+    def queued_record(self, task_id: str) -> PendingPublish | None:
+        """The QUEUED record this client sent for ``task_id`` and the broker has not confirmed yet."""
+        with self._cond:
+            record = self._queued.get(task_id)
+            if record is not None and record.done:
+                del self._queued[task_id]  # confirmed (or failed): nothing left to wait for
+                return None
+            return record
 
     def latest(self, task_id: str) -> Outcome | None:
         """The newest state received for ``task_id``, if any."""

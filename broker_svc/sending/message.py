@@ -219,7 +219,9 @@ def send_signatures(
                 task_id=task_id, state=JobState.QUEUED, at=now, clock=int(headers.get("clock") or 0),
                 hostname=CLIENT_HOSTNAME, name=headers.get("task"), queue=queue,
             )  # fmt: skip
-            sent.append(state_publish(record, stream))
+            queued = state_publish(record, stream)
+            results.note_queued(task_id, queued)  # app.jobs waits for it: read-your-writes
+            sent.append(queued)
     if batch is not None:
         batch.keep(sent, handles)  # sent at the end of the ``with app.batch()`` block
     else:
