@@ -172,8 +172,11 @@ class Jobs:
             elif result_ttl > 0:
                 options["headers"] = {RESULT_TTL_HEADER: int(result_ttl * 1000)}
         task = self._app.tasks.get(name)
-        if task is not None and task.typing:
-            task.check_arguments(args, kwargs)
+        if task is not None:
+            # Routed as delay() routes it: its declaration's options under this call's.
+            options = {**task.send_options(), **options}
+            if task.typing:
+                task.check_arguments(args, kwargs)
         if depends_on is not None:
             items = [depends_on] if isinstance(depends_on, str | Job | AsyncResult) else list(depends_on)
             if items:

@@ -311,7 +311,7 @@ class Task(Generic[P, R]):
             self.check_arguments(args or (), kwargs or {})
         if self.app.conf.get("task_always_eager"):
             return self.apply(args, kwargs, **options)  # type: ignore[return-value]  # Celery's eager mode
-        merged = self._default_options()
+        merged = self.send_options()
         merged.update(options)
         return self.app.send_task(self.name, args, kwargs, **merged)
 
@@ -335,11 +335,11 @@ class Task(Generic[P, R]):
 
     def s(self, *args: Any, **kwargs: Any) -> Signature:
         """A signature of this task with these arguments (a partial: more may be given later)."""
-        return Signature(self.name, args, dict(kwargs), self._default_options(), app=self.app)
+        return Signature(self.name, args, dict(kwargs), self.send_options(), app=self.app)
 
     def si(self, *args: P.args, **kwargs: P.kwargs) -> Signature:
         """An immutable signature: it ignores a parent's result and partial arguments."""
-        return Signature(self.name, args, dict(kwargs), self._default_options(), immutable=True, app=self.app)
+        return Signature(self.name, args, dict(kwargs), self.send_options(), immutable=True, app=self.app)
 
     def signature(
         self,
@@ -350,7 +350,7 @@ class Task(Generic[P, R]):
         **options: Any,
     ) -> Signature:
         """A signature with arguments and send options (``subtask`` is the same)."""
-        merged = self._default_options()
+        merged = self.send_options()
         merged.update(options)
         args = tuple(args or ())
         return Signature(self.name, args, dict(kwargs or {}), merged, immutable=immutable, app=self.app)
@@ -373,7 +373,10 @@ class Task(Generic[P, R]):
         """A result handle for a task this client sent (see ``App.AsyncResult``)."""
         return self.app.AsyncResult(task_id)
 
-    def _default_options(self) -> dict[str, Any]:
+    def send_options(self) -> dict[str, Any]:
+        """The send options this task's declaration gives every send of it (``queue``, ``priority``,
+        limits, ...): ``delay()``, ``enqueue`` and the scheduler put a call's own options over them,
+        as Celery's ``apply_async`` and beat do."""
         options: dict[str, Any] = {}
         if self.queue is not None:
             options["queue"] = self.queue

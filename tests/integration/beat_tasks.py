@@ -26,3 +26,10 @@ def tick(self: Task, journal: str, seconds: float = 0.0) -> str:
         time.sleep(seconds)
     record_run(journal, self.request, started=started)
     return str(self.request.id)
+
+
+@app.task(bind=True, name="beat.declared", queue=os.environ.get("BEAT_TEST_DECLARED_QUEUE", "beat-declared"))
+def declared(self: Task, journal: str) -> str:
+    """A task whose queue is its declaration's, fired by an entry that names none."""
+    record_run(journal, self.request, started=time.time())
+    return str(self.request.id)

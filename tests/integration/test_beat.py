@@ -21,6 +21,7 @@ from broker_svc import App, PublishError, Settings, Signature, Unroutable
 from broker_svc.schedules import Entry, Every, fire_id
 from broker_svc.topology import beat_term_exchange
 from tests.infra.session_broker import SessionBroker
+from tests.support.amqp import delete_queues, queue_depth, queue_exists
 from tests.support.beats import BeatProcess, new_journal, runs, schedule_env, tick_entry, wait_runs
 from tests.support.waiting import poll, wait_for
 from tests.support.workers import ROOT, WorkerProcess, unique_queue
@@ -239,6 +240,21 @@ def test_workers_with_dash_b_run_one_scheduler_between_them(url: str, queue: str
         wait_runs(journal, 4)
         assert a.count("beat_leading") + b.count("beat_leading") == 1
     _assert_each_time_once(runs(journal))
+
+
+def test_an_entry_of_a_registered_task_goes_to_the_queue_it_declares(url: str, tmp_path: Path):
+    # As Celery's beat sends through apply_async: the task's declared queue, not the default one.
+    declared = unique_queue("beat-declared")
+    journal = new_journal(tmp_path)
+    entry = {"task": "beat.declared", "schedule": 1.0, "args": [str(journal)]}
+    env = schedule_env({"declared": entry}, BEAT_TEST_DECLARED_QUEUE=declared)
+    try:
+        with BeatProcess(url, scheduler=f"s-{uuid.uuid4().hex[:8]}", env=env):
+            wait_for(lambda: queue_exists(url, declared) and queue_depth(url, declared) >= 2, timeout_s=30,
+                     message="fires in the declared queue")  # fmt: skip
+        assert not queue_exists(url, "celery") or queue_depth(url, "celery") == 0
+    finally:
+        delete_queues(url, declared)
 
 
 def test_the_next_leader_fences_the_last_one_out_of_firing(url: str, queue: str, tmp_path: Path):

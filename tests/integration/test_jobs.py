@@ -72,6 +72,26 @@ def test_a_status_asked_right_after_a_send_is_never_unknown_and_another_process_
     assert {other.jobs.status(task_id) for task_id in sent[::100]} == {"QUEUED"}
 
 
+def test_enqueue_sends_a_task_to_its_declared_queue_as_delay_does(test_vhost_url: str, sender: App):
+    declared, explicit = unique_queue("declared"), unique_queue("explicit")
+
+    @sender.task(name="tests.jobs.declared", queue=declared, priority=3)
+    def declared_task(x: int) -> int:
+        return x
+
+    sender.enqueue(declared_task, 1)  # by the function
+    sender.enqueue("tests.jobs.declared", 2)  # by its name, registered here
+    sender.enqueue(declared_task, 3, queue=explicit)  # the call's own option wins
+    sender.flush(10)
+    try:
+        routed = drain(test_vhost_url, declared)
+        assert sorted(m.properties.headers["argsrepr"] for m in routed) == ["[1]", "[2]"]
+        assert {m.properties.priority for m in routed} == {3}
+        assert [m.properties.headers["argsrepr"] for m in drain(test_vhost_url, explicit)] == ["[3]"]
+    finally:
+        delete_queues(test_vhost_url, declared, explicit)
+
+
 def test_enqueue_needs_task_states(client: App):
     with pytest.raises(ConfigurationError, match="task_states"):
         client.enqueue(e2e_tasks.add, 1, 2)

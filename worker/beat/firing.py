@@ -115,7 +115,11 @@ class Firing:
         task_id = fire_id(
             entry.name if run_now is None else f"{entry.name}/run-now/{run_now}", mark.scheduled
         )
-        options = {**entry.options, "task_id": task_id, "reply_to": self.journal.stream.name}
+        # A task this app registers is sent as its apply_async sends it (Celery's beat does the
+        # same): its declaration's options (its queue, ...) under the entry's.
+        task = self.app.tasks.get(entry.task)
+        declared = task.send_options() if task is not None else {}
+        options = {**declared, **entry.options, "task_id": task_id, "reply_to": self.journal.stream.name}
         # Through this term's exchange, by the router, to where the entry would go (routes and
         # all); the BCC puts the same message in the journal (RabbitMQ removes it on delivery).
         key = self._routes.get(entry.name)
