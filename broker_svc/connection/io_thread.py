@@ -226,10 +226,11 @@ class BrokerConnection:
             if self._down_since is None:
                 self._down_since = time.monotonic()
             if time.monotonic() - self._down_since > self._settings.reconnect_window_s:
+                last = f" (last: {self._last_error})" if self._last_error else ""
                 self._outbox.fail_all(
                     BrokerUnavailable(
                         f"no connection to {self._settings.safe_broker_url} for "
-                        f"{self._settings.reconnect_window_s} s"
+                        f"{self._settings.reconnect_window_s} s{last}"
                     )
                 )
                 self._down_since = time.monotonic()

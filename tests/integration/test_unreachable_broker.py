@@ -49,3 +49,16 @@ def test_a_plain_timeout_with_the_broker_up_stays_a_result_timeout(test_vhost_ur
         assert not isinstance(raised.value, BrokerUnavailable)
     finally:
         app.close(timeout=10)
+
+
+def test_a_send_that_waits_for_its_confirm_fails_naming_the_broker_and_why():
+    url = f"amqp://guest:a-secret@127.0.0.1:{free_port()}/"
+    app = App("unreachable-each", settings=Settings(broker_url=url, confirm="each", reconnect_window_s=1))
+    try:
+        with pytest.raises(BrokerUnavailable) as raised:
+            app.send_task("tests.anything", (1, 2))
+        text = str(raised.value)
+        assert "no connection to amqp://guest:***@127.0.0.1:" in text and "refused" in text.lower(), text
+        assert "a-secret" not in text
+    finally:
+        app.close(timeout=0.5)
