@@ -87,10 +87,15 @@ def follow_up_wire(app: App, item: FollowUp) -> tuple[WireMessage, str]:
 
 
 def follow_up_queue(app: App, item: FollowUp) -> str:
-    """Where a follow-up goes: its signature's queue, else the app's route for it, else the default."""
+    """Where a follow-up goes, as ``delay()`` in this app would send it: its signature's queue, else
+    the queue its task is declared with (``@app.task(queue=...)``), else the app's route for it,
+    else the default."""
     if item.queue is not None:
         return item.queue
     message = item.message
+    task = app.tasks.get(message.task)
+    if task is not None and task.queue is not None:
+        return task.queue
     routed = route_for(app.conf.get("task_routes"), message.task, message.args, message.kwargs, {})
     queue: str = routed.get("queue") or app.settings.default_queue
     if routed.get("exchange"):
