@@ -71,6 +71,11 @@ def test_a_copy_sent_back_while_its_task_runs_is_not_run_again(
             wait_for(lambda: _runs(notes, result.id), timeout_s=30, message="the task started")
             assert _close_child_connections(session_broker, vhost_url, worker) == concurrency
             closed = time.time()
+            if concurrency > 1:
+                # The copy reaches the other child while the run goes on, and is joined to it there
+                # once that child is connected again (its connection was closed too).
+                wait_for(lambda: _joined_after_reconnect(worker), timeout_s=30,
+                         message="the other child joined the copy to the run")  # fmt: skip
             flag.touch()
             started, ended = result.get(timeout=90)
             assert started < closed <= ended  # the connection was closed under the running task
@@ -86,3 +91,11 @@ def test_a_copy_sent_back_while_its_task_runs_is_not_run_again(
             assert len(_runs(notes, later.id)) == 1
     finally:
         app.close(timeout=10)
+
+
+def _joined_after_reconnect(worker: WorkerProcess) -> bool:
+    # The idle child's third "consuming" is its reconnect (the running one reconnects after its
+    # run): a copy joined after it is held until the run's outcome is out.
+    events = [event.get("event") for event in worker.events()]
+    consuming = [i for i, event in enumerate(events) if event == "feed_child_consuming"]
+    return len(consuming) >= 3 and "task_redelivery_joined_run" in events[consuming[2] :]
