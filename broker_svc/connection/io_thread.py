@@ -284,6 +284,9 @@ class BrokerConnection:
             conn.ioloop.close()  # releases the loop's wake-up socket pair
 
     def _on_open_error(self, conn: pika.SelectConnection, error: BaseException | str) -> None:
+        if self._stopping.is_set():  # close() aborted the attempt: nothing failed
+            conn.ioloop.stop()
+            return
         url = redact_url(self._urls[self._url_index])
         reason = describe_connect_error(error)
         self._last_error = reason
@@ -392,7 +395,12 @@ class BrokerConnection:
 
     def _shutdown(self) -> None:
         conn = self._conn
-        if conn is not None and conn.is_open:
+        if conn is None:
+            return
+        if not (conn.is_closing or conn.is_closed):
+            # Open: the AMQP close. Still opening: pika aborts its connection workflow and closes
+            # the socket it was connecting (stopping the loop here would leave that socket open).
+            # Either way a close callback follows and stops the loop.
             conn.close()
-        elif conn is not None:
+        else:
             conn.ioloop.stop()
