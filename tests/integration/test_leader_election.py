@@ -92,6 +92,8 @@ def test_an_embedded_election_hands_its_state_to_the_next_leader_on_stop(vhost_u
         old, new = hooks[elections.index(leader)], hooks[elections.index(other)]
         assert old.seen[-1][0] == "hand_over" and old.seen[-1][2] is True
         epoch = old.seen[-1][1]
+        # The new term's runner calls inaugurate once the term has begun: wait for it, not after it.
+        wait_for(lambda: new.seen, timeout_s=5, message="the new leader was inaugurated")
         assert new.seen[-1] == ("inaugurate", epoch + 1, {"from": epoch})
     finally:
         for election in elections:
