@@ -47,9 +47,9 @@ if TYPE_CHECKING:
     from broker_svc.results.result import AsyncResult, GroupResult, ResultSet
     from broker_svc.sending.publisher import Publisher
     from broker_svc.settings import Settings
-    from broker_svc.task_app import current_app
     from broker_svc.tasks.shared import shared_task
     from broker_svc.tasks.task import Task
+    from broker_svc.tasks.task_app import current_app
     from broker_svc.wire.states import State
     from broker_svc.wire.task_message import TaskMessage
     from broker_svc.wire.task_state import JobState
@@ -152,7 +152,7 @@ _EXPORTS = {
     "chain": "broker_svc.canvas.signature",
     "chord": "broker_svc.canvas.signature",
     "chunks": "broker_svc.canvas.maps",
-    "current_app": "broker_svc.task_app",
+    "current_app": "broker_svc.tasks.task_app",
     "group": "broker_svc.canvas.signature",
     "shared_task": "broker_svc.tasks.shared",
     "signature": "broker_svc.canvas.signature",

@@ -19,12 +19,12 @@ from broker_svc.sending.capture import current_capture
 from broker_svc.sending.dedup_keys import TaskDedup, resolve_dedup
 from broker_svc.sending.message import send_signatures
 from broker_svc.settings import Settings
-from broker_svc.task_app import set_current_app
 from broker_svc.tasks import shared
 from broker_svc.tasks.builtins import register_builtins
 from broker_svc.tasks.registry import TaskRegistry
 from broker_svc.tasks.task import Signature
 from broker_svc.tasks.task import Task as TaskBase
+from broker_svc.tasks.task_app import set_current_app
 from broker_svc.tasks.task_modules import Discovery, import_task_modules
 from broker_svc.topology import new_reply_queue_name, result_queue
 from broker_svc.wire import codec

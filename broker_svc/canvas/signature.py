@@ -32,12 +32,12 @@ from typing import TYPE_CHECKING, Any
 from broker_svc.canvas.follow_ups import NESTED_HEADER, chord_members
 from broker_svc.results.result import GroupResult
 from broker_svc.sending.routes import route_for
-from broker_svc.task_app import current_app
+from broker_svc.tasks.task_app import current_app
 from broker_svc.wire.ids import uuid4_str
 
 if TYPE_CHECKING:
     from broker_svc.results.result import AsyncResult
-    from broker_svc.task_app import TaskApp
+    from broker_svc.tasks.task_app import TaskApp
 
 __all__ = ["Signature", "chain", "chord", "group", "maybe_signature", "signature", "wire_value"]
 

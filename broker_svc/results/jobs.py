@@ -17,7 +17,7 @@ from broker_svc.canvas.signature import Signature
 from broker_svc.errors import ConfigurationError
 from broker_svc.results.result import AsyncResult
 from broker_svc.sending.message import CLIENT_HOSTNAME, build_message, state_publish
-from broker_svc.task_app import TaskApp
+from broker_svc.tasks.task_app import TaskApp
 from broker_svc.topology import DEFAULT_EXCHANGE, dependents_queue
 from broker_svc.wire.task_message import encode_task
 from broker_svc.wire.task_state import (

@@ -223,7 +223,7 @@ class ResultSet(ResultsView):
 
     ``app`` is the app that sent them, kept as Celery's is for code that passes or reads it; results
     come to the client's reply queue, so nothing here uses it. It is an ``object`` because the app's
-    Protocol (``broker_svc/task_app.py``) names ``AsyncResult``, and so sits above this module.
+    Protocol (``broker_svc/tasks/task_app.py``) names ``AsyncResult``, and so sits above this module.
     """
 
     def __init__(self, results: Sequence[AsyncResult | ResultSet], *, app: object | None = None) -> None:

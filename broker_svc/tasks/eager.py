@@ -16,7 +16,7 @@ from broker_svc.tasks.trace import FAILURE, IGNORED, REJECTED, RETRY, SUCCESS, T
 from broker_svc.wire.ids import uuid4_str
 
 if TYPE_CHECKING:
-    from broker_svc.task_app import TaskApp
+    from broker_svc.tasks.task_app import TaskApp
 
 __all__ = ["EagerResult", "EagerTask", "apply"]
 

@@ -2,7 +2,7 @@
 
 A ``@shared_task`` function is registered on every ``App``, those that exist when it is defined
 and those made later. What the decorator returns is a proxy for the task on the *current* app (the
-last one made with ``set_as_current=True``, Celery's default: ``broker_svc/task_app.py``), so
+last one made with ``set_as_current=True``, Celery's default: ``broker_svc/tasks/task_app.py``), so
 ``add.delay(2, 2)`` in a module that never imports the app sends through the app the program made.
 """
 
@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any, Concatenate, Generic, Literal, cast, over
 
 from typing_extensions import ParamSpec, TypeVar
 
-from broker_svc.task_app import current_app
 from broker_svc.tasks.registry import TaskRegistry
 from broker_svc.tasks.task import Task
+from broker_svc.tasks.task_app import current_app
 
 if TYPE_CHECKING:
     from broker_svc.canvas.signature import Signature

@@ -22,7 +22,7 @@ from broker_svc.tasks.request import SEND_OPTIONS, ExceptionInfo, Request, curre
 if TYPE_CHECKING:
     from broker_svc.results.result import AsyncResult as ResultHandle
     from broker_svc.sending.dedup_keys import TaskDedup
-    from broker_svc.task_app import TaskApp
+    from broker_svc.tasks.task_app import TaskApp
 
 __all__ = ["SEND_OPTIONS", "ExceptionInfo", "Request", "Signature", "Task", "current_request", "executing"]
 

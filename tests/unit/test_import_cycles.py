@@ -97,7 +97,7 @@ def test_the_worker_has_no_import_cycle():
 
 
 def test_the_client_library_and_the_control_plane_have_no_import_cycle():
-    # Types count too: a module annotates with a Protocol (``broker_svc/task_app.py``), not with
+    # Types count too: a module annotates with a Protocol (``broker_svc/tasks/task_app.py``), not with
     # the class of a module that imports it back.
     assert strongly_connected(_graph("broker_svc")) == []
     assert strongly_connected(_graph("control")) == []

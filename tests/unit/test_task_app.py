@@ -1,4 +1,4 @@
-"""``App`` is what tasks, signatures and results are typed against (``broker_svc/task_app.py``).
+"""``App`` is what tasks, signatures and results are typed against (``broker_svc/tasks/task_app.py``).
 
 The modules below ``App`` name Protocols, not ``App`` (no import cycle); these assignments are
 where mypy checks that an ``App`` and a ``Task`` still are what those Protocols say.
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from broker_svc import App, Signature, current_app
 from broker_svc.results.jobs import JobsApp
-from broker_svc.task_app import TaskApp
 from broker_svc.tasks.arguments import CheckedTask
 from broker_svc.tasks.eager import EagerTask
+from broker_svc.tasks.task_app import TaskApp
 from broker_svc.tasks.trace import TracedTask
 
 URL = "amqp://guest:guest@127.0.0.1:5672/%2Ftask-app"

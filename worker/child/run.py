@@ -33,7 +33,7 @@ from worker.ipc import Job, JobStatus
 from worker.shared.board import BoardSlot
 
 if TYPE_CHECKING:
-    from broker_svc.task_app import TaskApp
+    from broker_svc.tasks.task_app import TaskApp
 
 log = structlog.get_logger(__name__)
 
