@@ -17,7 +17,7 @@ import pika
 import pytest
 
 from broker_svc import App, AsyncResult, ChordError, Settings, Signature, chain, chord, group
-from broker_svc.topology import chord_join_queue
+from broker_svc.topology import LEGACY_NAMESPACE, chord_join_queue
 from broker_svc.wire.chord_part import ChordPart, encode_part
 from tests.infra.session_broker import SessionBroker
 from tests.support.waiting import wait_for
@@ -141,7 +141,7 @@ def _publish_parts(url: str, parts: list[ChordPart]) -> None:
     try:
         channel = connection.channel()
         channel.confirm_delivery()
-        spec = chord_join_queue()
+        spec = chord_join_queue(LEGACY_NAMESPACE)
         channel.queue_declare(spec.name, durable=True, arguments=spec.arguments)
         for part in parts:
             body, content_type, encoding = encode_part(part, "json")

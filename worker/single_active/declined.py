@@ -53,9 +53,11 @@ def declined_record(
     )  # fmt: skip
 
 
-async def write_records(channel: aio_pika.abc.AbstractChannel, records: list[StateRecord]) -> None:
-    """Write ``DECLINED`` records to the task-state stream; best effort (logged when not written)."""
-    stream = task_states_stream()
+async def write_records(
+    channel: aio_pika.abc.AbstractChannel, records: list[StateRecord], namespace: str
+) -> None:
+    """Write ``DECLINED`` records to the app's task-state stream; best effort (logged when not written)."""
+    stream = task_states_stream(namespace)
     try:
         for record in records:
             message = aio_pika.Message(

@@ -116,7 +116,9 @@ class Gatekeeper:
         self._events, self._metrics = events, metrics
         self._decisions: list[tuple[str, str, str]] = []  # told once their batch committed
         self.keys: GateKeys[Message] = GateKeys()
-        self._shards = {s: _Shard(dedup_gate_queue(s).name) for s in range(GATE_SHARDS)}
+        self._shards = {
+            s: _Shard(dedup_gate_queue(s, self._settings.namespace).name) for s in range(GATE_SHARDS)
+        }
         self._inbox: asyncio.Queue[tuple[int, Message]] = asyncio.Queue()
         self._declared: set[str] = set()
         self._connection: aio_pika.abc.AbstractRobustConnection | None = None
@@ -155,7 +157,9 @@ class Gatekeeper:
 
     def _forget(self) -> None:
         self.keys.clear()
-        self._shards = {s: _Shard(dedup_gate_queue(s).name) for s in range(GATE_SHARDS)}
+        self._shards = {
+            s: _Shard(dedup_gate_queue(s, self._settings.namespace).name) for s in range(GATE_SHARDS)
+        }
         self._inbox = asyncio.Queue()
         self._decisions.clear()  # decided in a transaction that never committed (handed back)
         self._records.clear()
@@ -171,7 +175,7 @@ class Gatekeeper:
             await underlay.tx_select()
             self._declared.clear()
             for shard in range(GATE_SHARDS):
-                queue = await declare_queue(channel, dedup_gate_queue(shard))
+                queue = await declare_queue(channel, dedup_gate_queue(shard, self._settings.namespace))
                 await queue.consume(functools.partial(self._received, shard))
             log.info("dedup_gate_subscribed", shards=GATE_SHARDS)
             if self._settings.task_states:
@@ -225,7 +229,7 @@ class Gatekeeper:
             decisions, self._decisions = self._decisions, []
             written, self._records = self._records, []
             if written and records is not None:
-                await write_records(records, written)
+                await write_records(records, written, self._settings.namespace)
             if decisions:
                 await self._tell(decisions)
 
