@@ -203,7 +203,7 @@ def _join_queue_depth(url: str) -> tuple[int, int]:
     """``(ready messages, consumers)`` of the join queue."""
     connection = pika.BlockingConnection(pika.URLParameters(url))
     try:
-        declared = connection.channel().queue_declare(chord_join_queue().name, passive=True)
+        declared = connection.channel().queue_declare(chord_join_queue(LEGACY_NAMESPACE).name, passive=True)
         return declared.method.message_count, declared.method.consumer_count
     finally:
         connection.close()
