@@ -31,6 +31,7 @@ from celery.backends.rpc import RPCBackend
 from kombu.entity import Queue
 
 from broker_svc.topology import app_namespace, chord_join_queue
+from broker_svc.wire.chord_part import NAMESPACE_KEY, join_namespace
 
 __all__ = ["ChordBackend"]
 
@@ -45,11 +46,15 @@ class ChordBackend(RPCBackend):  # type: ignore[misc]  # Celery is untyped
         """Carry the chord's size on its body (each header task carries the body); no poller."""
         _group_id, results = header_result_args[0], header_result_args[1]
         body["chord_size"] = len(results)
+        body[NAMESPACE_KEY] = self._namespace()  # this app's joiner joins it, whoever runs its header
         options = body.setdefault("options", {})
         if not options.get("queue") and not options.get("exchange"):
             queue = self._body_queue(body, options)
             if queue is not None:
                 options["queue"] = queue
+
+    def _namespace(self) -> str:
+        return app_namespace(self.app.conf.get("app_namespace"))
 
     def _body_queue(self, body: Any, options: dict[str, Any]) -> str | None:
         # Celery's order, as the body's own apply_async would send it: the task's declared queue
@@ -76,7 +81,7 @@ class ChordBackend(RPCBackend):  # type: ignore[misc]  # Celery is untyped
             return  # not sent through this backend: nothing here can join it
         final = state if state in (states.SUCCESS, states.REVOKED) else states.FAILURE
         value = self.encode_result(result, final) if final != states.SUCCESS else result
-        spec = chord_join_queue(app_namespace(self.app.conf.get("app_namespace")))
+        spec = chord_join_queue(join_namespace(body, self._namespace()))
         queue = Queue(spec.name, durable=True, queue_arguments=spec.arguments)  # type: ignore[no-untyped-call]
         part = {
             "group_id": request.group,

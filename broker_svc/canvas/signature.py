@@ -33,6 +33,7 @@ from broker_svc.canvas.follow_ups import NESTED_HEADER, chord_members
 from broker_svc.results.result import GroupResult
 from broker_svc.sending.routes import queue_for
 from broker_svc.tasks.task_app import current_app
+from broker_svc.wire.chord_part import NAMESPACE_KEY
 from broker_svc.wire.ids import uuid4_str
 
 if TYPE_CHECKING:
@@ -493,7 +494,8 @@ class chord(Signature):
             body.apply_async(([],), **options)
             result.parent = GroupResult(group_id, [], app=app)
             return result
-        carried = {**body.as_wire(), "chord_size": len(members)}
+        # Its size, and whose joiner joins it: this app's, whichever app's worker runs a header task.
+        carried = {**body.as_wire(), "chord_size": len(members), NAMESPACE_KEY: app.settings.namespace}
         sent: list[Signature] = []
         for index, member in enumerate(members):
             new_args, new_kwargs = member._partial(args, kwargs)

@@ -205,7 +205,30 @@ def test_apps_sharing_the_legacy_namespace_still_get_their_chord_bodies_and_are_
         assert celery_chords(celery, "shop", 2) == expected("shop", 2)
         client = stack.enter_context(closing(our_client(vhost_url, "shop", None)))
         assert our_chords(client, "shop", 2) == expected("shop", 2)
-        assert billing.count("chord_body_sent") == 4  # billing's worker joined shop's chords
+        # billing's worker joined shop's chords (it logs once the body's commit returns: wait for it).
+        wait_for(lambda: billing.count("chord_body_sent") == 4, timeout_s=10, message="billing joined 4")
         assert shop.count("chord_body_sent") == 0
         warned = shop.first("app_namespace_shared", timeout_s=30)
         assert warned["namespace"] == "celery" and warned["peer"] == billing.name
+
+
+def test_while_an_app_moves_to_its_own_namespace_every_chord_joins_in_its_senders(
+    vhost_url: str, tmp_path: Path
+) -> None:
+    # The move of docs/guide.md: a worker still in the legacy namespace beside one in the new,
+    # both on shop's queue. A chord's header tasks run on either; its parts all go to the join
+    # queue its sender named, so none is split between two joiners.
+    notes = tmp_path / "notes.jsonl"
+    with ExitStack() as stack:
+        for namespace in (None, "shop"):
+            worker = WorkerProcess(
+                vhost_url, app=SHOP, queues=SHOP_QUEUES, concurrency=1, env=worker_env(notes, namespace)
+            )
+            stack.enter_context(worker).wait_ready()
+        client = stack.enter_context(closing(our_client(vhost_url, "shop", "shop")))
+        assert our_chords(client, "shop", 4) == expected("shop", 4)
+        celery = celery_client(vhost_url, "shop", "shop")
+        stack.callback(close_celery_client, celery)
+        assert celery_chords(celery, "shop", 4) == expected("shop", 4)
+        ran = [what for _, what in read_notes(notes) if what == "shop.add"]
+        assert len(ran) == 24

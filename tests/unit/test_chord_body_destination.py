@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from broker_svc import App, Settings, chord
+from broker_svc.wire.chord_part import NAMESPACE_KEY, join_namespace
 
 
 @pytest.fixture
@@ -23,6 +24,20 @@ def _body_queue(app: App, body: str, **options: Any) -> Any:
     app.send_many = lambda sigs: sent.extend(sigs) or []  # type: ignore[method-assign]  # read, not sent
     chord([app.signature("t.part", (1,))])(app.signature(body, **options))
     return sent[0].options["chord"]["options"].get("queue")
+
+
+def test_the_body_names_the_senders_namespace_whose_joiner_joins_it():
+    app = App("sender", settings=Settings(app_namespace="shop"))
+    sent: list[Any] = []
+    app.send_many = lambda sigs: sent.extend(sigs) or []  # type: ignore[method-assign]
+    try:
+        chord([app.signature("t.part", (1,))])(app.signature("t.body"))
+    finally:
+        app.close()
+    body = sent[0].options["chord"]
+    assert body[NAMESPACE_KEY] == "shop" and join_namespace(body, "celery") == "shop"
+    assert join_namespace({}, "celery") == "celery"  # an older client's chord: the worker's own
+    assert join_namespace({NAMESPACE_KEY: "no/such name"}, "celery") == "celery"
 
 
 def test_the_body_carries_the_sending_apps_route(app: App):
@@ -50,7 +65,7 @@ def test_a_celery_clients_body_carries_its_apps_route():
     for name, queue in (("t.declared", "declared"), ("t.routed", "routed"), ("t.unknown", "fallback")):
         body = client.signature(name)
         backend.apply_chord(("group-id", [object(), object()]), body)
-        assert (body["chord_size"], body.options["queue"]) == (2, queue)
+        assert (body["chord_size"], body.options["queue"], body[NAMESPACE_KEY]) == (2, queue, "celery")
     explicit = client.signature("t.routed", queue="explicit")
     backend.apply_chord(("group-id", [object()]), explicit)
     assert explicit.options["queue"] == "explicit"
