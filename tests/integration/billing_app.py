@@ -5,6 +5,8 @@ Its chord body is declared on a queue of its own, which the joiner must honour.
 
 from __future__ import annotations
 
+import time
+
 from broker_svc import App
 from tests.integration.many_apps_notes import note_run
 
@@ -16,7 +18,8 @@ app = App(
 
 
 @app.task(name="billing.mul")
-def mul(x: int, y: int) -> int:
+def mul(x: int, y: int, delay_s: float = 0.0) -> int:
+    time.sleep(delay_s)  # a header task a fault can land in the middle of
     note_run("billing", "billing.mul")
     return x * y
 

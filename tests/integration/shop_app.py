@@ -6,6 +6,8 @@ the legacy namespace). Each task notes in ``$MANY_APPS_NOTES`` which app ran it.
 
 from __future__ import annotations
 
+import time
+
 from broker_svc import App
 from tests.integration.many_apps_notes import note_run
 
@@ -17,7 +19,8 @@ app = App(
 
 
 @app.task(name="shop.add")
-def add(x: int, y: int) -> int:
+def add(x: int, y: int, delay_s: float = 0.0) -> int:
+    time.sleep(delay_s)  # a header task a fault can land in the middle of
     note_run("shop", "shop.add")
     return x + y
 
