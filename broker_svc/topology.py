@@ -55,6 +55,7 @@ __all__ = [
     "reply_exchange",
     "result_queue",
     "revocation_log",
+    "scheduled_stream",
     "settled_chords_stream",
     "task_exchange",
     "task_queue",
@@ -448,6 +449,23 @@ def dependents_queue(namespace: str) -> QueueSpec:
         name=f"clockwork.dependents.{namespace}",
         durable=True,
         arguments=dict(_SINGLE_ACTIVE_QUORUM),
+    )
+
+
+def scheduled_stream(namespace: str) -> QueueSpec:
+    """The ETA tasks workers parked in the app's delay queues: one record per park (id, ETA, the
+    request, the worker), so ``inspect scheduled`` lists them from any restart of that worker.
+
+    A task parked again (each round trip takes a shorter delay queue) has a newer record; one whose
+    ETA has passed is no longer listed. Records live as long as the longest delay queue holds a
+    task, plus a day; at most 256 MB.
+    """
+    return QueueSpec(
+        name=f"clockwork.scheduled.{namespace}",
+        durable=True,
+        arguments=_stream_arguments(
+            max_age_s=MAX_DELAY_BUCKET_MS // 1000 + 86400, segment_bytes=4_000_000, max_bytes=256_000_000
+        ),
     )
 
 

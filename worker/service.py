@@ -37,6 +37,7 @@ from worker.remote.commands import WorkerCommands
 from worker.remote.revocation_log import RevocationLog
 from worker.remote.revoked_set import RevokedSet
 from worker.remote.revoker import Revoker
+from worker.remote.scheduled import ScheduledLog
 from worker.single_active.chord_join import ChordJoiner
 from worker.single_active.dependents import DependentsJoiner
 from worker.single_active.gatekeeper import Gatekeeper
@@ -185,11 +186,16 @@ class WorkerService:
             settings=config.settings, clock=self._clock, hostname=config.hostname, events=events,
             metrics=metrics,
         )  # fmt: skip
+        # inspect scheduled: the ETA tasks this worker parked, from their records (remote/scheduled.py).
+        parked = ScheduledLog(hostname=config.hostname, namespace=config.settings.namespace)
+        background.spawn(
+            parked.follow(lambda: consuming.channel(publisher_confirms=False)), name="scheduled-log"
+        )
         commands = WorkerCommands(
             app=self._app,
             config=config,
             clock=self._clock,
-            state=WorkerState(config.hostname, feeding),
+            state=WorkerState(config.hostname, feeding, parked),
             queues=queues,
             pool=pool,
             sizer=sizer,

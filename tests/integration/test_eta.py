@@ -19,6 +19,7 @@ from broker_svc.connection.pending import PendingPublish
 from broker_svc.topology import DEFAULT_EXCHANGE, delay_queue, task_queue
 from broker_svc.wire import codec
 from broker_svc.wire.task_message import encode_task
+from control.blocking.client import ControlClient
 from tests.infra.rabbitmq_tools import Rabbitmqctl
 from tests.infra.session_broker import SessionBroker
 from tests.support.amqp import channel, delete_queues, drain, queue_depth, queue_exists
@@ -440,3 +441,60 @@ def test_a_celery_style_backlog_is_parked_by_the_worker_with_bounded_memory_and_
     # they are, due tasks run at once again.
     assert first < 10.0
     assert max(latencies) < 1.0, latencies
+
+
+# -- inspect scheduled ---------------------------------------------------------------------------
+
+
+def _listing(url: str, node: str, count: int) -> list[dict] | None:
+    """The node's scheduled list once it holds ``count`` entries (None before)."""
+    got = _scheduled(url, node)
+    return got if len(got) == count else None
+
+
+def _scheduled(url: str, node: str) -> list[dict]:
+    with ControlClient(Settings(broker_url=url)) as control:
+        replies = control.broadcast("scheduled", {}, destination=[node], reply=True, timeout_s=5).replies
+    [reply] = [r[node] for r in replies if node in r]
+    assert isinstance(reply, list)
+    return reply
+
+
+def test_inspect_scheduled_lists_what_the_worker_parked_until_due_and_across_a_restart(
+    test_vhost_url: str, queue: str, reply_queue: str
+):
+    etas = [eta_in(600 + i) for i in range(3)]
+    far = [TaskMessage(id=TaskMessage.new_id(), task=ADD, args=[i, i], eta=eta) for i, eta in enumerate(etas)]
+    near = TaskMessage(id=TaskMessage.new_id(), task=STARTED_AT, eta=eta_in(4), reply_to=reply_queue)
+    node = f"scheduled-{queue}@test"
+    with WorkerProcess(test_vhost_url, queues=[queue], concurrency=1, name=node) as worker:
+        worker.wait_ready()
+        celery_style(test_vhost_url, queue, [*far, near])
+        listed = wait_for(
+            lambda: _listing(test_vhost_url, node, 4), timeout_s=15, message="the four parked tasks listed"
+        )
+        assert listed is not None
+        assert [entry["request"]["id"] for entry in listed] == [near.id, *(m.id for m in far)]  # soonest
+        first = listed[1]
+        assert first["request"]["name"] == ADD and first["request"]["args"] == [0, 0]
+        assert dt.datetime.fromisoformat(first["eta"]).timestamp() == pytest.approx(
+            etas[0].timestamp(), abs=0.01
+        )
+        assert first["request"]["hostname"] == node and first["request"]["acknowledged"] is False
+        # The near one came due: it ran, and it is no longer listed.
+        wait_result(test_vhost_url, reply_queue, timeout_s=20)
+        assert [entry["request"]["id"] for entry in _scheduled(test_vhost_url, node)] == [m.id for m in far]
+    # Read back from the stream by the same node after a restart: the same list.
+    with WorkerProcess(test_vhost_url, queues=[queue], concurrency=1, name=node) as worker:
+        worker.wait_ready()
+        again = wait_for(
+            lambda: _listing(test_vhost_url, node, 3),
+            timeout_s=15,
+            message="the parked tasks listed after a restart",
+        )
+        assert again is not None and [entry["request"]["id"] for entry in again] == [m.id for m in far]
+        with ControlClient(Settings(broker_url=test_vhost_url)) as control:
+            found = control.broadcast(
+                "query_task", {"ids": [far[1].id]}, destination=[node], reply=True, timeout_s=5
+            ).replies
+        assert [r[node][far[1].id][0] for r in found if node in r] == ["scheduled"]

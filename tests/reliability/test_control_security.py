@@ -202,9 +202,8 @@ def test_s2_the_broker_refuses_a_spoofed_user_id(vhost: str):
 # default queue ``celery`` and namespace ``celery``. Keep the two in step.
 _NODE = r".+@.+\.celery\.pidbox"
 _REPLY = r"[-0-9a-f]+\.reply\.celery\.pidbox"
-_OWN = (
-    r"clockwork\.(expired|chords\.celery(\.settled)?|dedup\.celery\.\d+)(\.dead)?"  # expired, chords, dedup
-)
+# Expired tasks, chord parts and settled chords, dedup gate shards, parked ETA tasks.
+_OWN = r"clockwork\.(expired|chords\.celery(\.settled)?|dedup\.celery\.\d+|scheduled\.celery)(\.dead)?"
 PERMISSIONS = {
     "producer": (
         r"^(celery|celery\.delay\.\d+ms|clockwork\.reply\..+)$",

@@ -18,6 +18,8 @@ ALLOWED = {
     "worker/consume/settle.py",
     # Revocation-log stream entries, not task deliveries: a stream hands out more as these are acked.
     "worker/remote/revocation_log.py",
+    # Park records read back from the scheduled stream (inspect scheduled), not task deliveries.
+    "worker/remote/scheduled.py",
     # Members-stream events read by the control client (aio side), not task deliveries.
     "control/aio/broadcaster.py",
     # Members-stream events read by the blocking control client, not task deliveries.

@@ -34,6 +34,7 @@ from worker.consume.canvas import FeedCanvas
 from worker.consume.events import FeedEvents
 from worker.consume.ledger import FeedLedger
 from worker.consume.outcomes import FeedOutcomes
+from worker.consume.parked import FeedParked
 from worker.consume.replies import FeedReplies
 from worker.consume.states import FeedStates
 from worker.ipc import Job
@@ -98,6 +99,7 @@ class FeedHandler:
             SharedRates(Path(spec.rates_path), spec.task_names, owner=False) if spec.rates_path else None
         )
         self._canvas = FeedCanvas(app=app, replies=replies, namespace=spec.settings.namespace)
+        self._parked = FeedParked(replies, hostname=spec.hostname, namespace=spec.settings.namespace)
         self._terminated: Mapping[str, int] = terminated if terminated is not None else {}
         self._timed_out: Mapping[str, float] = timed_out if timed_out is not None else {}
         self._states = FeedStates(
@@ -224,6 +226,7 @@ class FeedHandler:
                 left_s = (request.eta - now).total_seconds()
                 bucket_ms = delay_bucket_ms(left_s, hold_window_s=DELAY_HOLD_WINDOW_S)
                 if bucket_ms is not None:
+                    self._parked.record(request, delivery_info(delivery))  # inspect scheduled lists it
                     return Disposition.republish({}, delay_ms=bucket_ms), None  # back when nearly due
                 time.sleep(left_s)  # due within the hold window: this child waits for it
         if (parked := self._rate_limited(delivery, request, in_place=ordered)) is not None:
