@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import pytest
 
-from broker_svc import App, Settings, chord
+from broker_svc import App, Settings, Signature, chord
 from broker_svc.wire.chord_part import NAMESPACE_KEY, join_namespace
 
 
@@ -19,22 +20,30 @@ def app():
     app.close()
 
 
+def _header_of(app: App, body: Signature) -> list[Signature]:
+    """The header tasks ``chord(...)(body)`` hands to ``send_many``: read here, not sent."""
+    sent: list[Signature] = []
+
+    def keep(signatures: Iterable[Signature], *, wait: bool = False) -> list[Any]:
+        sent.extend(signatures)
+        return []
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(app, "send_many", keep)
+        chord([app.signature("t.part", (1,))])(body)
+    return sent
+
+
 def _body_queue(app: App, body: str, **options: Any) -> Any:
-    sent: list[Any] = []
-    app.send_many = lambda sigs: sent.extend(sigs) or []  # type: ignore[method-assign]  # read, not sent
-    chord([app.signature("t.part", (1,))])(app.signature(body, **options))
-    return sent[0].options["chord"]["options"].get("queue")
+    return _header_of(app, app.signature(body, **options))[0].options["chord"]["options"].get("queue")
 
 
 def test_the_body_names_the_senders_namespace_whose_joiner_joins_it():
     app = App("sender", settings=Settings(app_namespace="shop"))
-    sent: list[Any] = []
-    app.send_many = lambda sigs: sent.extend(sigs) or []  # type: ignore[method-assign]
     try:
-        chord([app.signature("t.part", (1,))])(app.signature("t.body"))
+        body = _header_of(app, app.signature("t.body"))[0].options["chord"]
     finally:
         app.close()
-    body = sent[0].options["chord"]
     assert body[NAMESPACE_KEY] == "shop" and join_namespace(body, "celery") == "shop"
     assert join_namespace({}, "celery") == "celery"  # an older client's chord: the worker's own
     assert join_namespace({NAMESPACE_KEY: "no/such name"}, "celery") == "celery"
