@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Coroutine
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import aio_pika
@@ -97,19 +98,22 @@ async def mingle_step(
     publishing: aio_pika.abc.AbstractRobustConnection,
     revoker: Revoker,
     *,
+    members: Callable[[str], AbstractAsyncContextManager[aio_pika.abc.AbstractRobustConnection]],
     config: WorkerConfig,
     clock: LamportClock,
 ) -> Callable[[], Coroutine[Any, Any, None]]:
     """Mingle, as a step run at start and again after each reconnect.
 
     Args:
-        publishing: the worker's publishing connection.
+        publishing: the worker's publishing connection (the hello and its replies).
         revoker: takes the revokes the peers report.
+        members: a connection of its own for a role, for the members stream's read: workers
+            that start together race its start (``worker/amqp/subscriptions.py``).
         config: worker options.
         clock: the worker process's Lamport clock.
 
     Returns:
-        The step: each call asks the peers again, on a members channel of its own.
+        The step: each call asks the peers again, reading the members on a connection of its own.
     """
     broadcaster = AsyncBroadcaster(
         await publishing.channel(publisher_confirms=False),
@@ -120,18 +124,15 @@ async def mingle_step(
     await broadcaster.start()
 
     async def run_mingle() -> None:
-        members_channel = await publishing.channel(publisher_confirms=False)
-        try:
+        async with members("members") as connection:
             await mingle(
                 broadcaster,
-                members_channel,
+                await connection.channel(publisher_confirms=False),
                 nodename=config.hostname,
                 revoker=revoker,
                 clock=clock,
                 namespace=config.namespace,
             )
-        finally:
-            await members_channel.close()
 
     return run_mingle
 

@@ -23,6 +23,7 @@ from control.aio.header_ints import install_header_int_guard
 from control.protocol.commands import CommandRegistry
 from worker.amqp.connection import connect
 from worker.amqp.queue_depth import QueueDepth
+from worker.amqp.subscriptions import Subscriptions
 from worker.amqp.task_queues import TaskQueues
 from worker.assembly import feed_spec, serve_metrics, warn_time_limits
 from worker.background import Background
@@ -107,9 +108,9 @@ class WorkerService:
         warn_time_limits(config, self._app)
         await pool.start()
         # Two connections: RabbitMQ blocks a connection that publishes during a memory or disk
-        # alarm, and a blocked connection is not read at all. What only reads (declares, the
-        # revocation log, queue depths) has a connection that never publishes; events, control
-        # replies and the joiners' sends have the other.
+        # alarm, and a blocked connection is not read at all. What only reads (declares, queue
+        # depths) has a connection that never publishes; events and control replies have the
+        # other. Consumers of the queues every worker declares have one each (Subscriptions).
         try:
             try:
                 consuming = await self._connect("consume")
@@ -120,8 +121,9 @@ class WorkerService:
                 return 0  # asked to stop while the broker was down: nothing to hand back
             try:
                 publishing = await self._connect("publish")
-                async with consuming, publishing, Background() as background:
-                    running = await self.start(consuming, publishing, pool, background)
+                subscriptions = Subscriptions(self._connect)
+                async with consuming, publishing, subscriptions, Background() as background:
+                    running = await self.start(consuming, publishing, pool, background, subscriptions)
                     try:
                         await self.serve()
                         await self.shutdown(running)
@@ -140,6 +142,7 @@ class WorkerService:
         publishing: aio_pika.abc.AbstractRobustConnection,
         pool: ProcessPool,
         background: Background,
+        subscriptions: Subscriptions,
     ) -> Running:
         """Build the collaborators in dependency order, learn every revoke, then consume and beat."""
         config = self._config
@@ -177,7 +180,8 @@ class WorkerService:
         # Every revoke we can know of is known before the first task is taken: the state file,
         # then the broker's log read up to now.
         revoker.load()
-        await revocation_log.follow(lambda: consuming.channel(publisher_confirms=False), publish_channel)
+        revocations = await subscriptions.open("revocations")
+        await revocation_log.follow(lambda: revocations.channel(publisher_confirms=False), publish_channel)
         heart = Heart(
             events, lambda: (len(feeding.running()), feeding.processed), freq_s=config.event_heartbeat_s
         )
@@ -211,7 +215,9 @@ class WorkerService:
             publishing, commands.register(CommandRegistry()), config=config, clock=self._clock
         )
         run_mingle = (
-            await mingle_step(publishing, revoker, config=config, clock=self._clock)
+            await mingle_step(
+                publishing, revoker, members=subscriptions.session, config=config, clock=self._clock
+            )
             if config.mingle
             else None
         )
@@ -253,15 +259,15 @@ class WorkerService:
             namespace=config.settings.namespace,
             max_body_bytes=config.settings.max_body_bytes,
         )
-        background.spawn(joiner.run(publishing), name="chord-joiner")
+        background.spawn(subscriptions.serve("chords", joiner.run), name="chord-joiner")
         background.spawn(joiner.watch(), name="chord-watch")
         if config.settings.task_states:
             # depends_on: one worker of the cluster releases waiting tasks (single_active/dependents.py).
             dependents = DependentsJoiner(
                 settings=config.settings, clock=self._clock, hostname=config.hostname
             )
-            background.spawn(dependents.run(publishing), name="dependents")
-        background.spawn(gate.run(lambda: self._connect("gate")), name="dedup-gate")
+            background.spawn(subscriptions.serve("dependents", dependents.run), name="dependents")
+        background.spawn(gate.run(lambda: subscriptions.open("gate")), name="dedup-gate")
         log.info(
             "worker_ready",
             hostname=config.hostname,

@@ -74,6 +74,7 @@ class AsyncControl:
         self.security = ControlSecurity.from_settings(settings)
         self._serializer = serializer
         self._connection: aio_pika.abc.AbstractRobustConnection | None = None
+        self._members_connection: aio_pika.abc.AbstractRobustConnection | None = None
         self._broadcaster: AsyncBroadcaster | None = None
         self._members_channel: aio_pika.abc.AbstractChannel | None = None
         self._log_channel: aio_pika.abc.AbstractChannel | None = None
@@ -112,14 +113,22 @@ class AsyncControl:
             security=self.security,
         )
         await broadcaster.start()
-        self._members_channel = await self._connection.channel()
+        # The members stream is read on a connection of its own: a read that races the stream's
+        # start (workers declaring it this very moment) gets a 541 that closes its whole
+        # connection, which must not take the reply queue, and the replies of calls under way, along.
+        self._members_connection = await connect_any(
+            self.settings, name=f"clockwork-aio-control {self.hostname} members"
+        )
+        self._members_channel = await self._members_connection.channel()
         self._broadcaster = broadcaster
 
     async def close(self) -> None:
-        """Close the connection (the reply queue goes with it)."""
-        connection, self._connection, self._broadcaster = self._connection, None, None
-        if connection is not None:
-            await connection.close()
+        """Close the connections (the reply queue goes with them)."""
+        connections = (self._connection, self._members_connection)
+        self._connection = self._members_connection = self._broadcaster = None
+        for connection in connections:
+            if connection is not None:
+                await connection.close()
 
     # -- requests --------------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ answer, when a call is done); like the client, it is blocking and **not thread-s
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Final
 
 import pika
 import pika.exceptions
@@ -42,6 +43,9 @@ __all__ = ["ControlConnection", "ReplyCallback"]
 log = get_logger(__name__)
 
 ReplyCallback = Callable[[Channel, pika.spec.Basic.Deliver, pika.spec.BasicProperties, bytes], None]
+
+# Connections made in a row when the broker closes each as the members feed subscribes.
+_MEMBERS_ATTEMPTS: Final = 3
 
 
 class ControlConnection:
@@ -120,6 +124,20 @@ class ControlConnection:
         return self._connect()
 
     def _connect(self) -> tuple[pika.BlockingConnection, Channel]:
+        # Our consume of the members stream may race its start (workers declaring it this very
+        # moment), which RabbitMQ 3.10 answers with a 541 that closes the whole connection. No
+        # request has gone out on it yet, so nothing is lost: connect again; the stream is up by then.
+        attempt = 1
+        while True:
+            try:
+                return self._connect_once()
+            except pika.exceptions.ConnectionClosedByBroker as exc:
+                if attempt >= _MEMBERS_ATTEMPTS:
+                    raise self.unavailable(exc) from exc
+                attempt += 1
+                log.info("control_reconnecting", url=self.settings.safe_broker_url, error=describe_error(exc))
+
+    def _connect_once(self) -> tuple[pika.BlockingConnection, Channel]:
         # pika tries each URL of a failover list in turn, once.
         params = all_connection_parameters(self.settings, connection_name=f"clockwork-ctl {self._hostname}")
         try:
@@ -150,6 +168,9 @@ class ControlConnection:
                 self._clock,
                 max_body_bytes=self.settings.max_body_bytes,
             )
+        except pika.exceptions.ConnectionClosedByBroker:
+            self.close()
+            raise
         except pika.exceptions.ChannelClosed as exc:
             if not self._members_warned:  # once per client, not once per reconnect
                 self._members_warned = True

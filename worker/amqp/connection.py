@@ -124,6 +124,7 @@ class FailoverConnection(aio_pika.RobustConnection):
 
     def __init__(self, urls: Sequence[str], **kwargs: Any) -> None:
         self._urls = [URL(u) for u in urls]
+        self._name = (kwargs.get("client_properties") or {}).get("connection_name")
         self._index = 0
         self._failures = 0
         super().__init__(self._urls[0], **kwargs)
@@ -153,6 +154,7 @@ class FailoverConnection(aio_pika.RobustConnection):
             self.url = self._urls[self._index]
         log.warning(
             "broker_connection_lost",
+            connection=self._name,  # which of the worker's connections (a 541 should close only its own)
             next_url=redact_url(str(self.url)),
             retry_in_s=self.reconnect_interval,
             error=describe_error(error) if error is not None else None,
