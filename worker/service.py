@@ -193,7 +193,10 @@ class WorkerService:
         # inspect scheduled: the ETA tasks this worker parked, from their records (remote/scheduled.py).
         parked = ScheduledLog(hostname=config.hostname, namespace=config.settings.namespace)
         background.spawn(
-            parked.follow(lambda: consuming.channel(publisher_confirms=False)), name="scheduled-log"
+            subscriptions.serve(
+                "scheduled", lambda conn: parked.follow(lambda: conn.channel(publisher_confirms=False))
+            ),
+            name="scheduled-log",
         )
         commands = WorkerCommands(
             app=self._app,
