@@ -146,6 +146,12 @@ class Signature(dict[str, Any]):
 
     partial = clone
 
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], app: TaskApp | None = None) -> Signature:
+        """The signature a map stands for, of its kind (Celery's ``Signature.from_dict``): a task
+        rebuilding a chain, group or chord from its dict gets one, nested as deep as it goes."""
+        return maybe_signature(d, app)
+
     def set(self, immutable: bool | None = None, **options: Any) -> Signature:
         """Set send options (and immutability) on this signature; returns it, as Celery's does."""
         if immutable is not None:
@@ -268,6 +274,10 @@ class chain(Signature):
             copy.tasks[0] = copy.tasks[0].clone(args)
         return copy
 
+    def __call__(self, *args: Any, **kwargs: Any) -> AsyncResult | GroupResult:
+        """Send it (Celery's ``chain(...)()``, in a task body too): ``apply_async(args, kwargs)``."""
+        return self.apply_async(args, kwargs)
+
     def apply_async(
         self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None, **options: Any
     ) -> AsyncResult | GroupResult:
@@ -359,6 +369,10 @@ class group(Signature):
     ) -> group:
         members = (member.clone(args, kwargs) for member in self.tasks)
         return group(members, app=self._app, **{**self.options, **options})
+
+    def __call__(self, *partial_args: Any, **options: Any) -> GroupResult:
+        """Send it (Celery's ``group(...)()``, in a task body too): partial arguments for every member."""
+        return self.apply_async(partial_args, **options)
 
     def apply_async(
         self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None, **options: Any
@@ -524,21 +538,24 @@ def signature(task: str | Mapping[str, Any], *args: Any, **kwargs: Any) -> Signa
     return Signature(task, *args, **kwargs)
 
 
-def maybe_signature(value: Signature | Mapping[str, Any]) -> Signature:
-    """``value`` as a signature of the right kind (a chain's or group's map becomes one)."""
+def maybe_signature(value: Signature | Mapping[str, Any], app: TaskApp | None = None) -> Signature:
+    """``value`` as a signature of the right kind (a chain's, group's or chord's map becomes one,
+    nested as deep as it goes), bound to ``app`` if given."""
     if isinstance(value, Signature):
         return value
     kind = value.get("subtask_type")
     inner = value.get("kwargs") or {}
     options = dict(value.get("options") or {})
     if kind == "chain":
-        return chain(*(maybe_signature(s) for s in inner.get("tasks", ())), **options)
+        return chain(*(maybe_signature(s, app) for s in inner.get("tasks", ())), app=app, **options)
     if kind == "group":
-        return group(*(maybe_signature(s) for s in inner.get("tasks", ())), **options)
+        return group(*(maybe_signature(s, app) for s in inner.get("tasks", ())), app=app, **options)
     if kind == "chord":
         header, body = chord_members(value)
-        return chord([maybe_signature(m) for m in header], maybe_signature(body), **options)
-    return Signature(value)
+        return chord([maybe_signature(m, app) for m in header], maybe_signature(body, app), app=app, **options)
+    sig = Signature(value)
+    sig._app = app or sig._app
+    return sig
 
 
 def _upgrade_to_chords(steps: list[Signature]) -> list[Signature]:

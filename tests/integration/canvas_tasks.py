@@ -7,7 +7,7 @@ import os
 import time
 from typing import Any
 
-from broker_svc import App
+from broker_svc import App, chain, chord, group
 
 app = App("canvas")
 
@@ -65,3 +65,19 @@ def slow_add(x: int, y: int, seconds: float = 0.5) -> int:
 def spawn(count: int, queue: str) -> list[str]:
     """Sends ``count`` adds from its body (its children, for ``result.children``); returns their ids."""
     return [add.apply_async((i, i), queue=queue).id for i in range(count)]
+
+
+@app.task(name="canvas.spawn_canvas")
+def spawn_canvas(queue: str, label: str) -> dict[str, Any]:
+    """Calls a chain, a group and a chord from its body, as Celery's ``chain(...)()`` and
+    ``group(...)()``, all on ``queue``; their bodies note ``<label>-chain``, ``-group``, ``-chord``."""
+    chained = chain(
+        add.s(1, 1).set(queue=queue),
+        add.s(2).set(queue=queue),
+        collect.s(label=f"{label}-chain").set(queue=queue),
+    )()
+    grouped = group(collect.s(i, label=f"{label}-group").set(queue=queue) for i in range(3))()
+    chorded = chord([add.s(i, i).set(queue=queue) for i in range(3)])(
+        collect.s(label=f"{label}-chord").set(queue=queue)
+    )
+    return {"chain": chained.id, "group": grouped.id, "members": len(grouped.results), "chord": chorded.id}

@@ -105,6 +105,19 @@ def test_a_chain_through_a_group_runs_the_steps_after_it_with_the_body_result(cl
     assert result.get(timeout=30) == (12 + 22) * 3
 
 
+def test_a_task_body_calls_a_chain_a_group_and_a_chord_as_celerys_do(
+    client: App, queue: str, notes_path: Path
+):
+    # chain(...)() and group(...)() send them (Celery's __call__), from inside a running task too.
+    sent = client.send_task("canvas.spawn_canvas", (queue, "spawned"), queue=queue).get(timeout=30)
+    assert set(sent) == {"chain", "group", "members", "chord"} and sent["members"] == 3
+    wait_for(lambda: _body_runs(notes_path, "spawned-chord"), timeout_s=20, message="the chord's body ran")
+    wait_for(lambda: len(_body_runs(notes_path, "spawned-group")) == 3, timeout_s=20, message="the group ran")
+    assert _body_runs(notes_path, "spawned-chain") == [4]  # type: ignore[comparison-overlap]  # collect(4)
+    assert _body_runs(notes_path, "spawned-chord") == [[0, 2, 4]]
+    assert sorted(_body_runs(notes_path, "spawned-group")) == [0, 1, 2]  # type: ignore[comparison-overlap]
+
+
 def test_a_failed_header_task_fails_the_body_with_a_chord_error_and_never_runs_it(
     client: App, worker: WorkerProcess, queue: str, notes_path: Path
 ):
