@@ -267,6 +267,7 @@ def _follow_up(
         priority=options.get("priority"),
         content_type=parent.content_type,
         extra_headers=dict(options.get("headers") or {}),
+        replaced_task_nesting=int(options.get("replaced_task_nesting") or 0),
     )
     queue = options.get("queue") or options.get("routing_key")
     return FollowUp(message, queue if isinstance(queue, str) and queue else None)

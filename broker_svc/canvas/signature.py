@@ -552,7 +552,9 @@ def maybe_signature(value: Signature | Mapping[str, Any], app: TaskApp | None = 
         return group(*(maybe_signature(s, app) for s in inner.get("tasks", ())), app=app, **options)
     if kind == "chord":
         header, body = chord_members(value)
-        return chord([maybe_signature(m, app) for m in header], maybe_signature(body, app), app=app, **options)
+        return chord(
+            [maybe_signature(m, app) for m in header], maybe_signature(body, app), app=app, **options
+        )
     sig = Signature(value)
     sig._app = app or sig._app
     return sig

@@ -148,6 +148,7 @@ def build_message(
         embed=_embed(options),
         group=options.get("group_id"),
         group_index=options.get("group_index"),
+        replaced_task_nesting=int(options.get("replaced_task_nesting") or 0),
     )
     return message, destination, options.get("serializer")
 

@@ -24,6 +24,8 @@ SEND_OPTIONS: Final = frozenset(
         "parent_id", "root_id", "retries", "reply_to",
         # the canvas: callbacks, errbacks, the rest of a chain, a group's id and place
         "link", "link_error", "chain", "chord", "group_id", "group_index",
+        # set on the tasks a ``Task.replace`` sends (Celery's header)
+        "replaced_task_nesting",
         # Celery's routing and publish-retry options (docs/migrating-from-celery.md)
         "routing_key", "exchange", "retry", "retry_policy",
         # keyed deduplication (broker_svc/sending/dedup_keys.py)
@@ -61,6 +63,16 @@ class Request:
     is_eager: bool = False
     # The signatures to run if this task fails for good (``link_error``), as the message carried them.
     errbacks: list[dict[str, Any]] | None = None
+    # The rest of the canvas, as the message carried it (Celery's names): callbacks (``link``), the
+    # chain's next steps (last first), the chord's body, this task's place in its group; and how many
+    # ``replace`` calls led here. ``Task.replace`` hands them on to the replacement.
+    callbacks: list[dict[str, Any]] | None = None
+    chain: list[dict[str, Any]] | None = None
+    chord: dict[str, Any] | None = None
+    group_index: int | None = None
+    replaced_task_nesting: int = 0
+    # Ours: the message's content type, so what ``replace`` sends for it goes in the same serializer.
+    content_type: str | None = None
     # The message's own headers (``apply_async(headers=...)``), also readable as attributes, as
     # Celery shows them: ``self.request.headers["tenant"]`` or ``self.request.tenant``.
     headers: dict[str, Any] | None = None
@@ -109,6 +121,12 @@ class Request:
             ignore_result=bool(context.get("ignore_result")),
             timelimit=(limits[0], limits[1]),
             errbacks=context.get("errbacks"),
+            callbacks=context.get("callbacks"),
+            chain=context.get("chain"),
+            chord=context.get("chord"),
+            group_index=context.get("group_index"),
+            replaced_task_nesting=int(context.get("replaced_task_nesting") or 0),
+            content_type=context.get("content_type"),
             headers=context.get("headers"),
             called_directly=False,
             send_update=send_update,

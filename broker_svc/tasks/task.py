@@ -17,6 +17,7 @@ from broker_svc.logging import get_logger
 from broker_svc.tasks.arguments import check_call_arguments
 from broker_svc.tasks.eager import EagerResult, apply
 from broker_svc.tasks.pydantic_args import call_with_models
+from broker_svc.tasks.replace import replace
 from broker_svc.tasks.request import SEND_OPTIONS, ExceptionInfo, Request, current_request, executing
 
 if TYPE_CHECKING:
@@ -107,6 +108,17 @@ class Task(Generic[P, R]):
     def request(self) -> Request:
         """The current call's request; a ``called_directly`` one outside a worker."""
         return current_request() or Request()
+
+    def replace(self, sig: Signature) -> Any:
+        """Hand this task's place to ``sig`` (a signature, a chain or a group), as Celery's does:
+        its caller gets the replacement's result, the rest of its chain runs after it, and its
+        callbacks, errbacks and chord go with it (``broker_svc/tasks/replace.py``). Raises
+        ``Ignore`` (so use it as ``return self.replace(sig)``); run eagerly, returns the value.
+
+        Raises:
+            ValueError: ``sig`` is part of a chord of its own, or an empty chain.
+        """
+        return replace(self.app, self.request, sig)
 
     def retry(
         self,

@@ -96,6 +96,8 @@ class TaskMessage:
     priority: int | None = None
     content_type: str = codec.MSGPACK
     extra_headers: dict[str, Any] = field(default_factory=dict)
+    # How many ``Task.replace`` calls led here (Celery's header; 0 for a task sent as itself).
+    replaced_task_nesting: int = 0
 
     @staticmethod
     def new_id() -> str:
@@ -139,7 +141,7 @@ def encode_task(message: TaskMessage, *, serializer: str) -> WireMessage:
         "kwargsrepr": safe_repr(message.kwargs),
         "origin": message.origin or _ORIGIN,
         "ignore_result": message.ignore_result,
-        "replaced_task_nesting": 0,
+        "replaced_task_nesting": message.replaced_task_nesting,
         "stamped_headers": None,
         "stamps": {},
     }
@@ -253,6 +255,7 @@ def decode_task(
         priority=priority,
         content_type=content_type or codec.JSON,
         extra_headers={k: v for k, v in headers.items() if k not in known},
+        replaced_task_nesting=_optional_int(headers, "replaced_task_nesting") or 0,
     )
 
 

@@ -81,3 +81,24 @@ def spawn_canvas(queue: str, label: str) -> dict[str, Any]:
         collect.s(label=f"{label}-chord").set(queue=queue)
     )
     return {"chain": chained.id, "group": grouped.id, "members": len(grouped.results), "chord": chorded.id}
+
+
+@app.task(name="canvas.replace_with", bind=True)
+def replace_with(self: Any, x: int, kind: str) -> Any:
+    """Replaces itself (Celery's ``self.replace``): by a signature (x + 10), a chain ((x + 1) * 3),
+    a group ([x, x + 1, x + 2]), or a task that answers its ``replaced_task_nesting``."""
+    queue = self.request.delivery_info.get("routing_key")  # the queue this worker consumes
+    if kind == "sig":
+        return self.replace(add.si(x, 10).set(queue=queue))
+    if kind == "chain":
+        return self.replace(chain(add.si(x, 1).set(queue=queue), mul.s(3).set(queue=queue)))
+    if kind == "group":
+        return self.replace(group(add.si(x, i).set(queue=queue) for i in range(3)))
+    if kind == "twice":
+        return self.replace(replace_with.si(x, "nesting").set(queue=queue))
+    return self.replace(nesting.si().set(queue=queue))
+
+
+@app.task(name="canvas.nesting", bind=True)
+def nesting(self: Any) -> int:
+    return int(self.request.replaced_task_nesting)

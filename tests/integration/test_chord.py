@@ -326,3 +326,27 @@ def test_result_children_lists_what_a_task_sent(client: App, queue: str):
     assert [c.id for c in step.parent.children] == [step.id]
     pending = s("slow_add", 0, 0, 1.0).apply_async()
     assert pending.children == []  # not ready yet
+
+
+@pytest.mark.parametrize(
+    ("kind", "expected"), [("sig", 15), ("chain", 18), ("group", [5, 6, 7]), ("nesting", 1)]
+)
+def test_a_task_replaced_by_a_signature_a_chain_or_a_group_answers_with_its_result(
+    client: App, queue: str, kind: str, expected: Any
+):
+    assert _sig(client, queue, "replace_with", 5, kind).apply_async().get(timeout=30) == expected
+
+
+def test_a_chain_goes_on_after_a_replaced_step_and_nesting_counts_each_replace(client: App, queue: str):
+    s = lambda *a, **o: _sig(client, queue, *a, **o)  # noqa: E731
+    # add(1, 1) = 2 -> replace_with(2) by chain: (2 + 1) * 3 = 9 -> mul(9, 2) = 18
+    step = client.signature("canvas.replace_with", (), {"kind": "chain"}, queue=queue)
+    result = chain(s("add", 1, 1), step, s("mul", 2)).apply_async()
+    assert result.get(timeout=30) == 18
+    assert s("replace_with", 0, "twice").apply_async().get(timeout=30) == 2
+
+
+def test_a_replaced_header_task_still_joins_its_chord(client: App, queue: str):
+    s = lambda *a, **o: _sig(client, queue, *a, **o)  # noqa: E731
+    header = [s("add", 1, 1), s("replace_with", 5, "sig"), s("replace_with", 5, "chain")]
+    assert chord(header)(s("collect", label="replaced")).get(timeout=30) == [2, 15, 18]

@@ -124,3 +124,18 @@ def test_waiting_on_a_large_chord_polls_nothing_while_the_replies_are_consumed(
     finally:
         close_celery_client(client)
     assert PollCountingBackend.polls <= 2, PollCountingBackend.polls
+
+
+@pytest.mark.parametrize(
+    ("kind", "expected"), [("sig", 15), ("chain", 18), ("group", [5, 6, 7]), ("twice", 2)]
+)
+def test_self_replace_on_our_worker_answers_a_celery_client_as_a_celery_worker_would(
+    client: Celery, ours: str, kind: str, expected: object
+):
+    assert s(client, "replace_with", 5, kind, queue=ours).delay().get(timeout=30) == expected
+
+
+def test_a_celery_chain_goes_on_after_a_step_that_replaced_itself(client: Celery, ours: str):
+    step = client.signature("canvas.replace_with", kwargs={"kind": "chain"}, queue=ours)
+    result = chain(s(client, "add", 1, 1, queue=ours), step, s(client, "mul", 2, queue=ours)).delay()
+    assert result.get(timeout=30) == 18

@@ -114,6 +114,11 @@ def request_context(request: TaskMessage, delivery: dict[str, Any], *, hostname:
         "delivery_info": delivery,
         # The child calls new-style errbacks (request, exc, traceback) itself, as Celery's does.
         **({"errbacks": request.embed["errbacks"]} if request.embed.get("errbacks") else {}),
+        # What Task.replace hands on to a replacement: the rest of the canvas, the group place.
+        **{key: request.embed[key] for key in ("callbacks", "chain", "chord") if request.embed.get(key)},
+        **({"group_index": request.group_index} if request.group_index is not None else {}),
+        **({"replaced_task_nesting": n} if (n := request.replaced_task_nesting) else {}),
+        "content_type": request.content_type,
         **({"headers": headers} if (headers := custom_headers(request)) else {}),
     }
 
