@@ -175,10 +175,10 @@ class WorkerService:
         heart = Heart(
             events, lambda: (len(feeding.running()), feeding.processed), freq_s=config.event_heartbeat_s
         )
-        # Keyed dedup: one worker of the cluster keeps each gate shard (worker/single_active/gatekeeper.py).
+        # Keyed dedup: the gate shards spread over the live workers (worker/single_active/gatekeeper.py).
         gate = Gatekeeper(
-            settings=config.settings, clock=self._clock, hostname=config.hostname, events=events,
-            metrics=metrics,
+            settings=config.settings, clock=self._clock, hostname=config.hostname,
+            namespace=config.namespace, events=events, metrics=metrics,
         )  # fmt: skip
         commands = WorkerCommands(
             app=self._app,
