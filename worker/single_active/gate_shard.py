@@ -309,6 +309,8 @@ class GateShard:
         ):
             await self._dead_letter(channel, message, "no id, dedup key, target queue or timeout")
             return
+        # Its sender's clock: our DECLINED record must sort after the sender's QUEUED one.
+        self._clock.adjust(headers.get(CLOCK_HEADER))
         # A head's safety timeout runs from its ETA (the client keeps the sum under the cap).
         timeout_s = min(float(timeout_s) + eta_wait_s(headers), MAX_DEDUP_TIMEOUT_S)
         verdict = self.keys.arrive(key, task_id, message, timeout_s=timeout_s, now=time.time())
