@@ -51,7 +51,7 @@ from worker.amqp.connection import one_time_channel
 from worker.events import SW_IDENT, EventDispatcher
 from worker.rules.shard_owners import HandoverPacing, shard_owners
 from worker.single_active.gate_keys import GateCounts
-from worker.single_active.gate_shard import GateShard, ShardLost
+from worker.single_active.gate_shard import GateShard
 from worker.single_active.resubscribe import resubscribing
 
 if TYPE_CHECKING:
@@ -169,8 +169,9 @@ class Gatekeeper:
                         group.create_task(self._keep(each))
                     if members is not None:
                         group.create_task(self._balance())
-            except* ShardLost as lost:
-                log.warning("dedup_gate_failed", error=str(lost.exceptions[0]))
+            except* Exception as failed:  # a shard's channel, a handover's subscribe: all subscribe again
+                first = failed.exceptions[0]
+                log.warning("dedup_gate_failed", error=f"{type(first).__name__}: {first}")
             return True
         finally:
             self._group = None
