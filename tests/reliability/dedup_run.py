@@ -134,7 +134,8 @@ class _Fleet:
         return worker
 
     def kill(self, number: int) -> Kill:
-        """SIGKILL a worker's tree (a gate on even ``number``, another worker on odd), start another."""
+        """SIGKILL a worker's tree (a gate on even ``number``, another worker on odd, when there is
+        one: with the shards spread, every worker is usually a gate), start another."""
         gates = [w for w in self.live if _gate_shards(w)]
         others = [w for w in self.live if w not in gates]
         victim = self._rng.choice((gates if number % 2 == 0 else others) or self.live)
