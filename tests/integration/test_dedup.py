@@ -185,6 +185,7 @@ def _failover(url: str, client: App, journal: Path) -> None:
             timeout_s=30,
             message="the tail held by a gate",
         )
+        assert keeper is not None
         keeper.signal_tree(signal.SIGKILL)
         keeper.proc.wait(timeout=30)
         survivor = second if keeper is first else first
