@@ -151,6 +151,18 @@ def test_a_later_gate_is_replayed_from_the_heads_its_markers_gave_it():
     assert replay(_events("blocked b"), key_of={"b": "k"}).mismatch_count == 1
 
 
+def test_a_shard_back_at_its_first_gate_is_replayed_from_the_markers_too():
+    # Gate 1 accepted a and handed the shard to gate 2, which blocked b and handed it back: gate 1
+    # learned a from its marker again, released it and promoted b.
+    back = [
+        *_events("accepted a"),
+        *_events("blocked b", gate="w2@test"),
+        *_events("blocked b", "released a", "promoted b", "released b"),
+    ]
+    found = replay(back, key_of={"a": "k", "b": "k"})
+    assert (found.mismatch_count, found.takeovers, found.seeded_heads) == (0, 2, 2)
+
+
 def test_without_kills_a_takeover_or_a_call_decided_twice_fails():
     sends, outcomes, marks, _ = _good()
     moved = [
