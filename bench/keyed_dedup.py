@@ -62,7 +62,7 @@ from bench.spine import NOOP
 from bench.stats import Spread
 from broker_svc import App, AsyncResult, Settings
 from broker_svc.logging import configure_logging
-from broker_svc.topology import dedup_gate_queue
+from broker_svc.topology import LEGACY_NAMESPACE, dedup_gate_queue
 from broker_svc.wire.dedup import GATE_SHARDS, shard_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -142,7 +142,11 @@ def _ready(queue_probe: QueueProbe, queue: str, workers: int, alive: Callable[[]
     queue_probe.wait(queue, lambda d: d.consumers >= 2 * workers, timeout_s=120, what="children", alive=alive)
     for shard in range(GATE_SHARDS):
         queue_probe.wait(
-            dedup_gate_queue(shard).name, lambda d: d.consumers >= 1, timeout_s=60, what="gate", alive=alive
+            dedup_gate_queue(shard, LEGACY_NAMESPACE).name,
+            lambda d: d.consumers >= 1,
+            timeout_s=60,
+            what="gate",
+            alive=alive,
         )
 
 

@@ -20,3 +20,13 @@ def timed(seconds: float) -> list[float]:
     started = time.time()
     time.sleep(seconds)
     return [started, time.time()]
+
+
+@app.task(name="bench.tasks.add")
+def add(x: int, y: int) -> int:
+    return x + y
+
+
+@app.task(name="bench.tasks.xsum")
+def xsum(numbers: list[int]) -> int:
+    return sum(numbers)

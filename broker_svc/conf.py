@@ -100,6 +100,8 @@ SETTINGS_FIELDS: Final[Mapping[str, tuple[str, Callable[[Any], Any]]]] = {
     "spool_flush_count": ("spool_flush_count", int),
     "spool_flush_interval_s": ("spool_flush_interval_s", float),
     "spool_fsync": ("spool_fsync", bool),
+    # Clockwork's own: the key of the app's shared state (docs/guide.md, "Many apps on one broker").
+    "app_namespace": ("app_namespace", str),
 }
 
 # Celery names that Clockwork reads where they apply (routing, the worker, the scheduler).

@@ -11,7 +11,7 @@ from typing import Any, Final, Literal, get_type_hints
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 from broker_svc.errors import ConfigurationError
-from broker_svc.topology import QueueSpec, QueueType, task_queue
+from broker_svc.topology import QueueSpec, QueueType, app_namespace, task_queue
 
 __all__ = [
     "DEFAULT_BROKER_URL",
@@ -138,6 +138,11 @@ class Settings:
         spool_flush_interval_s: time trigger: buffered tasks are written at least this often.
         spool_fsync: each write of the spool is followed by fsync (survives a machine crash);
             without it, writes survive a crash of the process but not of the machine.
+        app_namespace: the key of the state an app's clients and workers share in the vhost
+            (chords, dedup gates, dependents, task states, revokes, schedulers; docs/guide.md,
+            "Many apps on one broker"); apps sharing a vhost set one each, on their clients and
+            workers alike. None: ``celery``, the names of earlier releases (``namespace`` is the
+            one in effect).
     """
 
     broker_url: str = field(default=DEFAULT_BROKER_URL, repr=False)
@@ -171,9 +176,14 @@ class Settings:
     spool_flush_count: int = 256
     spool_flush_interval_s: float = 0.1
     spool_fsync: bool = True
+    app_namespace: str | None = None
 
     def __post_init__(self) -> None:
         _check_urls(self.broker_url)
+        try:
+            app_namespace(self.app_namespace)
+        except ValueError as exc:
+            raise ConfigurationError(str(exc)) from None
         if self.ssl_key_file and not self.ssl_cert_file:
             raise ConfigurationError("ssl_key_file needs ssl_cert_file (the certificate it belongs to)")
         if self.serializer not in _SERIALIZERS:
@@ -196,6 +206,11 @@ class Settings:
         # Fields with repr=False (the URL, the control key, the SSL context) are never shown.
         shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.repr)
         return f"Settings(broker_url={redact_url(self.broker_url)!r}, {shown})"
+
+    @property
+    def namespace(self) -> str:
+        """The app namespace in effect: ``app_namespace``, else ``celery``."""
+        return app_namespace(self.app_namespace)
 
     @property
     def virtual_host(self) -> str:

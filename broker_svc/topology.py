@@ -7,6 +7,7 @@ RabbitMQ on the other side's redeclare), so Celery clients and workers can share
 from __future__ import annotations
 
 import functools
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, TypedDict
@@ -28,7 +29,6 @@ __all__ = [
     "MAX_PRIORITY_ARGUMENT",
     "EVENT_EXCHANGE",
     "MEMBERS_ROUTING_KEY",
-    "EXPIRED_QUEUE",
     "beat_journal_stream",
     "beat_router_exchange",
     "beat_snapshot_queue",
@@ -42,6 +42,10 @@ __all__ = [
     "dependents_queue",
     "event_exchange",
     "event_queue",
+    "expired_queue",
+    "LEGACY_NAMESPACE",
+    "app_namespace",
+    "scoped_name",
     "leader_queue",
     "members_stream",
     "new_reply_queue_name",
@@ -51,6 +55,7 @@ __all__ = [
     "reply_exchange",
     "result_queue",
     "revocation_log",
+    "settled_chords_stream",
     "task_exchange",
     "task_queue",
     "task_states_stream",
@@ -350,6 +355,43 @@ def _stream_arguments(*, max_age_s: int, segment_bytes: int, max_bytes: int) -> 
 _SINGLE_ACTIVE_QUORUM: Final = {"x-queue-type": "quorum", "x-single-active-consumer": True}
 
 
+# -- an app's namespace: the key of the state its clients and workers share ----------------------
+
+# The namespace of an app that sets none: its names are those Clockwork used before namespaces.
+LEGACY_NAMESPACE: Final = "celery"
+
+_NAMESPACE_CHARS: Final = re.compile(r"[A-Za-z0-9_.:-]{1,100}")
+
+
+def app_namespace(explicit: str | None) -> str:
+    """The namespace keying an app's shared state (chords, dedup gates, dependents, task states,
+    revokes, schedulers, leaders, expired tasks): the ``app_namespace`` setting, else ``celery``.
+
+    Not the app's name by default: a client app of another name (a web app sending by task name)
+    must reach the same gates, states and revokes as the workers; apps that share a vhost set one
+    each, clients and workers alike (docs/guide.md, "Many apps on one broker").
+
+    Raises:
+        ValueError: a namespace that cannot be part of a queue name.
+    """
+    namespace = explicit or LEGACY_NAMESPACE
+    if not _NAMESPACE_CHARS.fullmatch(namespace):
+        raise ValueError(f"app_namespace {namespace!r} must be 1-100 of A-Z a-z 0-9 _ . : -")
+    return namespace
+
+
+def _scope(namespace: str) -> str:
+    # Names that had no namespace before (leaders, schedulers, expired tasks) keep their form in
+    # the legacy namespace, so an unnamed app's running cluster finds its state where it was.
+    return "" if namespace == LEGACY_NAMESPACE else f".{namespace}"
+
+
+def scoped_name(namespace: str, name: str) -> str:
+    """``name`` (a scheduler's, say) within ``namespace``: ``<namespace>.<name>``, or ``name`` alone
+    in the legacy namespace."""
+    return f"{namespace}.{name}" if namespace != LEGACY_NAMESPACE else name
+
+
 # -- Clockwork's own durable streams (RabbitMQ streams; see docs/design.md, "Control plane") ------
 
 
@@ -369,7 +411,7 @@ def members_stream(namespace: str = DEFAULT_NAMESPACE) -> QueueSpec:
     )
 
 
-def revocation_log(namespace: str = DEFAULT_NAMESPACE) -> QueueSpec:
+def revocation_log(namespace: str) -> QueueSpec:
     """The durable log of revokes: every worker reads it from the start, so a revoke issued while
     no worker was running still holds. Entries live as long as a revoked id does (10,800 s).
     """
@@ -380,7 +422,7 @@ def revocation_log(namespace: str = DEFAULT_NAMESPACE) -> QueueSpec:
     )
 
 
-def task_states_stream(namespace: str = DEFAULT_NAMESPACE) -> QueueSpec:
+def task_states_stream(namespace: str) -> QueueSpec:
     """The stream of task states (QUEUED from clients, the rest from workers; ``wire/task_state.py``).
 
     Bounded like a result: records live a day (Celery's ``result_expires``) and the stream holds at
@@ -394,7 +436,7 @@ def task_states_stream(namespace: str = DEFAULT_NAMESPACE) -> QueueSpec:
     )
 
 
-def dependents_queue(namespace: str = DEFAULT_NAMESPACE) -> QueueSpec:
+def dependents_queue(namespace: str) -> QueueSpec:
     """Where tasks sent with ``depends_on`` wait until their dependencies finish.
 
     As the chord join queue: a quorum queue (waiting tasks survive the loss of a node) with a
@@ -409,7 +451,7 @@ def dependents_queue(namespace: str = DEFAULT_NAMESPACE) -> QueueSpec:
     )
 
 
-def dedup_gate_queue(shard: int, namespace: str = DEFAULT_NAMESPACE) -> QueueSpec:
+def dedup_gate_queue(shard: int, namespace: str) -> QueueSpec:
     """One shard of the keyed-deduplication gate (``broker_svc/wire/dedup.py``).
 
     A quorum queue with a single active consumer: one worker of the cluster keeps each shard's
@@ -423,7 +465,7 @@ def dedup_gate_queue(shard: int, namespace: str = DEFAULT_NAMESPACE) -> QueueSpe
     )
 
 
-def chord_join_queue(namespace: str = DEFAULT_NAMESPACE) -> QueueSpec:
+def chord_join_queue(namespace: str) -> QueueSpec:
     """Where finished chord header tasks leave their parts for the joiner.
 
     A quorum queue, so the parts of a chord in progress survive the loss of a node, with a single
@@ -437,16 +479,37 @@ def chord_join_queue(namespace: str = DEFAULT_NAMESPACE) -> QueueSpec:
     )
 
 
-# Where RabbitMQ dead-letters tasks that expire in their queue (a Celery client sets the AMQP
-# ``expiration`` of a task with ``expires``), given the operator's policy on the task queues:
-#   rabbitmqctl set_policy clockwork-expired '^celery$' \
-#     '{"dead-letter-exchange":"","dead-letter-routing-key":"clockwork.expired"}' --apply-to queues
-# Every worker consumes it and answers each such task REVOKED "expired" (docs/guide.md, "Expiry").
-EXPIRED_QUEUE: Final = "clockwork.expired"
+def settled_chords_stream(namespace: str) -> QueueSpec:
+    """The record of the chords the joiners settled lately: one marker per chord.
+
+    A joiner publishes a chord's marker in the transaction that sends its body and acks its parts,
+    and reads the stream from its start when it becomes the active joiner, so a copy of a part that
+    comes after its chord was settled (by any joiner) is acked, never held or joined again. Markers
+    live a day, as a result does (Celery's ``result_expires``), and the stream holds at most 64 MB
+    (about 290,000 markers, a day of 3 chords a second), dropped a segment at a time.
+    """
+    return QueueSpec(
+        name=f"clockwork.chords.{namespace}.settled",
+        durable=True,
+        arguments=_stream_arguments(max_age_s=86400, segment_bytes=4_000_000, max_bytes=64_000_000),
+    )
 
 
-def leader_queue(name: str) -> QueueSpec:
-    """The election queue of the leader role ``name`` (``worker/leader/``).
+def expired_queue(namespace: str) -> str:
+    """Where RabbitMQ dead-letters the app's tasks that expire in their queue (a Celery client sets
+    the AMQP ``expiration`` of a task with ``expires``), given the operator's policy on its queues::
+
+        rabbitmqctl set_policy clockwork-expired '^celery$' \\
+          '{"dead-letter-exchange":"","dead-letter-routing-key":"clockwork.expired"}' --apply-to queues
+
+    Every worker of the app consumes it and answers each such task REVOKED "expired"
+    (docs/guide.md, "Expiry"). The namespace ``celery`` keeps the earlier name, ``clockwork.expired``.
+    """
+    return f"clockwork.expired{_scope(namespace)}"
+
+
+def leader_queue(name: str, namespace: str) -> QueueSpec:
+    """The election queue of the app's leader role ``name`` (``worker/leader/``).
 
     A quorum queue, so the term's token survives the loss of a node, with a single active consumer:
     every candidate consumes it, the broker delivers only to the one active consumer, and moves
@@ -454,13 +517,13 @@ def leader_queue(name: str) -> QueueSpec:
     Declared alike by every candidate (a different argument is a 406).
     """
     return QueueSpec(
-        name=f"clockwork.leader.{name}",
+        name=f"clockwork.leader{_scope(namespace)}.{name}",
         durable=True,
         arguments=dict(_SINGLE_ACTIVE_QUORUM),
     )
 
 
-def beat_journal_stream(name: str) -> QueueSpec:
+def beat_journal_stream(name: str, namespace: str) -> QueueSpec:
     """The journal of the scheduler ``name`` (``worker/beat/``): what it fired, what finished,
     and the schedule changes made at runtime.
 
@@ -470,36 +533,40 @@ def beat_journal_stream(name: str) -> QueueSpec:
     (``beat_snapshot_queue``), so only the records after the latest snapshot are ever read back.
     """
     return QueueSpec(
-        name=f"clockwork.beat.{name}.journal",
+        name=f"clockwork.beat.{scoped_name(namespace, name)}.journal",
         durable=True,
         arguments=_stream_arguments(max_age_s=604800, segment_bytes=8_000_000, max_bytes=256_000_000),
     )
 
 
-def beat_snapshot_queue(name: str) -> QueueSpec:
+def beat_snapshot_queue(name: str, namespace: str) -> QueueSpec:
     """The scheduler ``name``'s latest state and the journal offset it covers: one message.
 
     A quorum queue (it survives the loss of a node) holding at most one message: a new snapshot
     pushes the old one out (``drop-head``). Readers peek at it (get, then requeue).
     """
     return QueueSpec(
-        name=f"clockwork.beat.{name}.snapshot",
+        name=f"clockwork.beat.{scoped_name(namespace, name)}.snapshot",
         durable=True,
         arguments={"x-queue-type": "quorum", "x-max-length": 1, "x-overflow": "drop-head"},
     )
 
 
-def beat_router_exchange(name: str) -> ExchangeSpec:
+def beat_router_exchange(name: str, namespace: str) -> ExchangeSpec:
     """Where the scheduler ``name``'s fires are routed: each task queue is bound here by its
     name (and a named exchange by its routing key), the journal by its own name (the ``BCC``)."""
-    return ExchangeSpec(name=f"clockwork.beat.{name}.router", type="direct", durable=True)
+    return ExchangeSpec(
+        name=f"clockwork.beat.{scoped_name(namespace, name)}.router", type="direct", durable=True
+    )
 
 
-def beat_term_exchange(name: str, epoch: int) -> ExchangeSpec:
+def beat_term_exchange(name: str, namespace: str, epoch: int) -> ExchangeSpec:
     """The one exchange the leader of term ``epoch`` fires through (bound to the router).
 
     The broker's fence: the next leader deletes it before reading the journal, so a publish from
     a leader that lost its term (frozen between its lease check and its publish) is refused (404)
     instead of firing a time the next leader fires too.
     """
-    return ExchangeSpec(name=f"clockwork.beat.{name}.term.{epoch}", type="fanout", durable=True)
+    return ExchangeSpec(
+        name=f"clockwork.beat.{scoped_name(namespace, name)}.term.{epoch}", type="fanout", durable=True
+    )

@@ -52,7 +52,6 @@ def feed_spec(config: WorkerConfig, app: App) -> FeedSpec:
         prefetch=config.prefetch_multiplier,
         hostname=config.hostname,
         default_time_limits=(config.time_limit_s, config.soft_time_limit_s),
-        namespace=config.namespace,
         task_events=config.task_events,
         task_names=tuple(sorted(app.tasks)),
         async_task_names=tuple(sorted(n for n, t in app.tasks.items() if inspect.iscoroutinefunction(t.run))),

@@ -19,7 +19,7 @@ from worker.config import WorkerConfig
 from worker.events import EventDispatcher
 from worker.remote.mingle import mingle
 from worker.remote.revoker import Revoker
-from worker.remote.shared_queues import check_shared_queues
+from worker.remote.shared_queues import check_shared_namespace, check_shared_queues
 
 __all__ = ["mingle_step", "run_shared_queue_check", "start_events", "start_mailbox"]
 
@@ -63,7 +63,8 @@ async def run_shared_queue_check(
     app: App,
     clock: LamportClock,
 ) -> None:
-    """Warn of a peer of another app on one of our queues (worker/remote/shared_queues.py); never fatal.
+    """Warn of a peer of another app on one of our queues or in our app namespace
+    (worker/remote/shared_queues.py); never fatal.
 
     Args:
         publishing: the worker's publishing connection.
@@ -82,6 +83,9 @@ async def run_shared_queue_check(
         await broadcaster.start()
         await check_shared_queues(
             broadcaster, nodename=config.hostname, queues=config.queues, registered=app.tasks
+        )
+        await check_shared_namespace(
+            broadcaster, nodename=config.hostname, namespace=config.settings.namespace, registered=app.tasks
         )
     except Exception as exc:  # a check, not a duty: the worker runs on without it
         log.info("shared_queue_check_failed", error=f"{type(exc).__name__}: {exc}")

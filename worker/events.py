@@ -111,6 +111,8 @@ class Heart:
         events: the dispatcher.
         stats: returns ``(active, processed)``: tasks running now, tasks received since start.
         freq_s: the heartbeat interval, sent as ``freq`` so receivers know when we are late.
+        app_namespace: the worker's app namespace, sent as ``app_namespace`` (a field Celery
+            ignores) so peers know which app's shared state the worker keeps (the dedup gate).
     """
 
     def __init__(
@@ -119,10 +121,12 @@ class Heart:
         stats: Callable[[], tuple[int, int]],
         *,
         freq_s: float = HEARTBEAT_FREQ_S,
+        app_namespace: str | None = None,
     ) -> None:
         self._events = events
         self._stats = stats
         self._freq_s = freq_s
+        self._app_namespace = app_namespace
 
     def _fields(self) -> dict[str, Any]:
         active, processed = self._stats()
@@ -130,7 +134,9 @@ class Heart:
             loadavg = [round(x, 2) for x in os.getloadavg()]
         except OSError:
             loadavg = [0.0, 0.0, 0.0]
+        app = {} if self._app_namespace is None else {"app_namespace": self._app_namespace}
         return {
+            **app,
             "freq": self._freq_s,
             "sw_ident": SW_IDENT,
             "sw_ver": software_version(),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from broker_svc import signals
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
 from broker_svc.errors import BrokerUnavailable
-from broker_svc.topology import EXPIRED_QUEUE, dead_letter_queue
+from broker_svc.topology import dead_letter_queue, expired_queue
 from control.aio.declare import declare_queue
 from control.aio.header_ints import install_header_int_guard
 from control.protocol.commands import CommandRegistry
@@ -70,6 +71,10 @@ class WorkerService:
     """
 
     def __init__(self, config: WorkerConfig, app: App) -> None:
+        if config.settings.app_namespace is None:  # settings made apart from the app: the app's namespace
+            config = dataclasses.replace(
+                config, settings=config.settings.with_options(app_namespace=app.settings.namespace)
+            )
         self._config = config
         self._app = app
         self._clock = LamportClock()
@@ -166,15 +171,16 @@ class WorkerService:
             known=feeding.revokes_known,
         )
         revocation_log = RevocationLog(
-            revoker, clock=self._clock, hostname=config.hostname, namespace=config.namespace
+            revoker, clock=self._clock, hostname=config.hostname, namespace=config.settings.namespace
         )
         # Every revoke we can know of is known before the first task is taken: the state file,
         # then the broker's log read up to now.
         revoker.load()
         await revocation_log.follow(lambda: consuming.channel(publisher_confirms=False), publish_channel)
         heart = Heart(
-            events, lambda: (len(feeding.running()), feeding.processed), freq_s=config.event_heartbeat_s
-        )
+            events, lambda: (len(feeding.running()), feeding.processed), freq_s=config.event_heartbeat_s,
+            app_namespace=config.settings.namespace,
+        )  # fmt: skip
         # Keyed dedup: the gate shards spread over the live workers (worker/single_active/gatekeeper.py).
         gate = Gatekeeper(
             settings=config.settings, clock=self._clock, hostname=config.hostname,
@@ -209,8 +215,9 @@ class WorkerService:
         for name in config.queues:
             await queues.declare(name)
         # Tasks a Celery client's broker TTL expired in their queue, given the operator's policy.
-        if await self._may_consume(consuming, EXPIRED_QUEUE):
-            await queues.declare(EXPIRED_QUEUE, listed=False)
+        expired = expired_queue(config.settings.namespace)
+        if await self._may_consume(consuming, expired):
+            await queues.declare(expired, listed=False)
             feeding.set_queues(queues.consumed())
         feeding.start(lambda: list(self._revoked))  # each child consumes for itself
         background.spawn(
@@ -238,7 +245,7 @@ class WorkerService:
         joiner = ChordJoiner(
             app=self._app,
             clock=self._clock,
-            namespace=config.namespace,
+            namespace=config.settings.namespace,
             max_body_bytes=config.settings.max_body_bytes,
         )
         background.spawn(joiner.run(publishing), name="chord-joiner")
@@ -256,6 +263,7 @@ class WorkerService:
             # The start-up banner: what runs, against which broker (no password), with which tasks.
             version=software_version(),
             app=config.app_spec,
+            app_namespace=config.settings.namespace,
             broker=config.settings.safe_broker_url,
             tasks=sorted(name for name in self._app.tasks if not name.startswith("celery.")),
             queues=list(config.queues),

@@ -31,8 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 from broker_svc.canvas.follow_ups import NESTED_HEADER, chord_members
 from broker_svc.results.result import GroupResult
-from broker_svc.sending.routes import route_for
+from broker_svc.sending.routes import queue_for
 from broker_svc.tasks.task_app import current_app
+from broker_svc.wire.chord_part import NAMESPACE_KEY
 from broker_svc.wire.ids import uuid4_str
 
 if TYPE_CHECKING:
@@ -480,15 +481,21 @@ class chord(Signature):
         if rest:
             body.options["chain"] = rest  # the steps after the chord run after its body
         if body.subtask_type is None and "queue" not in body.options:
-            # Routed here, as its header is: any worker of the cluster may be the one that sends it.
-            routed = route_for(app.conf.get("task_routes"), body.task, body.args, body.kwargs, body.options)
-            body.options["queue"] = routed.get("queue") or app.settings.default_queue
+            # Routed here, as its header is: the joiner sends it where it says, never by its own app.
+            declared = app.tasks.get(body.task)
+            queue, routed = queue_for(
+                app.conf.get("task_routes"), body.task, body.args, body.kwargs, body.options,
+                declared=declared.queue if declared is not None else None, default=app.settings.default_queue,
+            )  # fmt: skip
+            if not routed.get("exchange"):  # a worker sends follow-ups to queues by name
+                body.options["queue"] = queue
         result = body.freeze(body_id, group_id=group_id)
         if not members:
             body.apply_async(([],), **options)
             result.parent = GroupResult(group_id, [], app=app)
             return result
-        carried = {**body.as_wire(), "chord_size": len(members)}
+        # Its size, and whose joiner joins it: this app's, whichever app's worker runs a header task.
+        carried = {**body.as_wire(), "chord_size": len(members), NAMESPACE_KEY: app.settings.namespace}
         sent: list[Signature] = []
         for index, member in enumerate(members):
             new_args, new_kwargs = member._partial(args, kwargs)

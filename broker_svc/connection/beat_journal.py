@@ -88,8 +88,9 @@ class Journal:
     def __init__(self, settings: Settings, name: str) -> None:
         self._settings = settings
         self.name = name
-        self.stream = beat_journal_stream(name)
-        self.snapshot_queue = beat_snapshot_queue(name)
+        self._namespace = settings.namespace
+        self.stream = beat_journal_stream(name, self._namespace)
+        self.snapshot_queue = beat_snapshot_queue(name, self._namespace)
 
     def read_state(
         self, since: tuple[BeatState, int] | None = None, *, timeout_s: float = 30.0
@@ -132,14 +133,17 @@ class Journal:
 
         def delete(channel: BlockingChannel) -> None:
             for epoch in epochs:
-                channel.exchange_delete(beat_term_exchange(self.name, epoch).name)
+                channel.exchange_delete(beat_term_exchange(self.name, self._namespace, epoch).name)
 
         self._with_channel(delete)
 
     def open_term(self, epoch: int) -> None:
         """Declare the router and the term's exchange bound to it, bind the journal to the router,
         and record the term (so the next leader deletes its exchange)."""
-        router, term = beat_router_exchange(self.name), beat_term_exchange(self.name, epoch)
+        router, term = (
+            beat_router_exchange(self.name, self._namespace),
+            beat_term_exchange(self.name, self._namespace, epoch),
+        )
 
         def open_(channel: BlockingChannel) -> None:
             for exchange in (router, term):
@@ -152,7 +156,7 @@ class Journal:
 
     def route_queue(self, spec: QueueSpec) -> None:
         """Declare a task queue as a client sending to it would, and bind it to the router by its name."""
-        router = beat_router_exchange(self.name).name
+        router = beat_router_exchange(self.name, self._namespace).name
 
         def route(channel: BlockingChannel) -> None:
             _declare(channel, spec)
@@ -171,7 +175,7 @@ class Journal:
         Raises:
             Unroutable: the exchange does not exist (declare it first).
         """
-        router = beat_router_exchange(self.name).name
+        router = beat_router_exchange(self.name, self._namespace).name
         try:
             self._with_channel(lambda channel: channel.exchange_bind(exchange, router, routing_key))
         except BrokerUnavailable as exc:
@@ -273,7 +277,7 @@ class JournalFollower:
 
     def __init__(self, settings: Settings, name: str, *, start: int) -> None:
         self._settings = settings
-        self._stream = beat_journal_stream(name)
+        self._stream = beat_journal_stream(name, settings.namespace)
         self._next = start
         self.records: queue.Queue[JournalRecord] = queue.Queue()
         self._closing = threading.Event()

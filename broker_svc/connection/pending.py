@@ -65,7 +65,7 @@ def prepare_publish(
         # holds it, or declines it. Never to a delay queue: its worker holds an ETA after the gate.
         if exchange:
             raise TypeError("dedup_key sends to a queue, not to a named exchange; drop exchange=")
-        gate = dedup_gate_queue(shard_of(key))
+        gate = dedup_gate_queue(shard_of(key), settings.namespace)
         return PendingPublish(
             wire, exchange=DEFAULT_EXCHANGE, routing_key=gate.name, declare=(gate, settings.task_queue(queue))
         )

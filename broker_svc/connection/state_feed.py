@@ -145,7 +145,7 @@ class StateFeed:
         params = all_connection_parameters(self._settings, connection_name="clockwork-state-feed")
         conn = pika.BlockingConnection(params)
         channel = conn.channel()
-        spec = task_states_stream()
+        spec = task_states_stream(self._settings.namespace)
         channel.queue_declare(spec.name, **spec.declare_options())
         channel.basic_qos(prefetch_count=_PREFETCH)  # streams need manual acks and a qos
         channel.basic_consume(
@@ -172,7 +172,9 @@ class StateFeed:
         if channel is None or not channel.is_open:
             return
         properties = pika.BasicProperties(headers={MARKER_HEADER: marker}, delivery_mode=1)
-        channel.basic_publish(DEFAULT_EXCHANGE, task_states_stream().name, b"", properties)
+        channel.basic_publish(
+            DEFAULT_EXCHANGE, task_states_stream(self._settings.namespace).name, b"", properties
+        )
 
     def _on_message(
         self,

@@ -18,7 +18,7 @@ from broker_svc.errors import ConfigurationError
 from broker_svc.results.result import AsyncResult
 from broker_svc.sending.message import CLIENT_HOSTNAME, build_message, state_publish
 from broker_svc.tasks.task_app import TaskApp
-from broker_svc.topology import DEFAULT_EXCHANGE, dependents_queue
+from broker_svc.topology import DEFAULT_EXCHANGE, QueueSpec, dependents_queue, task_states_stream
 from broker_svc.wire.task_message import encode_task
 from broker_svc.wire.task_state import (
     ALLOW_FAILURE_HEADER,
@@ -202,7 +202,7 @@ class Jobs:
         headers = {DEPENDS_ON_HEADER: ids, ALLOW_FAILURE_HEADER: allow_failure, TARGET_QUEUE_HEADER: queue}
         message = dataclasses.replace(message, extra_headers={**message.extra_headers, **headers})
         wire = encode_task(message, serializer=serializer or app.settings.serializer)
-        holding = dependents_queue()
+        holding = dependents_queue(app.settings.namespace)
         from broker_svc.connection.pending import PendingPublish  # pure bookkeeping; no pika
 
         pending = PendingPublish(
@@ -213,7 +213,7 @@ class Jobs:
             name=message.task, queue=queue, info={"depends_on": ids, "allow_failure": allow_failure},
         )  # fmt: skip
         result: AsyncResult = AsyncResult(message.id, store=self._store, publish=pending)
-        self._producer().publisher.submit([pending, state_publish(record)], wait=True)
+        self._producer().publisher.submit([pending, state_publish(record, self._stream())], wait=True)
         return Job(self, message.id, result=result)
 
     def cancel(self, task_id: str) -> None:
@@ -250,7 +250,10 @@ class Jobs:
         record = StateRecord.now(
             task_id, state.value, clock=self._app.clock.forward(), hostname=CLIENT_HOSTNAME, info=info
         )
-        self._producer().publisher.submit([state_publish(record)], wait=True)
+        self._producer().publisher.submit([state_publish(record, self._stream())], wait=True)
+
+    def _stream(self) -> QueueSpec:
+        return task_states_stream(self._app.settings.namespace)
 
     def _task_name(self, f: Callable[..., Any] | str) -> str:
         if isinstance(f, str):

@@ -211,7 +211,7 @@ def send_signatures(
     if settings.task_states and settings.spool_dir is None:
         # QUEUED, in the same hand-over: one more pipelined publish per task, confirmed alongside.
         # (Not through a spool: its records name task queues only; docs/design.md, "Task states".)
-        stream = task_states_stream()
+        stream = task_states_stream(settings.namespace)
         now = time.time()
         for (pending, task_id), queue in zip(prepared, queues, strict=True):
             headers = pending.message.headers
@@ -234,12 +234,13 @@ def send_signatures(
     return handles
 
 
-def state_publish(record: StateRecord, stream: QueueSpec | None = None) -> PendingPublish:
-    """A state record on its way to the task-state stream (declared first on each connection)."""
+def state_publish(record: StateRecord, stream: QueueSpec) -> PendingPublish:
+    """A state record on its way to the app's task-state stream (declared first on each connection)."""
     from broker_svc.connection.pending import PendingPublish  # pure bookkeeping; no pika
 
-    spec = stream or task_states_stream()
-    return PendingPublish(record.wire(), exchange=DEFAULT_EXCHANGE, routing_key=spec.name, declare=(spec,))
+    return PendingPublish(
+        record.wire(), exchange=DEFAULT_EXCHANGE, routing_key=stream.name, declare=(stream,)
+    )
 
 
 def after_publish(sent: Sequence[PendingPublish]) -> None:

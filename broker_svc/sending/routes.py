@@ -16,7 +16,7 @@ from typing import Any, Final
 from broker_svc.conf import load_object
 from broker_svc.errors import ConfigurationError
 
-__all__ = ["ROUTE_OPTIONS", "route_for"]
+__all__ = ["ROUTE_OPTIONS", "queue_for", "route_for"]
 
 # What a route may set (docs/migrating-from-celery.md, "task_routes").
 ROUTE_OPTIONS: Final = frozenset({"queue", "exchange", "routing_key", "priority", "serializer"})
@@ -37,6 +37,33 @@ def route_for(
         if found is not None:
             return _checked(found, name)
     return {}
+
+
+def queue_for(
+    routes: Any,
+    name: str,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    options: Mapping[str, Any],
+    *,
+    declared: str | None,
+    default: str,
+) -> tuple[str, dict[str, Any]]:
+    """The queue a task goes to by Celery's order, and the route that named it (``{}`` if none did):
+    the ``queue`` option, else the queue its task is ``declared`` with (``@app.task(queue=...)``),
+    else ``routes``, else ``default``. A route through another exchange gives no queue: the route
+    says where it goes, and the queue returned is ``default``.
+
+    Raises:
+        ConfigurationError: as ``route_for``.
+    """
+    explicit = options.get("queue")
+    if isinstance(explicit, str) and explicit:
+        return explicit, {}
+    if declared:
+        return declared, {}
+    routed = route_for(routes, name, args, kwargs, options)
+    return routed.get("queue") or default, routed
 
 
 def _ask(

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Final
-
 from broker_svc.connection.pending import PendingPublish
 from broker_svc.settings import Settings
 from broker_svc.spool.record import QueueKind, SpooledMessage
-from broker_svc.topology import QueueSpec, dedup_gate_queue, task_queue
+from broker_svc.topology import LEGACY_NAMESPACE, QueueSpec, dedup_gate_queue, task_queue
 from broker_svc.wire.dedup import GATE_SHARDS
 
 __all__ = ["Entry", "spooled_of", "template_of"]
 
-# The gate shard queues a client sends tasks with dedup keys to, by name: declared as such on replay.
-_GATE_SHARDS: Final = {spec.name: spec for spec in map(dedup_gate_queue, range(GATE_SHARDS))}
+
+def _gate_shard(queue: str, namespace: str) -> QueueSpec | None:
+    # The gate shard a client sends tasks with dedup keys to, by name: declared as such on replay.
+    shards = (dedup_gate_queue(shard, namespace) for shard in range(GATE_SHARDS))
+    return next((spec for spec in shards if spec.name == queue), None)
 
 
 class Entry:
@@ -80,7 +81,7 @@ def template_of(spooled: SpooledMessage, *, settings: Settings | None = None) ->
     """
     kind = spooled.queue_type
     declare: tuple[QueueSpec, ...] = ()
-    gate = _GATE_SHARDS.get(spooled.queue)
+    gate = _gate_shard(spooled.queue, settings.namespace if settings is not None else LEGACY_NAMESPACE)
     if gate is not None and kind is not None:
         declare = (gate,)  # a task with a dedup key: its gate shard (single active consumer)
     elif kind is not None:

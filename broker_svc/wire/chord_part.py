@@ -7,7 +7,9 @@ before the header's delivery is acked. The joiner counts the parts of each chord
 once every part is in, it sends the body with their results.
 
 A part travels in the header's own content type (json or msgpack), so a result that reached the
-header's caller reaches the body as well.
+header's caller reaches the body as well. It goes to the join queue of the app namespace that sent
+the chord (``app_namespace`` on the body, beside ``chord_size``), whichever app's worker ran the
+header: one chord's parts meet in one queue, even while an app moves to a namespace of its own.
 """
 
 from __future__ import annotations
@@ -17,11 +19,27 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from broker_svc.errors import MessageError
+from broker_svc.topology import app_namespace
 from broker_svc.wire import codec
 
-__all__ = ["PART_CONTENT_TYPES", "ChordPart", "decode_part", "encode_part"]
+__all__ = ["NAMESPACE_KEY", "PART_CONTENT_TYPES", "ChordPart", "decode_part", "encode_part", "join_namespace"]
 
 PART_CONTENT_TYPES: Final = frozenset({codec.JSON, codec.MSGPACK})
+
+# The chord body's key naming the app namespace of the chord's sender, whose joiner joins it.
+NAMESPACE_KEY: Final = "app_namespace"
+
+
+def join_namespace(body: Mapping[str, Any], default: str) -> str:
+    """The app namespace whose joiner joins a chord: its sender's, carried on its body; else
+    ``default`` (a chord from an older client, or a value that cannot name a queue)."""
+    value = body.get(NAMESPACE_KEY)
+    if isinstance(value, str):
+        try:
+            return app_namespace(value)
+        except ValueError:
+            pass
+    return default
 
 
 @dataclass(frozen=True, slots=True)

@@ -252,7 +252,7 @@ class AsyncControl:
     async def _log_revoke(self, entry: RevokeEntry) -> bool:
         connection = self._connection
         assert connection is not None
-        spec = revocation_log(self.namespace)
+        spec = revocation_log(self.settings.namespace)
         try:
             channel = self._log_channel
             if channel is None or channel.is_closed:

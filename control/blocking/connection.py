@@ -173,7 +173,7 @@ class ControlConnection:
             BrokerUnavailable: the broker cannot be reached, or the connection was lost.
         """
         conn, _ = self.ensure_open()
-        spec = revocation_log(self._namespace)
+        spec = revocation_log(self.settings.namespace)
         properties = pika.BasicProperties(
             content_type=REVOKE_CONTENT_TYPE,
             delivery_mode=2,

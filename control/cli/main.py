@@ -176,6 +176,13 @@ def _add_common(parser: argparse.ArgumentParser, *, default: bool) -> None:
         "--timeout", type=float, default=value(1.0), help="seconds to wait at most (default 1.0)"
     )
     parser.add_argument("--json", action="store_true", default=value(False), help="print JSON")
+    parser.add_argument(
+        "--app-namespace",
+        default=value(None),
+        metavar="NS",
+        help="the app whose revokes, schedules and job states to use: its app_namespace, else its "
+        "name (default: $CLOCKWORK_APP_NAMESPACE, else celery)",
+    )
 
 
 def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: TextIO | None = None) -> int:
@@ -189,6 +196,8 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: T
         settings = Settings.from_env()
         if args.broker:
             settings = settings.with_options(broker_url=args.broker)
+        if args.app_namespace:
+            settings = settings.with_options(app_namespace=args.app_namespace)
     except ConfigurationError as exc:
         parser.error(str(exc))
     if args.timeout <= 0:

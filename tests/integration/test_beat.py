@@ -19,7 +19,7 @@ import pytest
 
 from broker_svc import App, PublishError, Settings, Signature, Unroutable
 from broker_svc.schedules import Entry, Every, fire_id
-from broker_svc.topology import beat_term_exchange
+from broker_svc.topology import LEGACY_NAMESPACE, beat_term_exchange
 from tests.infra.session_broker import SessionBroker
 from tests.support.amqp import delete_queues, queue_depth, queue_exists
 from tests.support.beats import BeatProcess, new_journal, runs, schedule_env, tick_entry, wait_runs
@@ -272,7 +272,7 @@ def test_the_next_leader_fences_the_last_one_out_of_firing(url: str, queue: str,
     try:
         with BeatProcess(url, scheduler=scheduler, env=env) as first:
             epoch = first.first("beat_leading")["epoch"]
-            exchange = beat_term_exchange(scheduler, epoch).name
+            exchange = beat_term_exchange(scheduler, LEGACY_NAMESPACE, epoch).name
             wait_runs(journal, 1)  # the leader has bound the task queue to its router
             through(exchange)  # while the term lasts, its exchange routes to the task queue
             first.kill()

@@ -17,7 +17,7 @@ import pika
 import pytest
 
 from broker_svc import App, AsyncResult, ChordError, Settings, Signature, chain, chord, group
-from broker_svc.topology import chord_join_queue
+from broker_svc.topology import LEGACY_NAMESPACE, chord_join_queue
 from broker_svc.wire.chord_part import ChordPart, encode_part
 from tests.infra.session_broker import SessionBroker
 from tests.support.waiting import wait_for
@@ -141,7 +141,7 @@ def _publish_parts(url: str, parts: list[ChordPart]) -> None:
     try:
         channel = connection.channel()
         channel.confirm_delivery()
-        spec = chord_join_queue()
+        spec = chord_join_queue(LEGACY_NAMESPACE)
         channel.queue_declare(spec.name, durable=True, arguments=spec.arguments)
         for part in parts:
             body, content_type, encoding = encode_part(part, "json")
@@ -195,6 +195,72 @@ def test_the_body_is_sent_once_when_parts_come_twice_and_the_joiner_fails_over(
                     assert second.count("chord_body_sent") == 1
                     assert first.count("chord_body_sent") == 0
                     assert _body_runs(notes_path, name) == [[0, 10, 20]]
+        finally:
+            app.close()
+
+
+def _join_queue_depth(url: str) -> tuple[int, int]:
+    """``(ready messages, consumers)`` of the join queue."""
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        declared = connection.channel().queue_declare(chord_join_queue(LEGACY_NAMESPACE).name, passive=True)
+        return declared.method.message_count, declared.method.consumer_count
+    finally:
+        connection.close()
+
+
+def _part(group_id: str, index: int, size: int, body: dict[str, Any], reply_to: str) -> ChordPart:
+    return ChordPart(
+        group_id=group_id, index=index, size=size, task_id=f"t{index}-{group_id}", state="SUCCESS",
+        result=index * 10, body=body, reply_to=reply_to, root_id=None,
+    )  # fmt: skip
+
+
+def test_late_copies_of_parts_after_a_joiner_failover_are_acked_and_send_no_body(
+    session_broker: SessionBroker, notes_path: Path
+):
+    """Chords settled by one joiner; it dies; copies of their parts reach the next joiner.
+
+    Such a copy comes from a header task run again after it sent its part (its worker died before
+    acking it). The next joiner knows the chords from the record of settled chords, not from its
+    memory: the copy of a part of a chord of three is acked (it was held forever before), and
+    the copy of the only part of a chord of one does not send its body a second time.
+    """
+    name = unique_queue("chord-late")
+    env = {"CANVAS_NOTES": str(notes_path)}
+    with session_broker.own_vhost("clockwork-chord") as url:
+        app = App("chord-late", settings=Settings(broker_url=url, serializer="json"))
+        try:
+
+            def parts(label: str, size: int) -> list[ChordPart]:
+                body_id, reply_to = f"body-{label}", app.reply_queue
+                body = _sig(app, name, "collect", label=label, task_id=body_id, reply_to=reply_to)
+                carried = {**body.as_wire(), "chord_size": size}
+                return [_part(f"g-{label}", i, size, carried, reply_to) for i in range(size)]
+
+            three, one = parts(f"{name}-3", 3), parts(f"{name}-1", 1)
+            with WorkerProcess(url, app=APP, queues=[name], concurrency=1, env=env) as first:
+                first.wait_ready()
+                first.first("chord_joiner_subscribed")
+                with WorkerProcess(url, app=APP, queues=[name], concurrency=1, env=env) as second:
+                    second.wait_ready()
+                    second.first("chord_joiner_subscribed")  # before the chords: it learns them later
+                    assert _sig(app, name, "add", 1, 1).apply_async().get(timeout=30) == 2
+                    _publish_parts(url, [*three, *one])
+                    assert app.AsyncResult(f"body-{name}-3").get(timeout=30) == [0, 10, 20]
+                    assert app.AsyncResult(f"body-{name}-1").get(timeout=30) == [0]
+                    wait_for(lambda: first.count("chord_settled") == 2, timeout_s=10, message="not settled")
+                    first.kill()  # the broker makes the second the active joiner
+                    _publish_parts(url, [three[1], one[0]])  # as header tasks run again would
+                    late = lambda: second.count("chord_part_late") == 2  # noqa: E731
+                    wait_for(late, timeout_s=20, message="the copies were not acked as late")
+                    assert second.count("chord_body_sent") == 0
+                    second.kill()
+                    # Gone with its channel, it held nothing: nothing went back to the queue.
+                    wait_for(lambda: _join_queue_depth(url)[1] == 0, timeout_s=10, message="still consumed")
+                    assert _join_queue_depth(url) == (0, 0)
+            assert _body_runs(notes_path, f"{name}-3") == [[0, 10, 20]]
+            assert _body_runs(notes_path, f"{name}-1") == [[0]]
         finally:
             app.close()
 

@@ -15,7 +15,7 @@ from structlog.testing import capture_logs
 
 from broker_svc import App, BrokerUnavailable, Settings
 from broker_svc.connection.pika_internals import underlying_channel
-from broker_svc.topology import EVENT_EXCHANGE, members_stream, revocation_log
+from broker_svc.topology import EVENT_EXCHANGE, LEGACY_NAMESPACE, members_stream, revocation_log
 from control import ControlClient
 from control.api import Control
 from control.protocol.request import MARKER_HEADER
@@ -72,7 +72,7 @@ def publish_worker_event(url: str, kind: str, hostname: str, *, timestamp: float
 
 def read_revocation_log(url: str, count: int) -> list[tuple[dict[str, Any], RevokeEntry]]:
     """The first ``count`` entries of the revocation log (markers skipped)."""
-    spec = revocation_log()
+    spec = revocation_log(LEGACY_NAMESPACE)
     entries: list[tuple[dict[str, Any], RevokeEntry]] = []
     with channel(url) as ch:
         ch.queue_declare(spec.name, durable=True, arguments=spec.arguments)

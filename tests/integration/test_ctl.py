@@ -20,7 +20,7 @@ import pytest
 
 from broker_svc import App, Settings
 from broker_svc.connection.pika_internals import underlying_channel
-from broker_svc.topology import EVENT_EXCHANGE, revocation_log
+from broker_svc.topology import EVENT_EXCHANGE, LEGACY_NAMESPACE, revocation_log
 from control import ControlClient
 from control.cli.main import build_parser
 from control.protocol.request import MARKER_HEADER
@@ -176,7 +176,7 @@ def test_destinations_are_comma_separated_or_repeated():
 
 
 def read_log_entries(url: str, count: int) -> list[RevokeEntry]:
-    spec = revocation_log()
+    spec = revocation_log(LEGACY_NAMESPACE)
     entries: list[RevokeEntry] = []
     with channel(url) as ch:
         ch.queue_declare(spec.name, durable=True, arguments=spec.arguments)

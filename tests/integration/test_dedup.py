@@ -15,7 +15,7 @@ from urllib.parse import unquote, urlsplit
 import pytest
 
 from broker_svc import App, Settings, TaskDeclined, TaskError
-from broker_svc.topology import dedup_gate_queue
+from broker_svc.topology import LEGACY_NAMESPACE, dedup_gate_queue
 from broker_svc.wire.dedup import GATE_SHARDS, shard_of
 from tests.infra.session_broker import SessionBroker
 from tests.integration import dedup_tasks
@@ -266,7 +266,7 @@ def test_a_worker_whose_connection_is_closed_renews_each_transactional_subscript
         # its consumers, beside it and outside its transaction.
         consumers = ctl("list_consumers", "-p", vhost, "-q", "--no-table-headers", "queue_name").split()
         gates = Counter(name for name in consumers if name.startswith("clockwork.dedup."))
-        assert gates == {dedup_gate_queue(shard).name: 1 for shard in range(GATE_SHARDS)}
+        assert gates == {dedup_gate_queue(shard, LEGACY_NAMESPACE).name: 1 for shard in range(GATE_SHARDS)}
         # The chord joiner and the dependents' joiner renew their transactional subscriptions alike.
         joiners = Counter(
             name for name in consumers if name in ("clockwork.chords.celery", "clockwork.dependents.celery")

@@ -16,7 +16,7 @@ import pytest
 
 from broker_svc import App, AsyncResult, Settings, TaskDeclined, chain
 from broker_svc.aio import AsyncApp
-from broker_svc.topology import dedup_gate_queue
+from broker_svc.topology import LEGACY_NAMESPACE, dedup_gate_queue
 from broker_svc.wire import codec
 from broker_svc.wire.dedup import KEY_HEADER, TARGET_QUEUE_HEADER, TIMEOUT_HEADER, shard_of
 from broker_svc.wire.result_message import Outcome, wire_exception
@@ -63,7 +63,7 @@ def client(url: str) -> Iterator[App]:
 
 
 def _gate(key: str) -> str:
-    return dedup_gate_queue(shard_of(key)).name
+    return dedup_gate_queue(shard_of(key), LEGACY_NAMESPACE).name
 
 
 def _take(url: str, key: str, count: int = 1, timeout_s: float = 10.0) -> list[Got]:

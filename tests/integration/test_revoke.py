@@ -19,7 +19,7 @@ from structlog.testing import capture_logs
 
 from broker_svc import App, Settings, State, TaskRevokedError
 from broker_svc.clock import LamportClock
-from broker_svc.topology import revocation_log
+from broker_svc.topology import LEGACY_NAMESPACE, revocation_log
 from control.protocol.revoke_log import RevokeEntry
 from tests.infra.session_broker import SessionBroker
 from tests.support.amqp import channel
@@ -38,7 +38,7 @@ LOG = "clockwork.revoked.celery"
 
 
 def _declare_log(ch: BlockingChannel) -> None:
-    spec = revocation_log()
+    spec = revocation_log(LEGACY_NAMESPACE)
     ch.queue_declare(spec.name, durable=spec.durable, arguments=spec.arguments)
 
 

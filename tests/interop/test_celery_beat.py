@@ -28,7 +28,7 @@ import pytest
 from broker_svc import Settings
 from broker_svc.connection.beat_journal import Journal
 from broker_svc.schedules import fire_id
-from broker_svc.topology import beat_journal_stream
+from broker_svc.topology import LEGACY_NAMESPACE, beat_journal_stream
 from tests.infra.session_broker import SessionBroker
 from tests.interop.conftest import CeleryWorker, celery_worker
 from tests.support.beats import BeatProcess, new_journal, runs, schedule_env, tick_entry, wait_runs
@@ -91,7 +91,7 @@ def test_our_scheduler_fires_each_second_once_on_a_celery_worker_which_answers_t
     assert sorted(run["id"] for run in done) == sorted(fired)
     times = sorted(run["scheduled"] for run in done)
     assert [round(b - a, 6) for a, b in zip(times, times[1:], strict=False)] == [1.0] * (len(times) - 1)
-    journal_stream = beat_journal_stream(scheduler).name
+    journal_stream = beat_journal_stream(scheduler, LEGACY_NAMESPACE).name
     for run in done:
         assert run["id"] == fire_id("tick", run["scheduled"]), run
         assert (run["entry"], run["run_now"], run["reply_to"]) == ("tick", None, journal_stream), run

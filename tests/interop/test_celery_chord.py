@@ -100,3 +100,27 @@ def test_a_celery_worker_in_the_header_leaves_its_parts_for_our_joiner(
         assert noted.count(["collect", ["mixed", [100, 101, 102]]]) == 1
     finally:
         delete_queues(test_vhost_url, queue)
+
+
+def test_waiting_on_a_large_chord_polls_nothing_while_the_replies_are_consumed(
+    test_vhost_url: str, ours: str
+):
+    # Celery's rpc backend polled the reply queue for every header task not yet ended at each
+    # event it drained: 20,100 declare + basic.get round trips for a 200-task header (minutes for
+    # 1,000). Its consumer takes every reply anyway. bench.chord_header times the 1,000 case.
+    from tests.interop.polling_backend import PollCountingBackend
+
+    client = Celery(
+        "interop-big-chord",
+        broker=test_vhost_url,
+        backend="tests.interop.polling_backend:PollCountingBackend",
+    )
+    client.conf.update(accept_content=["json"], result_accept_content=["json"], task_serializer="json")
+    PollCountingBackend.polls = 0
+    try:
+        result = chord(s(client, "add", i, i, queue=ours) for i in range(200))(s(client, "xsum", queue=ours))
+        assert result.get(timeout=60) == sum(2 * i for i in range(200))
+        assert result.parent.get(timeout=10) == [2 * i for i in range(200)]
+    finally:
+        close_celery_client(client)
+    assert PollCountingBackend.polls <= 2, PollCountingBackend.polls

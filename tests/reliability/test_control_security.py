@@ -203,7 +203,7 @@ def test_s2_the_broker_refuses_a_spoofed_user_id(vhost: str):
 _NODE = r".+@.+\.celery\.pidbox"
 _REPLY = r"[-0-9a-f]+\.reply\.celery\.pidbox"
 _OWN = (
-    r"clockwork\.(expired|chords\.celery|dedup\.celery\.\d+)(\.dead)?"  # expired, chord parts, dedup shards
+    r"clockwork\.(expired|chords\.celery(\.settled)?|dedup\.celery\.\d+)(\.dead)?"  # expired, chords, dedup
 )
 PERMISSIONS = {
     "producer": (

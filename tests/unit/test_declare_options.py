@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from broker_svc.topology import (
+    LEGACY_NAMESPACE,
     ExchangeOptions,
     ExchangeSpec,
     QueueOptions,
@@ -45,7 +46,7 @@ def test_a_node_queue_is_exclusive_auto_deleted_and_expiring():
 
 
 def test_a_stream_keeps_its_arguments():
-    spec = revocation_log()
+    spec = revocation_log(LEGACY_NAMESPACE)
     options = spec.declare_options()
     assert options["arguments"] == spec.arguments
     assert options["arguments"] is not None and options["arguments"]["x-queue-type"] == "stream"

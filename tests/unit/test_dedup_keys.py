@@ -18,7 +18,7 @@ from broker_svc.sending.capture import SendCapture, capturing
 from broker_svc.sending.dedup_keys import KEY_MAX_BYTES, TaskDedup, check_dedup_key, dedup_call
 from broker_svc.sending.message import Destination, build_message
 from broker_svc.spool.entry import spooled_of, template_of
-from broker_svc.topology import dedup_gate_queue
+from broker_svc.topology import LEGACY_NAMESPACE, dedup_gate_queue
 from broker_svc.wire.dedup import (
     DEADLINE_HEADER,
     DEFAULT_DEDUP_TIMEOUT_S,
@@ -370,7 +370,7 @@ def test_a_keyed_task_is_published_to_its_gate_shard_never_to_a_delay_queue(app:
     sig = Signature("t.x", (), {}, {"queue": "work", "dedup_key": "k1", "eta": eta})
     message, (queue, exchange) = _built(app, sig)
     pending = prepare_publish(message, settings=app.settings, clock=app.clock, queue=queue, exchange=exchange)
-    gate = dedup_gate_queue(shard_of("k1"))
+    gate = dedup_gate_queue(shard_of("k1"), LEGACY_NAMESPACE)
     assert (pending.exchange, pending.routing_key, pending.queue) == ("", gate.name, gate.name)
     assert pending.declare == (gate, app.settings.task_queue("work"))  # the shard, then the target
     assert pending.eta_s is None  # its worker holds the ETA, after the gate
@@ -385,7 +385,7 @@ def test_a_spooled_keyed_task_read_back_declares_its_gate_shard_as_the_gate_does
     message, (queue, _) = _built(app, Signature("t.x", (), {}, {"dedup_key": "k1"}))
     pending = prepare_publish(message, settings=app.settings, clock=app.clock, queue=queue)
     replayed = template_of(spooled_of(pending), settings=app.settings)
-    assert replayed.declare == (dedup_gate_queue(shard_of("k1")),)
+    assert replayed.declare == (dedup_gate_queue(shard_of("k1"), LEGACY_NAMESPACE),)
     assert replayed.routing_key == pending.routing_key
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from broker_svc.errors import DecodeError, LeadershipLost
-from broker_svc.topology import leader_queue
+from broker_svc.topology import LEGACY_NAMESPACE, leader_queue
 from tests.reliability.leader_journal import Interval, check, check_intervals, record
 from worker.leader.term import Term
 from worker.leader.token import Token, decode_token, encode_token, last_term
@@ -65,7 +65,7 @@ def test_the_last_term_is_the_highest_epoch_and_its_handover_wins():
 
 
 def test_the_election_queue_is_a_quorum_queue_with_a_single_active_consumer():
-    spec = leader_queue("beat")
+    spec = leader_queue("beat", LEGACY_NAMESPACE)
     assert spec.name == "clockwork.leader.beat" and spec.durable
     assert spec.arguments == {"x-queue-type": "quorum", "x-single-active-consumer": True}
 

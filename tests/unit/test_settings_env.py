@@ -45,6 +45,7 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "spool_flush_count": ("64", 64),
     "spool_flush_interval_s": ("0.5", 0.5),
     "spool_fsync": ("off", False),
+    "app_namespace": ("billing", "billing"),
 }
 
 

@@ -28,6 +28,8 @@ ALLOWED = {
     "broker_svc/connection/beat_journal.py",
     # Chord parts, not task deliveries: acked in the transaction that sends their chord's body.
     "worker/single_active/chord_join.py",
+    # Settled-chord markers read back from their stream by a joiner that became active: acked as read.
+    "worker/single_active/settled_chords.py",
     # Tasks waiting for their dependencies (in the dependents queue, not a task queue): each acked
     # in the transaction that releases it; state records read from the stream.
     "worker/single_active/dependents.py",

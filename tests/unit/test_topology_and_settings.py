@@ -53,3 +53,45 @@ def test_settings_from_env_and_validation():
         Settings(accept_content=("pickle",))
     with pytest.raises(ConfigurationError):
         Settings(broker_url="redis://h")
+
+
+def test_the_legacy_namespace_keeps_every_name_of_earlier_releases():
+    ns = topology.LEGACY_NAMESPACE
+    assert Settings().namespace == ns == "celery"
+    names = [
+        topology.chord_join_queue(ns).name, topology.dependents_queue(ns).name,
+        topology.dedup_gate_queue(3, ns).name, topology.task_states_stream(ns).name,
+        topology.revocation_log(ns).name, topology.expired_queue(ns),
+        topology.leader_queue("beat.default", ns).name, topology.beat_journal_stream("default", ns).name,
+        topology.beat_snapshot_queue("default", ns).name, topology.beat_router_exchange("default", ns).name,
+        topology.beat_term_exchange("default", ns, 7).name,
+    ]  # fmt: skip
+    assert names == [
+        "clockwork.chords.celery", "clockwork.dependents.celery", "clockwork.dedup.celery.3",
+        "clockwork.states.celery", "clockwork.revoked.celery", "clockwork.expired",
+        "clockwork.leader.beat.default", "clockwork.beat.default.journal", "clockwork.beat.default.snapshot",
+        "clockwork.beat.default.router", "clockwork.beat.default.term.7",
+    ]  # fmt: skip
+
+
+def test_an_app_namespace_keys_all_of_its_shared_state():
+    settings = Settings(app_namespace="billing")
+    ns = settings.namespace
+    names = {
+        topology.chord_join_queue(ns).name, topology.dependents_queue(ns).name,
+        topology.dedup_gate_queue(0, ns).name, topology.task_states_stream(ns).name,
+        topology.revocation_log(ns).name, topology.expired_queue(ns),
+        topology.leader_queue("beat.default", ns).name,
+        topology.beat_journal_stream("default", ns).name, topology.beat_snapshot_queue("default", ns).name,
+        topology.beat_router_exchange("default", ns).name, topology.beat_term_exchange("default", ns, 1).name,
+    }  # fmt: skip
+    assert all(".billing." in name or name.endswith(".billing") for name in names), names
+    # The control plane stays Celery's: `celery inspect` and Flower see every app's workers.
+    assert topology.pidbox_exchange().name == "celery.pidbox"
+
+
+@pytest.mark.parametrize("bad", ["", "has space", "a/b", "x" * 101])
+def test_a_namespace_that_cannot_name_a_queue_is_refused(bad: str):
+    with pytest.raises(ConfigurationError, match="app_namespace"):
+        Settings(app_namespace=bad or " ")
+    assert Settings.from_env({"CLOCKWORK_APP_NAMESPACE": "shop"}).namespace == "shop"

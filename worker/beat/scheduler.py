@@ -143,7 +143,7 @@ class Beat(Firing):
         self.state, self._offset = self.journal.read_state(read)
         self.state.terms -= fenced
         self.journal.open_term(term.epoch)
-        self._new_term_routes(beat_term_exchange(self.name, term.epoch).name)
+        self._new_term_routes(beat_term_exchange(self.name, self.app.settings.namespace, term.epoch).name)
         self._follower = JournalFollower(self.app.settings, self.name, start=self._offset + 1)
         log.info(
             "beat_leading", scheduler=self.name, epoch=term.epoch, entries=len(self.configured),

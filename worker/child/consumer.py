@@ -94,7 +94,7 @@ class Consumer:
             )  # fmt: skip
         self.connection = connection
         replies = FeedReplies(connection, clock=clock, persistent=spec.settings.result_persistent)
-        self.settler = FeedSettler(connection, replies, copies=copies)
+        self.settler = FeedSettler(connection, replies, namespace=spec.settings.namespace, copies=copies)
         self.watchdog = watchdog = HardLimit(self.settler, connection)
         self.events = FeedEvents(connection, hostname=spec.hostname, clock=clock, enabled=spec.task_events)
         own_slot = spec.slot * spec.threads + index

@@ -28,7 +28,6 @@ class FeedSpec:
         hostname: the worker's node name, for ``task.request.hostname`` and the connection name.
         default_time_limits: the worker's ``(hard, soft)`` time limits, None for none.
         revoked: the ids revoked when the child starts; later ones come over its socket.
-        namespace: the control namespace (it names the chord joiner's queue).
         board_path: the worker's shared board of running tasks (``worker/shared/board.py``).
         board_slots: how many slots the board has.
         slot: this child's slot on it.
@@ -55,7 +54,6 @@ class FeedSpec:
     queue_specs: tuple[QueueSpec, ...] = ()
     default_time_limits: tuple[float | None, float | None] = (None, None)
     revoked: tuple[str, ...] = ()
-    namespace: str = "celery"
     board_path: str | None = None
     board_slots: int = 0
     slot: int = 0

@@ -13,6 +13,7 @@ import structlog
 from broker_svc.app import App
 from broker_svc.canvas.follow_ups import FollowUp
 from broker_svc.topology import chord_join_queue
+from broker_svc.wire.chord_part import join_namespace
 from broker_svc.wire.states import State
 from broker_svc.wire.task_message import TaskMessage
 from worker.consume.replies import FeedReplies
@@ -29,13 +30,13 @@ class FeedCanvas:
     Args:
         app: the app (its routes, default queue and quorum queues).
         replies: the child's confirmed publisher.
-        namespace: the control namespace, which names the chord joiner's queue.
+        namespace: the app namespace, whose joiner joins chords that name none (older clients').
     """
 
     def __init__(self, *, app: App, replies: FeedReplies, namespace: str) -> None:
         self._app = app
         self._replies = replies
-        self._join_queue = chord_join_queue(namespace)
+        self._namespace = namespace
 
     def chord_part(self, request: TaskMessage, state: State, result: Any) -> None:
         """If ``request`` is a chord header task, its end goes to the chord's joiner.
@@ -47,7 +48,8 @@ class FeedCanvas:
         if planned is None:
             return
         part, payload, ctype, encoding = planned
-        self._replies.internal(payload, content_type=ctype, encoding=encoding, queue=self._join_queue)
+        queue = chord_join_queue(join_namespace(part.body, self._namespace))
+        self._replies.internal(payload, content_type=ctype, encoding=encoding, queue=queue)
         log.info(
             "chord_part_sent", group_id=part.group_id, index=part.index, size=part.size, state=part.state
         )

@@ -23,7 +23,7 @@ from broker_svc.amqp.feed_connection import TaskDelivery
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
 from broker_svc.errors import MessageError
-from broker_svc.topology import DELAY_HOLD_WINDOW_S, EXPIRED_QUEUE, delay_bucket_ms
+from broker_svc.topology import DELAY_HOLD_WINDOW_S, delay_bucket_ms, expired_queue
 from broker_svc.wire import codec
 from broker_svc.wire.result_message import CELERY_EXCEPTIONS_MODULE, Outcome, wire_exception
 from broker_svc.wire.states import State
@@ -87,6 +87,7 @@ class FeedHandler:
         self._spec = spec
         self._settings = spec.settings
         self._accept = codec.accept_set(spec.settings.accept_content)
+        self._expired_queue = expired_queue(spec.settings.namespace)
         self._revoked = revoked
         self._unknown: set[str] = set()  # names logged with the hint once already
         self._clock = clock
@@ -96,12 +97,13 @@ class FeedHandler:
         self._rates = (
             SharedRates(Path(spec.rates_path), spec.task_names, owner=False) if spec.rates_path else None
         )
-        self._canvas = FeedCanvas(app=app, replies=replies, namespace=spec.namespace)
+        self._canvas = FeedCanvas(app=app, replies=replies, namespace=spec.settings.namespace)
         self._terminated: Mapping[str, int] = terminated if terminated is not None else {}
         self._timed_out: Mapping[str, float] = timed_out if timed_out is not None else {}
         self._states = FeedStates(
-            replies, hostname=spec.hostname, clock=clock, enabled=spec.settings.task_states
-        )
+            replies, hostname=spec.hostname, clock=clock, enabled=spec.settings.task_states,
+            namespace=spec.settings.namespace,
+        )  # fmt: skip
         self._answers = FeedAnswers(
             app=app,
             replies=replies,
@@ -165,7 +167,7 @@ class FeedHandler:
 
     def _guarded(self, delivery: TaskDelivery, request: TaskMessage) -> Handled:
         # The guards, in order; one that passes them all runs.
-        if delivery.queue == EXPIRED_QUEUE:
+        if delivery.queue == self._expired_queue:
             # Dead-lettered by the broker (the operator's policy): answered, never run.
             reason, origin = broker_dead_letter(delivery.headers)
             if reason == "expired":
@@ -185,7 +187,9 @@ class FeedHandler:
             )
         if (why := canvas_plan.refusal(request)) is not None:
             return self._answers.cannot_honour(request, why), self._answers.rejected(request.id)
-        if (gated := to_gate(task, request, delivery.headers, delivery.queue)) is not None:
+        if (
+            gated := to_gate(task, request, delivery.headers, delivery.queue, self._settings.namespace)
+        ) is not None:
             return gated, None  # its own dedup key, but it did not come through its gate
         if (limit_s := self._timed_out.get(request.id)) is not None:
             # The worker ended its child past its hard time limit (the task held the GIL, so the

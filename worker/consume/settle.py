@@ -79,14 +79,21 @@ class FeedSettler:
     Args:
         connection: the child's connection (acks and nacks go through it).
         replies: publishes dead letters and copies, confirmed.
+        namespace: the app namespace, which names the dedup gate's shards.
         copies: the child's copies in flight, shared by its threads (``--threads``); else None.
     """
 
     def __init__(
-        self, connection: FeedConnection, replies: FeedReplies, *, copies: CopiesInFlight | None = None
+        self,
+        connection: FeedConnection,
+        replies: FeedReplies,
+        *,
+        namespace: str,
+        copies: CopiesInFlight | None = None,
     ) -> None:
         self._connection = connection
         self._replies = replies
+        self._namespace = namespace
         self.copies = copies
 
     def settle(
@@ -126,6 +133,8 @@ class FeedSettler:
             # A dedup key's head ended for good: its gate may send the next one. After the ack, on
             # the same channel, so the broker takes the ack first: the head never runs again.
             try:
-                self._replies.release(gate_headers(release), queue=dedup_gate_queue(shard_of(release.key)))
+                self._replies.release(
+                    gate_headers(release), queue=dedup_gate_queue(shard_of(release.key), self._namespace)
+                )
             except BrokerSvcError as exc:  # the gate's safety timeout ends the head instead
                 log.warning("dedup_release_lost", key=release.key, error=str(exc))

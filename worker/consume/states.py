@@ -31,14 +31,17 @@ class FeedStates:
         hostname: the worker's node name.
         clock: the child's Lamport clock.
         enabled: ``Settings.task_states``.
+        namespace: the app namespace, which names the stream.
     """
 
-    def __init__(self, replies: FeedReplies, *, hostname: str, clock: LamportClock, enabled: bool) -> None:
+    def __init__(
+        self, replies: FeedReplies, *, hostname: str, clock: LamportClock, enabled: bool, namespace: str
+    ) -> None:
         self._replies = replies
         self._hostname = hostname
         self._clock = clock
         self.enabled = enabled
-        self._stream = task_states_stream()  # one per vhost: clients name no namespace
+        self._stream = task_states_stream(namespace)
 
     def record(self, request: TaskMessage, state: str, result: Any = None) -> None:
         """Append ``state`` of ``request`` (an error ``result`` is summed up in the record)."""

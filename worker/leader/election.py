@@ -95,7 +95,7 @@ class Election(TermRunner):
         self._atomic = atomic
         self._lease_s = lease_s
         self.identity = identity or f"{platform.node()}.{os.getpid()}.{uuid.uuid4().hex[:6]}"
-        self._queue = leader_queue(name)
+        self._queue = leader_queue(name, settings.namespace)
         self._stop = threading.Event()
         self._stop_asked = False
         self._terms: queue.Queue[Term] = queue.Queue()

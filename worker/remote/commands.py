@@ -166,6 +166,8 @@ class WorkerCommands:
             },  # fmt: skip
             "prefetch_count": self._sizer.prefetch_count,  # the prefetch applied now
             "rusage": {"utime": usage.ru_utime, "stime": usage.ru_stime, "maxrss": usage.ru_maxrss},
+            # Ours: the key of the app's shared state, which peers compare (remote/shared_queues.py).
+            "app_namespace": config.settings.namespace,
             # Ours: tasks of names this app does not register (another app on the same queue?).
             "unknown_tasks": dict(feeding.unknown),
         }

@@ -1,11 +1,15 @@
-"""At start-up: is one of our queues consumed by a worker of another app? (Then half its tasks fail.)
+"""At start-up: does a worker of another app share one of our queues, or our app namespace?
 
 Two apps on one queue (both on Celery's default ``celery``, say) take each other's tasks, and each
 dead-letters the other's as ``NotRegistered``. The worker asks its peers which queues they consume
 (``active_queues``) and, for those sharing one of ours, which tasks they register; a peer that
 registers tasks this worker does not is named in one warning, with the queues and a few of those
-tasks. Clockwork and Celery workers answer both commands alike. It runs in the background, after
-the worker is ready, and never fails it.
+tasks. Clockwork and Celery workers answer both commands alike.
+
+Two apps in one app namespace (neither sets ``app_namespace``, say) share chords' joiner, dedup
+gates, schedulers and the rest: a Clockwork peer whose ``stats`` name our namespace and whose
+tasks are none of ours is named in a warning too. Both run in the background, after the worker
+is ready, and never fail it.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import structlog
 
 from control.aio.broadcaster import AsyncBroadcaster
 
-__all__ = ["SharedQueue", "check_shared_queues"]
+__all__ = ["SharedQueue", "check_shared_namespace", "check_shared_queues"]
 
 log = structlog.get_logger(__name__)
 
@@ -77,6 +81,46 @@ async def check_shared_queues(
             "reaching them fail there): give each app a queue of its own (task_default_queue, -Q)",
         )
     log.info("shared_queue_check_done", peers_sharing=len(sharing), other_apps=len(found))
+    return found
+
+
+async def check_shared_namespace(
+    broadcaster: AsyncBroadcaster,
+    *,
+    nodename: str,
+    namespace: str,
+    registered: Iterable[str],
+    timeout_s: float = 2.0,
+) -> list[str]:
+    """Warn about each peer of another app (no task in common) in our app namespace; returns them."""
+    mine = {name for name in registered if not name.startswith("celery.")}
+    stats = await broadcaster.call("stats", {}, expected=None, timeout_s=timeout_s)
+    same = {
+        node
+        for node, value in _replies(stats.replies, nodename)
+        if isinstance(value, Mapping) and value.get("app_namespace") == namespace
+    }
+    if not same or not mine:
+        return []
+    known = await broadcaster.call("registered", {}, expected=frozenset(same), timeout_s=timeout_s)
+    found: list[str] = []
+    for node, value in _replies(known.replies, nodename):
+        if node not in same or not isinstance(value, list):
+            continue
+        theirs = {str(item).split(" ", 1)[0] for item in value} - {""}
+        theirs = {name for name in theirs if not name.startswith("celery.")}
+        if not theirs or theirs & mine:
+            continue  # the same app (another version of it, during a deploy, shares most names)
+        found.append(node)
+        log.warning(
+            "app_namespace_shared",
+            peer=node,
+            namespace=namespace,
+            their_tasks=sorted(theirs)[:_SHOWN],
+            hint="another app's workers share this app namespace: chord joining, dedup gates, "
+            "schedulers, job states and revokes are shared with it; give each app its own "
+            "app_namespace (clients and workers alike; docs/guide.md, 'Many apps on one broker')",
+        )
     return found
 
 

@@ -20,7 +20,7 @@ from broker_svc.canvas.follow_ups import (
     runs_in_process,
     unhonoured,
 )
-from broker_svc.sending.routes import route_for
+from broker_svc.sending.routes import queue_for
 from broker_svc.wire.chord_part import ChordPart, encode_part
 from broker_svc.wire.result_message import wire_exception
 from broker_svc.wire.states import State
@@ -87,17 +87,17 @@ def follow_up_wire(app: App, item: FollowUp) -> tuple[WireMessage, str]:
 
 
 def follow_up_queue(app: App, item: FollowUp) -> str:
-    """Where a follow-up goes, as ``delay()`` in this app would send it: its signature's queue, else
-    the queue its task is declared with (``@app.task(queue=...)``), else the app's route for it,
-    else the default."""
-    if item.queue is not None:
-        return item.queue
+    """Where a follow-up goes, as ``delay()`` in this app would send it (``routes.queue_for``).
+
+    A chord body from a client carries its queue (the sending app's route); only one from an older
+    client, or a chain step or callback that names none, is routed by this worker's app."""
     message = item.message
     task = app.tasks.get(message.task)
-    if task is not None and task.queue is not None:
-        return task.queue
-    routed = route_for(app.conf.get("task_routes"), message.task, message.args, message.kwargs, {})
-    queue: str = routed.get("queue") or app.settings.default_queue
+    queue, routed = queue_for(
+        app.conf.get("task_routes"), message.task, message.args, message.kwargs,
+        {"queue": item.queue} if item.queue is not None else {},
+        declared=task.queue if task is not None else None, default=app.settings.default_queue,
+    )  # fmt: skip
     if routed.get("exchange"):
         log.warning(
             "follow_up_route_not_honoured", follow_up=message.task, exchange=routed["exchange"], queue=queue,

@@ -25,9 +25,11 @@ __all__ = ["to_gate"]
 log = structlog.get_logger(__name__)
 
 
-def to_gate(task: Task, request: TaskMessage, headers: Mapping[str, Any], queue: str) -> Disposition | None:
+def to_gate(
+    task: Task, request: TaskMessage, headers: Mapping[str, Any], queue: str, namespace: str
+) -> Disposition | None:
     """The copy to the task's gate shard, if ``task`` has a key of its own and this delivery did not
-    come through the gate; None: it runs as it is."""
+    come through the gate (the app ``namespace``'s); None: it runs as it is."""
     spec = task._dedup
     if spec is None or KEY_HEADER in headers:
         return None
@@ -39,7 +41,7 @@ def to_gate(task: Task, request: TaskMessage, headers: Mapping[str, Any], queue:
     if call is None:
         return None
     log.info("dedup_forwarded_to_gate", key=call.key)
-    gate = dedup_gate_queue(shard_of(call.key))
+    gate = dedup_gate_queue(shard_of(call.key), namespace)
     return Disposition.republish(
         {**dedup_headers(call.key, call.timeout_s, queue), FORWARDED_HEADER: True}, to=gate
     )

@@ -17,16 +17,22 @@ A failed (or revoked, or refused) header task fails the chord at once: the body'
 other parts are still held until all are in, so its end is still known after a failover.
 Nothing polls: the joiner only acts when a part arrives.
 
-Known limit: a joiner remembers settled chords for a while (``_SETTLED_KEPT``), to ack a late
-copy of a part. A copy that arrives after the chord was settled by an earlier joiner (a header's
-worker died between sending its part and acking its task, and the joiner failed over since) is
-held as a chord that never completes, and logged as such after ``STALE_AFTER_S``.
+A copy of a part can also come after its chord was settled: a header's worker died between
+sending its part and acking its task, and the task ran again later. The transaction that settles
+a chord also publishes the chord's marker to the record of settled chords (a stream; see
+settled_chords.py), and a joiner that becomes the active one reads that record before it takes a
+part. So a late copy is acked (``chord_part_late``), whichever joiner settled its chord, and a
+chord whose whole header ran again never sends its body twice.
+
+Known limit: the record keeps a day of settled chords, at most 64 MB of markers (about 290,000
+chords; see ``settled_chords_stream``). A copy later than that is taken for a new chord: held and
+logged after ``STALE_AFTER_S`` as one that never completes, or, if it is a whole chord by itself
+(a header of one task), its body is sent again.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import time
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -51,17 +57,18 @@ from control.aio.declare import declare_queue
 from worker.amqp.connection import one_time_channel
 from worker.rules.canvas_plan import follow_up_queue
 from worker.single_active.resubscribe import resubscribing
+from worker.single_active.settled_chords import SettledChords
 
 __all__ = ["STALE_AFTER_S", "ChordJoiner"]
 
 log = structlog.get_logger(__name__)
 
-# How many settled chords a joiner remembers, to recognise a late copy of one of their parts.
-_SETTLED_KEPT: Final = 100_000
+# How long a joiner that has just become the active one may take to read the record of settled
+# chords; past it, it closes its channel and the broker moves the parts on. A full record (64 MB)
+# took about a minute on a busy 2-core machine: the bound is well above it, or no joiner could join.
+_CATCH_UP_S: Final = 300.0
 # A chord with no new part for this long is logged (once per period) as waiting.
 STALE_AFTER_S: Final = 3600.0
-# After the join channel is lost, how long to wait before subscribing again: doubling from the
-# first to the last while it keeps failing (a refused permission, say).
 
 
 @dataclass(slots=True)
@@ -90,8 +97,11 @@ class ChordJoiner:
         self._queue = chord_join_queue(namespace)
         self._max_bytes = max_body_bytes
         self._chords: dict[str, _Chord] = {}
-        self._settled: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._settled = SettledChords(namespace)
+        # Read on the first part of each subscription: only then is this joiner the active one.
+        self._caught_up = False
         self._lock = asyncio.Lock()
+        self._connection: aio_pika.abc.AbstractRobustConnection | None = None
         self._channel: aiormq.abc.AbstractChannel | None = None
         self._declared: set[str] = set()
         self.fired = 0
@@ -114,11 +124,12 @@ class ChordJoiner:
         # Returns once the subscription is lost; True if it was made at all.
         channel = await one_time_channel(connection)  # not robust: see gatekeeper._serve
         try:
+            await self._settled.declare(channel)  # a joiner that cannot keep the record must not join
             queue = await declare_queue(channel, self._queue)
             await channel.set_qos(prefetch_count=0)  # a chord's parts are all held until it settles
             underlay = await channel.get_underlay_channel()
             await underlay.tx_select()
-            self._channel = underlay
+            self._connection, self._channel = connection, underlay
             self._declared.clear()
             await queue.consume(self._on_message)
             log.info("chord_joiner_subscribed", queue=self._queue.name)
@@ -137,8 +148,10 @@ class ChordJoiner:
                     log.debug("chord_joiner_channel_close_failed", error=str(exc))
 
     def _forget_held(self) -> None:
-        # The broker returned every unacked part to the queue with the channel: start afresh.
+        # The broker returned every unacked part to the queue with the channel: start afresh. Another
+        # joiner may settle chords before this one is active again: read the record again then.
         self._chords.clear()
+        self._caught_up = False
 
     async def _on_message(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
         async with self._lock:
@@ -150,12 +163,28 @@ class ChordJoiner:
             if channel is None or not current:
                 return  # from a channel already lost: the broker has requeued it
             try:
+                if not self._caught_up:
+                    await self._catch_up()
                 await self._take(channel, message)
             except Exception as exc:
                 # A failed transaction: close the channel, so the broker requeues every held part
                 # and the next subscription (here or on another worker) starts from the broker's state.
                 log.error("chord_join_failed", error=f"{type(exc).__name__}: {exc}")
                 await channel.close()
+
+    async def _catch_up(self) -> None:
+        # Before the first part this joiner takes as the active one: every chord settled by those
+        # before it (their channels were closed before this part came) is in the record by now.
+        assert self._connection is not None
+        started = time.monotonic()
+        read = await self._settled.catch_up(self._connection, timeout_s=_CATCH_UP_S)
+        self._caught_up = True
+        log.info(
+            "chord_settled_record_read",
+            markers=read,
+            remembered=len(self._settled),
+            ms=round((time.monotonic() - started) * 1000, 1),
+        )
 
     async def _take(
         self, channel: aiormq.abc.AbstractChannel, message: aio_pika.abc.AbstractIncomingMessage
@@ -189,9 +218,10 @@ class ChordJoiner:
                 await self._fire(channel, chord)
             for held in chord.held:
                 await held.ack()
-            await channel.tx_commit()  # the body (if any) and every part's ack, together
+            await self._settled.publish(channel, part.group_id)
+            await channel.tx_commit()  # the body (if any), every part's ack and the marker, together
             del self._chords[part.group_id]
-            self._remember(part.group_id)
+            self._settled.add(part.group_id)
             if not chord.failed:
                 self.fired += 1
                 log.info("chord_body_sent", group_id=part.group_id, size=chord.size)
@@ -287,11 +317,6 @@ class ChordJoiner:
         await message.ack()
         await channel.tx_commit()
 
-    def _remember(self, group_id: str) -> None:
-        self._settled[group_id] = None
-        if len(self._settled) > _SETTLED_KEPT:
-            self._settled.popitem(last=False)
-
     def stale(self, *, now: float | None = None) -> list[str]:
         """The chords that had no new part for ``STALE_AFTER_S``."""
         moment = time.monotonic() if now is None else now
@@ -306,8 +331,8 @@ class ChordJoiner:
                 if chord is not None:
                     log.warning(
                         "chord_waiting", group_id=group_id, parts=len(chord.parts), size=chord.size,
-                        hint="a header task of this chord has not ended yet, or this is a late copy of "
-                        "a part of a chord settled before the joiner failed over",
+                        hint="a header task of this chord has not ended yet, or this is a copy of a "
+                        "part of a chord settled longer ago than the record of settled chords keeps",
                     )  # fmt: skip
 
 

@@ -86,8 +86,8 @@ class DependentsJoiner:
         self._settings = settings
         self._clock = clock
         self._hostname = hostname
-        self._queue = dependents_queue()
-        self._stream = task_states_stream()
+        self._queue = dependents_queue(settings.namespace)
+        self._stream = task_states_stream(settings.namespace)
         self._final: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._held: dict[str, _Held] = {}
         self._channel: aiormq.abc.AbstractChannel | None = None

@@ -331,7 +331,8 @@ class GateShard:
                     content_type=wire.content_type, content_encoding=wire.content_encoding,
                     headers=dict(wire.headers), delivery_mode=wire.delivery_mode,
                 )  # fmt: skip
-                self._told.append(_Told(DEFAULT_EXCHANGE, task_states_stream().name, wire.body, properties))
+                stream = task_states_stream(self._settings.namespace)
+                self._told.append(_Told(DEFAULT_EXCHANGE, stream.name, wire.body, properties))
         elif verdict is Verdict.DUPLICATE:
             await message.ack()  # the copy the gate keeps is the first one
         # BLOCK: held unacked as the key's tail

@@ -41,7 +41,7 @@ from aiormq import spec
 
 from broker_svc.clock import LamportClock
 from broker_svc.settings import Settings
-from broker_svc.topology import DEFAULT_NAMESPACE, QueueSpec, dedup_gate_queue
+from broker_svc.topology import DEFAULT_NAMESPACE, LEGACY_NAMESPACE, QueueSpec, dedup_gate_queue
 from broker_svc.wire.dedup import GATE_SHARDS, GateMessage, gate_headers
 from broker_svc.wire.task_message import CLOCK_HEADER
 from control.aio.declare import declare_queue
@@ -73,7 +73,8 @@ class Gatekeeper:
         settings: the worker's settings (the declared type of the queues tasks are sent on to).
         clock: the worker's Lamport clock.
         hostname: names this worker among the members, and in the state records it writes.
-        namespace: whose members stream tells the live workers.
+        namespace: the control namespace, whose members stream tells the live workers (those of
+            this worker's app namespace keep its shards).
         events: sends a ``dedup-<decision>`` event per decision while task events are on.
         metrics: counts the decisions (``clockwork_dedup_decisions``), with ``--metrics-port``.
     """
@@ -142,7 +143,7 @@ class Gatekeeper:
         self._pinged.clear()
 
     def _queue(self, shard: int) -> QueueSpec:
-        return dedup_gate_queue(shard)
+        return dedup_gate_queue(shard, self._settings.namespace)
 
     def _new_shard(self, shard: int) -> GateShard:
         return GateShard(
@@ -193,7 +194,7 @@ class Gatekeeper:
         channel = await one_time_channel(connection)
         self._membership = Membership()
         feed = AsyncMembersFeed(
-            self._membership, clock=self._clock, namespace=self._namespace, accept=_runs_a_gate
+            self._membership, clock=self._clock, namespace=self._namespace, accept=self._keeps_our_gate
         )
         try:
             await feed.follow(channel)
@@ -201,6 +202,12 @@ class Gatekeeper:
             log.warning("dedup_gate_members_unavailable", error=str(exc))
             return None
         return channel
+
+    def _keeps_our_gate(self, event: Mapping[str, Any]) -> bool:
+        # Clockwork workers of our app namespace subscribe to our shards; a Celery worker, or one
+        # of another app in this vhost, never does (an event without it: a release before them).
+        namespace = event.get("app_namespace", LEGACY_NAMESPACE)
+        return event.get("sw_ident") == SW_IDENT and namespace == self._settings.namespace
 
     async def _keep(self, shard: GateShard) -> None:
         # One subscription's life: decide until it leaves (handed over) or is lost (raises).
@@ -273,8 +280,3 @@ class Gatekeeper:
         except aio_pika.exceptions.ChannelPreconditionFailed as exc:
             log.warning("dedup_queue_declared_otherwise", queue=queue.name, error=str(exc))
         self._declared.add(queue.name)
-
-
-def _runs_a_gate(event: Mapping[str, Any]) -> bool:
-    # Clockwork workers, each of which subscribes to every shard; a Celery worker never does.
-    return event.get("sw_ident") == SW_IDENT

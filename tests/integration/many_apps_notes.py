@@ -1,0 +1,24 @@
+"""Which app's worker ran which task, noted by the tasks of shop_app.py and billing_app.py."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+def note_run(app: str, what: str) -> None:
+    """Append ``[app, what]`` to ``$MANY_APPS_NOTES`` (one JSON line; appends of a line are atomic)."""
+    path = os.environ.get("MANY_APPS_NOTES")
+    if path:
+        with open(path, "a") as notes:
+            notes.write(json.dumps([app, what]) + "\n")
+
+
+def read_notes(path: Path) -> list[tuple[str, str]]:
+    """The notes so far, in order."""
+    if not path.exists():
+        return []
+    rows: list[Any] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [(str(app), str(what)) for app, what in rows]
