@@ -16,7 +16,6 @@ import aio_pika
 import aio_pika.abc
 import structlog
 
-from broker_svc.clock import LamportClock
 from broker_svc.errors import MessageError
 from broker_svc.topology import DEFAULT_NAMESPACE, members_stream
 from broker_svc.wire import codec
@@ -38,9 +37,12 @@ _ACCEPT: Final = codec.accept_set(("json", "msgpack"))
 class AsyncMembersFeed:
     """Feeds the worker events of the members stream into ``membership``, from a minute back.
 
+    Read for liveness only, as ``read_members`` is: the clocks of a minute of replayed heartbeats
+    are not adjusted to (they order nothing this process sends, and would carry one peer's clock
+    to every worker that starts within the minute).
+
     Args:
         membership: what the events are fed into.
-        clock: adjusted from every event.
         namespace: whose members stream.
         accept: which events count (the others are skipped), e.g. only workers of one kind.
     """
@@ -49,12 +51,10 @@ class AsyncMembersFeed:
         self,
         membership: Membership,
         *,
-        clock: LamportClock,
         namespace: str = DEFAULT_NAMESPACE,
         accept: Callable[[Mapping[str, Any]], bool] = lambda _event: True,
     ) -> None:
         self._membership = membership
-        self._clock = clock
         self._namespace = namespace
         self._accept = accept
 
@@ -80,6 +80,5 @@ class AsyncMembersFeed:
             else:
                 for event in body if isinstance(body, list) else [body]:
                     if isinstance(event, Mapping) and self._accept(event):
-                        self._clock.adjust(event.get("clock"))
                         self._membership.feed(event)
         await message.ack()

@@ -193,9 +193,7 @@ class Gatekeeper:
         # gives it, as every worker did before shards were spread.
         channel = await one_time_channel(connection)
         self._membership = Membership()
-        feed = AsyncMembersFeed(
-            self._membership, clock=self._clock, namespace=self._namespace, accept=self._keeps_our_gate
-        )
+        feed = AsyncMembersFeed(self._membership, namespace=self._namespace, accept=self._keeps_our_gate)
         try:
             await feed.follow(channel)
         except aio_pika.exceptions.AMQPError as exc:
