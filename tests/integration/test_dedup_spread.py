@@ -92,6 +92,29 @@ def test_the_shards_spread_over_the_workers_and_move_when_one_is_killed_or_stopp
     assert takeovers > GATE_SHARDS  # shards moved, not only first taken
 
 
+def test_the_workers_of_another_app_namespace_in_the_vhost_keep_none_of_our_shards(
+    session_broker: SessionBroker,
+):
+    with (
+        session_broker.own_vhost("clockwork-dedup-apps") as url,
+        App("dedup-apps", settings=Settings(broker_url=url)) as client,
+        WorkerProcess(url, app=APP, queues=[IDLE], concurrency=1) as first,
+        WorkerProcess(url, app=APP, queues=[IDLE], concurrency=1) as second,
+        WorkerProcess(
+            url, app=APP, queues=["dedup-other-app"], concurrency=1, env={"CLOCKWORK_APP_NAMESPACE": "other"}
+        ) as other,
+    ):
+        ours = [first.wait_ready(), second.wait_ready()]
+        other.wait_ready()
+        # They share the members stream (the control plane), not the gate shards.
+        spread = wait_for(lambda: _spread(client, ours), timeout_s=60, message="8 shards over our 2")
+        assert spread is not None and sorted(len(shards) for shards in spread.values()) == [4, 4]
+        gates = _gates(client, [*ours, other])
+        assert gates[first.name]["members"] == sorted([first.name, second.name])
+        assert gates[other.name]["members"] == [other.name]
+        assert gates[other.name]["owned_shards"] == ALL_SHARDS  # its own app's eight
+
+
 def test_a_gate_killed_the_moment_it_commits_has_sent_the_events_and_records_of_that_commit(
     session_broker: SessionBroker, tmp_path: Path
 ):
