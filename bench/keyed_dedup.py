@@ -1,12 +1,12 @@
 """Keyed dedup (issue 18): its cost per task, and throughput at 0 % and 90 % duplicates.
 
 Usage: ``python -m bench.keyed_dedup [--broker URL] [--tasks 5000] [--rounds 3] [--burst 10]
-[--loads plain,distinct,bursts]``.
+[--loads plain,distinct,bursts] [--workers 1]``.
 
 In a vhost of its own (deleted afterwards), each round runs three loads of ``--tasks`` no-op sends,
-in an order that rotates from round to round, each on a fresh queue with a fresh worker
-(``python -m worker -A bench.keyed_dedup_app:app -c 2``, a subprocess logging at INFO to a
-temporary file, as the other benchmarks' workers):
+in an order that rotates from round to round, each on a fresh queue with ``--workers`` fresh
+workers (``python -m worker -A bench.keyed_dedup_app:app -c 2`` each, a subprocess logging at INFO
+to a temporary file, as the other benchmarks' workers):
 
 - ``plain``: no key; every send runs. The same load without dedup for both below;
 - ``distinct``: a key of its own per send (0 % duplicates): every send accepted and run;
@@ -14,13 +14,14 @@ temporary file, as the other benchmarks' workers):
   one running or waiting): per key the first runs, the second waits and runs, the rest are
   declined.
 
-Before the timed sends, each gate shard gets a keyed task (a shard's gate syncs on its first
-delivery) and the queue 20 plain ones. Then the client (``App.send_task``, pipelined confirms)
-sends them all and waits for every result (SUCCESS or DECLINED). Figures:
+Before the timed sends, each gate shard gets a keyed task and the queue 20 plain ones, and the
+gate shards are spread: each is active on the worker that owns it (``inspect dedup``). Then the
+client (``App.send_task``, pipelined confirms) sends them all and waits for every result (SUCCESS
+or DECLINED). Figures:
 
 - tasks/s: sends settled (their result or DECLINED received), from the first send to the last;
-- CPU µs per send, over the same window, from ``/proc/<pid>/stat``: the worker's tree (its main
-  process, where the gate runs, and its pool children), the local RabbitMQ node (the ``beam.smp``
+- CPU µs per send, over the same window, from ``/proc/<pid>/stat``: the workers' trees (their main
+  processes, where the gates run, and their pool children), the local RabbitMQ node (the ``beam.smp``
   that ``rabbitmqctl`` talks to) and this client;
 - broker operations per send: as the design counts them from the outcomes (``designed``); the
   worker main process's AMQP calls, counted in the worker (``bench/keyed_dedup_app.py``): the
@@ -39,11 +40,13 @@ import argparse
 import json
 import os
 import signal
+import socket
 import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,10 +94,10 @@ def designed(load: str, runs: int, declined: int) -> dict[str, int]:
     }
 
 
-def _worker_command(url: str, queue: str) -> list[str]:
+def _worker_command(url: str, queue: str, name: str) -> list[str]:
     return [
         sys.executable, "-m", "worker", "-A", "bench.keyed_dedup_app:app", "-c", "2", "-Q", queue,
-        "-b", url, "-l", "info", "-n", f"bench-{queue}@%h", *WORKER_ARGS.split(),
+        "-b", url, "-l", "info", "-n", name, *WORKER_ARGS.split(),
     ]  # fmt: skip
 
 
@@ -115,6 +118,15 @@ def _gate_counts(pid: int, path: Path) -> dict[str, float]:
     return counts
 
 
+def _all_gate_counts(workers: list[int], plan: Plan) -> list[dict[str, float]]:
+    # Each worker's gate calls.
+    return [_gate_counts(pid, plan.counts_path(index)) for index, pid in enumerate(workers)]
+
+
+def _summed(each: list[dict[str, float]]) -> dict[str, float]:
+    return {name: sum(counts[name] for counts in each) for name in each[0]}
+
+
 def _key_per_shard(tag: str) -> list[str]:
     keys: dict[int, str] = {}
     n = 0
@@ -124,9 +136,10 @@ def _key_per_shard(tag: str) -> list[str]:
     return list(keys.values())
 
 
-def _ready(queue_probe: QueueProbe, queue: str, alive: Callable[[], bool]) -> None:
-    # Both children consume the queue, and the gate has subscribed to every shard.
-    queue_probe.wait(queue, lambda d: d.consumers >= 2, timeout_s=120, what="children", alive=alive)
+def _ready(queue_probe: QueueProbe, queue: str, workers: int, alive: Callable[[], bool]) -> None:
+    # Every child consumes the queue, and a gate is active on every shard (a single-active queue
+    # counts its active consumer only: ``_spread`` then waits for every worker's share).
+    queue_probe.wait(queue, lambda d: d.consumers >= 2 * workers, timeout_s=120, what="children", alive=alive)
     for shard in range(GATE_SHARDS):
         queue_probe.wait(
             dedup_gate_queue(shard, LEGACY_NAMESPACE).name,
@@ -135,6 +148,25 @@ def _ready(queue_probe: QueueProbe, queue: str, alive: Callable[[], bool]) -> No
             what="gate",
             alive=alive,
         )
+
+
+def _spread(app: App, names: list[str]) -> dict[str, list[int]]:
+    """Wait until each shard is active on its owner; the shards each worker is active on.
+
+    Raises:
+        TimeoutError: not within 120 s.
+    """
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        stats = app.control.inspect(destination=names, timeout=5).dedup()
+        active = {name: stats[name]["active_shards"] for name in names if name in stats}
+        settled = len(active) == len(names) and all(
+            stats[name]["active_shards"] == stats[name]["owned_shards"] for name in names
+        )
+        if settled and sorted(s for shards in active.values() for s in shards) == list(range(GATE_SHARDS)):
+            return active
+        time.sleep(0.5)
+    raise TimeoutError("the gate shards were not spread over the workers within 120 s")
 
 
 def _own_cpu_s() -> float:
@@ -148,15 +180,18 @@ class Plan:
     load: str
     tasks: int
     burst: int
+    workers: int = 1
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
 
     @property
     def queue(self) -> str:
         return f"keyed-{self.load}-{self.tag}"
 
-    @property
-    def counts_path(self) -> Path:
-        return Path(tempfile.gettempdir()) / f"bench-keyed-{self.tag}.json"
+    def counts_path(self, worker: int) -> Path:
+        return Path(tempfile.gettempdir()) / f"bench-keyed-{self.tag}-{worker}.json"
+
+    def worker_name(self, worker: int) -> str:
+        return f"bench-{self.queue}-{worker}@%h"
 
     def send(self, app: App) -> list[AsyncResult[Any]]:
         """Send the load's tasks (pipelined: a call returns once its task is handed to the I/O thread)."""
@@ -170,28 +205,36 @@ class Plan:
 
 
 def one_load(url: str, plan: Plan, node_pid: int | None) -> dict[str, Any]:
-    """Run one load with a fresh worker on a fresh queue; its figures (module docstring)."""
-    env = {**os.environ, COUNTS_ENV: str(plan.counts_path), "PYTHONUNBUFFERED": "1"}
+    """Run one load with fresh workers on a fresh queue; its figures (module docstring)."""
     try:
-        with App("bench-keyed", settings=Settings(broker_url=url)) as app:
+        with App("bench-keyed", settings=Settings(broker_url=url)) as app, ExitStack() as stack:
             # The warm-up goes first: the client declares the queue and the gate shards as it
             # sends, so the probe below never asks for a queue that does not exist yet.
             warm = [app.send_task(NOOP, queue=plan.queue, dedup_key=k) for k in _key_per_shard(plan.tag)]
             warm += [app.send_task(NOOP, queue=plan.queue) for _ in range(WARM_PLAIN)]
             app.flush(60)
-            command = _worker_command(url, plan.queue)
-            with probe(url) as queue_probe, running(command, env=env, cwd=ROOT) as proc:
+            queue_probe = stack.enter_context(probe(url))
+            procs = []
+            for worker in range(plan.workers):
+                env = {**os.environ, COUNTS_ENV: str(plan.counts_path(worker)), "PYTHONUNBUFFERED": "1"}
+                command = _worker_command(url, plan.queue, plan.worker_name(worker))
+                procs.append(stack.enter_context(running(command, env=env, cwd=ROOT)))
 
-                def alive() -> bool:
-                    return proc.poll() is None
+            def alive() -> bool:
+                return all(proc.poll() is None for proc in procs)
 
-                _ready(queue_probe, plan.queue, alive)
-                for result in warm:
-                    result.get(timeout=60)
-                time.sleep(0.5)  # the warm-up's releases taken
-                row = _measure(app, proc.pid, plan, node_pid)
+            _ready(queue_probe, plan.queue, plan.workers, alive)
+            for result in warm:
+                result.get(timeout=60)
+            host = socket.gethostname()
+            names = [plan.worker_name(worker).replace("%h", host) for worker in range(plan.workers)]
+            spread = _spread(app, names)
+            time.sleep(0.5)  # the warm-up's releases taken
+            row = _measure(app, [proc.pid for proc in procs], plan, node_pid)
+            row["active_shards"] = [len(spread[name]) for name in names]
     finally:
-        plan.counts_path.unlink(missing_ok=True)
+        for worker in range(plan.workers):
+            plan.counts_path(worker).unlink(missing_ok=True)
     own_vhost = unquote(urlsplit(url).path.lstrip("/"))
     if "node_vhosts" in row:
         row["other_vhosts"] = sorted(set(row.pop("node_vhosts")) - {own_vhost})
@@ -213,10 +256,10 @@ def _settle(results: list[AsyncResult[Any]]) -> tuple[dict[str, int], int]:
     return states, missing
 
 
-def _measure(app: App, worker_pid: int, plan: Plan, node_pid: int | None) -> dict[str, Any]:
-    pids = tree(worker_pid)
+def _measure(app: App, workers: list[int], plan: Plan, node_pid: int | None) -> dict[str, Any]:
+    pids = [pid for worker in workers for pid in tree(worker)]
     node_before = broker_node.read()  # outside the timed window: rabbitmqctl costs CPU
-    gate_before = _gate_counts(worker_pid, plan.counts_path)
+    gate_before_each = _all_gate_counts(workers, plan)
     cpu_before = {pid: cpu_seconds(pid) for pid in pids}
     node_cpu_before = cpu_seconds(node_pid) if node_pid else 0.0
     client_before = _own_cpu_s()
@@ -232,14 +275,16 @@ def _measure(app: App, worker_pid: int, plan: Plan, node_pid: int | None) -> dic
     node_cpu = (cpu_seconds(node_pid) - node_cpu_before) if node_pid else None
     client_cpu = _own_cpu_s() - client_before
     time.sleep(1.0)  # the last releases and the gate's last commit
-    gate = _gate_counts(worker_pid, plan.counts_path)
+    gate_each = _all_gate_counts(workers, plan)
+    gate, gate_before = _summed(gate_each), _summed(gate_before_each)
     node_after = broker_node.read()
 
     runs, declined = states.get("SUCCESS", 0), states.get("DECLINED", 0)
     per = 1e6 / plan.tasks
-    main_cpu = cpu.get(worker_pid, 0.0)
+    main_cpu = sum(cpu.get(pid, 0.0) for pid in workers)
     row: dict[str, Any] = {
         "load": plan.load,
+        "workers": plan.workers,
         "tasks": plan.tasks,
         "runs": runs,
         "declined": declined,
@@ -255,6 +300,12 @@ def _measure(app: App, worker_pid: int, plan: Plan, node_pid: int | None) -> dic
         "client_us": round(client_cpu * per, 1),
         "designed": {k: round(v / plan.tasks, 2) for k, v in designed(plan.load, runs, declined).items()},
         "gate": {k: round((gate[k] - gate_before[k]) / plan.tasks, 3) for k in COUNTED},
+        # How the work spread: each worker's main process (its gate) in CPU and in publishes.
+        "worker_main_us_each": [round(cpu.get(pid, 0.0) * per, 1) for pid in workers],
+        "gate_publishes_each": [
+            round(after["basic_publish"] - before["basic_publish"])
+            for before, after in zip(gate_before_each, gate_each, strict=True)
+        ],
         "load_1m": round(load_1m, 2),
     }
     commits = gate["tx_commit"] - gate_before["tx_commit"]
@@ -336,6 +387,17 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {load} | {d['publishes']} / {d['deliveries']} / {d['acks']} | {gate} | {commit} "
             f"| {node or '—'} | {shared} of {len(group)} |"
         )
+    lines += [
+        "",
+        "| load | round | shards active per worker | gate publishes per worker "
+        "| main process µs/send per worker |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['load']} | {r.get('round', '')} | {r['active_shards']} | {r['gate_publishes_each']} "
+        f"| {r['worker_main_us_each']} |"
+        for r in rows
+    ]
     return "\n".join(lines)
 
 
@@ -348,6 +410,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--burst", type=int, default=10, help="sends per key in the bursts load")
     parser.add_argument("--loads", default=",".join(LOADS), help="which loads, comma-separated")
+    parser.add_argument("--workers", type=int, default=1, help="workers per load, each with -c 2")
     args = parser.parse_args()
     configure_logging("warning")
     loads = [load for load in args.loads.split(",") if load]
@@ -361,12 +424,15 @@ def main() -> int:
         for round_no in range(args.rounds):
             shift = round_no % len(loads)  # A B C, B C A, C A B: no load always goes first
             for load in loads[shift:] + loads[:shift]:
-                row = one_load(url, Plan(load, args.tasks, args.burst), node_pid)
+                row = one_load(url, Plan(load, args.tasks, args.burst, args.workers), node_pid)
                 row["round"] = round_no + 1
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     minutes = (time.monotonic() - started) / 60
-    print(f"\n{args.rounds} rounds of {args.tasks:,} sends per load in {minutes:.1f} min")
+    print(
+        f"\n{args.rounds} rounds of {args.tasks:,} sends per load, {args.workers} worker(s),"
+        f" in {minutes:.1f} min"
+    )
     print(table(rows))
     return 0
 

@@ -75,13 +75,9 @@ class EventDispatcher:
         """An event map with the standard fields (the clock is forwarded: this is a send)."""
         return event_body(event_type, hostname=self._hostname, clock=self._clock, **extra)
 
-    async def send(self, event_type: str, **extra: Any) -> None:
-        """Publish one event; task events only while enabled. Never raises on broker errors."""
-        if event_type.startswith(_TASK_GROUP) and not self.task_events:
-            return
-        exchange = self._exchange
-        if exchange is None:
-            return
+    def message(self, event_type: str, **extra: Any) -> tuple[str, aio_pika.Message]:
+        """One event as published to ``celeryev``: its routing key and message (the clock is
+        forwarded), for a sender that publishes it on a channel of its own (in a transaction)."""
         event = self.fields(event_type, **extra)
         message = aio_pika.Message(
             encode_event(event),
@@ -90,10 +86,20 @@ class EventDispatcher:
             delivery_mode=aio_pika.DeliveryMode.NOT_PERSISTENT,
             headers={"hostname": self._hostname},
         )
+        return routing_key(event_type), message
+
+    async def send(self, event_type: str, **extra: Any) -> None:
+        """Publish one event; task events only while enabled. Never raises on broker errors."""
+        if event_type.startswith(_TASK_GROUP) and not self.task_events:
+            return
+        exchange = self._exchange
+        if exchange is None:
+            return
+        key, message = self.message(event_type, **extra)
         try:
             # Not mandatory, as Celery's events are: with no one listening the broker drops them,
             # which is normal; mandatory, each would come back as a basic.return logged at ERROR.
-            await exchange.publish(message, routing_key=routing_key(event_type), mandatory=False)
+            await exchange.publish(message, routing_key=key, mandatory=False)
         except Exception as exc:  # events are best-effort: a broken channel must not fail a task
             log.warning("event_not_sent", event_type=event_type, error=str(exc))
 
@@ -105,6 +111,8 @@ class Heart:
         events: the dispatcher.
         stats: returns ``(active, processed)``: tasks running now, tasks received since start.
         freq_s: the heartbeat interval, sent as ``freq`` so receivers know when we are late.
+        app_namespace: the worker's app namespace, sent as ``app_namespace`` (a field Celery
+            ignores) so peers know which app's shared state the worker keeps (the dedup gate).
     """
 
     def __init__(
@@ -113,10 +121,12 @@ class Heart:
         stats: Callable[[], tuple[int, int]],
         *,
         freq_s: float = HEARTBEAT_FREQ_S,
+        app_namespace: str | None = None,
     ) -> None:
         self._events = events
         self._stats = stats
         self._freq_s = freq_s
+        self._app_namespace = app_namespace
 
     def _fields(self) -> dict[str, Any]:
         active, processed = self._stats()
@@ -124,7 +134,9 @@ class Heart:
             loadavg = [round(x, 2) for x in os.getloadavg()]
         except OSError:
             loadavg = [0.0, 0.0, 0.0]
+        app = {} if self._app_namespace is None else {"app_namespace": self._app_namespace}
         return {
+            **app,
             "freq": self._freq_s,
             "sw_ident": SW_IDENT,
             "sw_ver": software_version(),

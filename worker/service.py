@@ -183,12 +183,13 @@ class WorkerService:
         revocations = await subscriptions.open("revocations")
         await revocation_log.follow(lambda: revocations.channel(publisher_confirms=False), publish_channel)
         heart = Heart(
-            events, lambda: (len(feeding.running()), feeding.processed), freq_s=config.event_heartbeat_s
-        )
-        # Keyed dedup: one worker of the cluster keeps each gate shard (worker/single_active/gatekeeper.py).
+            events, lambda: (len(feeding.running()), feeding.processed), freq_s=config.event_heartbeat_s,
+            app_namespace=config.settings.namespace,
+        )  # fmt: skip
+        # Keyed dedup: the gate shards spread over the live workers (worker/single_active/gatekeeper.py).
         gate = Gatekeeper(
-            settings=config.settings, clock=self._clock, hostname=config.hostname, events=events,
-            metrics=metrics,
+            settings=config.settings, clock=self._clock, hostname=config.hostname,
+            namespace=config.namespace, events=events, metrics=metrics,
         )  # fmt: skip
         # inspect scheduled: the ETA tasks this worker parked, from their records (remote/scheduled.py).
         parked = ScheduledLog(hostname=config.hostname, namespace=config.settings.namespace)

@@ -2,7 +2,7 @@
 
 Pure. A task sent with a dedup key goes to a gate shard queue (``topology.dedup_gate_queue``)
 instead of its own, with the headers below; the worker that is the shard's single active consumer
-(``worker/single_active/gatekeeper.py``) decides, per key, to send it on (``accept``), hold it (``block``)
+(``worker/single_active/gate_shard.py``) decides, per key, to send it on (``accept``), hold it (``block``)
 or answer it ``DECLINED`` (docs/architecture.md, "Deduplication under faults"). Three kinds of
 message of the gate's own travel in the same queue, each an empty body with headers:
 
@@ -10,7 +10,9 @@ message of the gate's own travel in the same queue, each an empty body with head
   holds it unacked, the key has a running head; a gate that takes over learns the heads from them;
 - a **release**, published by the worker that ran the head once its delivery is settled for good;
 - a **sync** marker, published by a gate to itself when it becomes active: what it receives before
-  its marker comes back is what the previous gate left, replayed in a safe order.
+  its marker comes back is what the previous gate left, replayed in a safe order. A worker also
+  publishes one with a token nobody waits for (a ping) to wake a shard's active gate: one that
+  had no delivery yet learns from it that it is active; the others ack it.
 """
 
 from __future__ import annotations

@@ -244,7 +244,10 @@ def _dedup(value: Any) -> tuple[str, list[str]]:
         return _short(value), []
     shards = value.get("active_shards") or []
     keys, waiting = value.get("keys", 0), value.get("waiting", 0)
+    owned = value.get("owned_shards")
     head = f"keeps {len(shards)} shard(s) {shards}, {keys} key(s), {waiting} waiting"
+    if owned is not None and owned != shards:
+        head += f" (owns {owned})"  # moving: handed over, or waiting for the shard's owner to take it
     counts = [
         f"{name} {value.get(name, 0)}" for name in ("accepted", "blocked", "declined", "evicted", "released")
     ]

@@ -103,8 +103,8 @@ COMMANDS: Final[dict[str, Command]] = {
         _c("query_task", _I, "{id: [state, task info]}", ids=Param(_IDS, default=[])),
         _c("active_queues", _I, "list of queue maps"),
         _c("conf", _I, "map of settings", with_defaults=Param(_BOOL, default=False)),
-        _c("dedup", _I, "map: active_shards, keys, waiting, accepted, blocked, declined, duplicate, "
-           "released, evicted, promoted, stale"),
+        _c("dedup", _I, "map: active_shards, owned_shards, members, keys, waiting, accepted, blocked, "
+           "declined, duplicate, released, evicted, promoted, stale"),
         _c("revoke", _C, '{"ok": "tasks ... flagged as revoked"}', task_id=Param(_IDS, required=True),
            terminate=Param(_FLAG, default=False, coerce=bool), signal=Param(_SIGNAL, default="SIGTERM")),
         _c("terminate", _C, '{"ok": "terminate: ..."}', task_id=Param(_IDS, required=True),

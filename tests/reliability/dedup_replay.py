@@ -1,11 +1,12 @@
 """Replay the gates' ``dedup-*`` events through the gate's own state machine, key by key (pure).
 
-Each event is a decision a gate committed (``worker/single_active/gatekeeper.py`` sends it after the
-commit, in commit order). Per key, :func:`replay` feeds the events to a ``GateKeys`` (the model)
+Each event is a decision a gate committed (``worker/single_active/gate_shard.py`` publishes it in
+the commit, in commit order). Per key, :func:`replay` feeds the events to a ``GateKeys`` (the model)
 and compares each logged verdict with the model's: a gate that blocked where the model declines
 would hold two waiting tasks for one key. A release or eviction must end the model's head.
 
-A gate that is killed between a commit and its events loses those events, and the next gate starts
+A shard moves to another gate when its gate dies or hands it over (the shards are spread over the
+live workers, so one may also come back to a gate that had it before), and the next gate starts
 from what the broker holds: heads from their unacked markers (no event), tails from their held
 arrivals (decided again, with events). So when a key's events move to another gate (a takeover),
 the model starts again, and a head that gate learned from a marker is seeded from its first event:
@@ -16,8 +17,9 @@ the model starts again, and a head that gate learned from a marker is seeded fro
 - anything else: nothing seeded; ``declined`` then mismatches (a gate sets a tail only by
   ``blocked``, whose event comes first), as it must.
 
-Seeding happens only on a shard's later gates, never on the first one: there, as in a run without
-faults, the model starts empty and the replay is exact.
+Seeding happens at a takeover, and for a key first seen on a shard's later gate, never for a key
+first seen on the shard's first gate: there, as in a run without faults, the model starts empty
+and the replay is exact.
 """
 
 from __future__ import annotations
@@ -106,11 +108,11 @@ def replay(events: Iterable[GateEvent], *, key_of: Mapping[str, str]) -> Replay:
             gates.append(event.hostname)
         model = models.get(event.key)
         if model is None or gate_of[event.key] != event.hostname:
-            if model is not None:
-                found.takeovers += 1
+            takeover = model is not None
+            found.takeovers += takeover
             model = models[event.key] = GateKeys()
             gate_of[event.key] = event.hostname
-            if gates[0] != event.hostname:
+            if takeover or gates[0] != event.hostname:  # back at a gate that had it before, too
                 _seed(model, event, found)
         if event.decision in ARRIVALS:
             _arrive(model, event, found)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from broker_svc import App, Settings
+from broker_svc.wire.dedup import GATE_SHARDS
 from tests.reliability.dedup_check import DedupVerdict, Kill, Mark, Sent, check
 from tests.reliability.dedup_replay import GateEvent
 from tests.reliability.dedup_stress_tasks import JOURNAL_DIR_ENV
@@ -133,7 +134,8 @@ class _Fleet:
         return worker
 
     def kill(self, number: int) -> Kill:
-        """SIGKILL a worker's tree (a gate on even ``number``, another worker on odd), start another."""
+        """SIGKILL a worker's tree (a gate on even ``number``, another worker on odd, when there is
+        one: with the shards spread, every worker is usually a gate), start another."""
         gates = [w for w in self.live if _gate_shards(w)]
         others = [w for w in self.live if w not in gates]
         victim = self._rng.choice((gates if number % 2 == 0 else others) or self.live)
@@ -175,6 +177,17 @@ def _producers(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=30)
+
+
+def _spread(client: App, fleet: _Fleet) -> bool:
+    # Every shard active on the worker that owns it: the shards move no more while nobody dies.
+    names = [w.name for w in fleet.live]
+    stats = client.control.inspect(destination=names, timeout=5).dedup()
+    if any(name not in stats for name in names):
+        return False
+    if any(stats[name]["active_shards"] != stats[name]["owned_shards"] for name in names):
+        return False
+    return sorted(s for name in names for s in stats[name]["active_shards"]) == list(range(GATE_SHARDS))
 
 
 def _drained(client: App, fleet: _Fleet, events: _Events) -> bool:
@@ -240,6 +253,9 @@ def run_stress(url: str, directory: Path, plan: Plan) -> Stress:
         fleet = _Fleet(url, plan, journal_dir, stack)
         for worker in [fleet.start() for _ in range(plan.workers)]:
             worker.wait_ready()
+        # Before the first send: a run without kills is exact, one gate per shard throughout.
+        wait_for(lambda: _spread(client, fleet), timeout_s=60, interval_s=0.5,
+                 message="the gate shards spread over the workers")  # fmt: skip
         start_at = time.time() + 5.0  # the producers' imports and connections, on a busy machine
         procs = stack.enter_context(_producers(url, plan, directory, start_at))
         for number in range(plan.kills):

@@ -5,8 +5,9 @@ task journals each run's start and end, the producers each send and each call's 
 gates their committed decisions as ``dedup-*`` events. ``dedup_check.check`` then asserts: never
 two runs of a key at once, never more than one waiting (the events replay through the gate's own
 state machine), every call SUCCESS or DECLINED, no lost final update, and declines counted
-exactly. K2 SIGKILLs a worker's whole process tree every 10 s (a gate and a worker that is not
-one, in turn). Local broker, a vhost of each test's own.
+exactly. K2 SIGKILLs a worker's whole process tree every 10 s (the gate shards are spread over
+the workers, so each kill takes a gate's shards, and its replacement takes a share back). Local
+broker, a vhost of each test's own.
 """
 
 from __future__ import annotations

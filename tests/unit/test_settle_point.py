@@ -37,7 +37,9 @@ ALLOWED = {
     "worker/single_active/dependents.py",
     # Tasks at a dedup gate (in a gate shard queue, not a task queue) and the gate's own markers:
     # each acked in the transaction that sends it on, declines it or ends its key's head.
-    "worker/single_active/gatekeeper.py",
+    "worker/single_active/gate_shard.py",
+    # Members-stream events followed by a worker's dedup gate, not task deliveries.
+    "control/aio/members_feed.py",
     # Election bids and term tokens, not task deliveries: a leader acks each token once the next
     # one is back (its lease), and bids as they come.
     "worker/leader/election.py",

@@ -3,7 +3,7 @@
 A Celery client (or any sender that does not know a task's ``dedup_key``) publishes straight to the
 task's queue. The worker forms the key from the call's arguments, as a Clockwork client would, and
 hands the task to its gate shard instead of running it, marked as forwarded: a caller that does
-not know ``DECLINED`` is then answered ``REVOKED`` when it is declined (``gatekeeper.py``). Pure.
+not know ``DECLINED`` is then answered ``REVOKED`` when it is declined (``gate_shard.py``). Pure.
 """
 
 from __future__ import annotations

@@ -10,22 +10,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
-import aio_pika
-import aio_pika.abc
-import aio_pika.exceptions
-import structlog
-
-from broker_svc.topology import task_states_stream
 from broker_svc.wire import codec
 from broker_svc.wire.dedup import FORWARDED_HEADER
 from broker_svc.wire.result_message import Outcome, wire_exception
 from broker_svc.wire.states import State
-from broker_svc.wire.task_state import CONTENT_TYPE as STATE_CONTENT_TYPE
 from broker_svc.wire.task_state import JobState, StateRecord
 
-__all__ = ["declined_record", "declined_result", "write_records"]
-
-log = structlog.get_logger(__name__)
+__all__ = ["declined_record", "declined_result"]
 
 _ERRORS_MODULE: Final = "broker_svc.errors"
 
@@ -51,20 +42,3 @@ def declined_record(
         task_id, JobState.DECLINED.value, clock=clock, hostname=hostname,
         name=name if isinstance(name, str) else None, queue=queue, info={"dedup_key": key},
     )  # fmt: skip
-
-
-async def write_records(
-    channel: aio_pika.abc.AbstractChannel, records: list[StateRecord], namespace: str
-) -> None:
-    """Write ``DECLINED`` records to the app's task-state stream; best effort (logged when not written)."""
-    stream = task_states_stream(namespace)
-    try:
-        for record in records:
-            message = aio_pika.Message(
-                record.encode(),
-                content_type=STATE_CONTENT_TYPE,
-                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            )
-            await channel.default_exchange.publish(message, routing_key=stream.name)
-    except aio_pika.exceptions.AMQPError as exc:
-        log.warning("task_state_not_written", state=JobState.DECLINED.value, error=str(exc))

@@ -1,6 +1,6 @@
 """The dedup gate's state per key, as a pure state machine: head (running), tail (waiting).
 
-Pure: the gatekeeper (``worker/single_active/gatekeeper.py``) feeds it what arrives on a gate shard queue
+Pure: a gate shard (``worker/single_active/gate_shard.py``) feeds it what arrives on its queue
 and carries out what it returns; the stress test's checker replays the same machine as its model.
 A key is in one of four states: Init (no entry), Process (a head), Block (a head and a tail) and,
 for an arrival in Block, Decline. ``M`` is whatever stands for a held message (a delivery to ack
