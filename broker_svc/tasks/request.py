@@ -55,7 +55,11 @@ class Request:
     correlation_id: str | None = None
     origin: str | None = None
     ignore_result: bool = False
+    # The message's ``timelimit`` header, ``(hard, soft)``; ``time_limit``/``soft_time_limit`` read it.
     timelimit: tuple[float | None, float | None] = (None, None)
+    # The message's AMQP properties as Celery shows them (``content_type``, ``application_headers``,
+    # ``priority``, ``reply_to``, ...); None outside a worker.
+    properties: dict[str, Any] | None = None
     called_directly: bool = True
     # Run here by ``apply()`` (Celery's eager mode), not by a worker.
     is_eager: bool = False
@@ -70,6 +74,19 @@ class Request:
     send_update: Callable[[dict[str, Any]], None] | None = field(default=None, repr=False)
     # Set by ``Task.retry`` when no retries are left, so the worker dead-letters the message.
     retries_exhausted: bool = False
+
+    @property
+    def time_limit(self) -> float | None:
+        """The hard time limit the message carries (its ``timelimit`` header), as Celery's request.
+
+        None when the sender set none, although the worker may hold the run to its own default.
+        """
+        return self.timelimit[0]
+
+    @property
+    def soft_time_limit(self) -> float | None:
+        """The soft time limit the message carries; None when the sender set none."""
+        return self.timelimit[1]
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names that are not fields: a custom header, as Celery's Context has them.
@@ -108,6 +125,7 @@ class Request:
             origin=context.get("origin"),
             ignore_result=bool(context.get("ignore_result")),
             timelimit=(limits[0], limits[1]),
+            properties=context.get("properties"),
             errbacks=context.get("errbacks"),
             headers=context.get("headers"),
             called_directly=False,
