@@ -1,0 +1,97 @@
+"""Celery's task API idioms, as a Celery app moved here writes them: class-based tasks registered
+with ``app.register_task``, ``retry`` with new arguments, and what a task reads of its request.
+
+tests/interop/celery_app.py defines the same task names for a Celery worker, so a test can send the
+same call to both and compare.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from broker_svc import App
+
+app = App("taskapi")
+# As tests/interop/celery_app.py configures its Celery app; the worker answers `inspect conf` from it.
+app.conf.update(
+    result_backend="rpc://",
+    accept_content=["json", "msgpack"],
+    result_accept_content=["json", "msgpack"],
+    task_serializer="json",
+    worker_hijack_root_logger=False,
+    broker_connection_retry_on_startup=True,
+    beat_schedule={},
+)
+
+
+class Add(app.Task):  # type: ignore[misc,name-defined]  # app.Task is a class made per app
+    name = "taskapi.add"
+    rate_limit = "50/s"
+    max_retries = 7
+
+    def run(self, x: int, y: int) -> int:
+        return x + y
+
+
+class Flaky(app.Task):  # type: ignore[misc,name-defined]
+    """Fails with ConnectionError until its ``need``-th retry: ``autoretry_for`` retries it."""
+
+    name = "taskapi.flaky"
+    autoretry_for = (ConnectionError,)
+    max_retries = 3
+    default_retry_delay = 0
+
+    def run(self, need: int) -> int:
+        if self.request.retries < need:
+            raise ConnectionError(f"attempt {self.request.retries}")
+        return self.request.retries
+
+
+class Limited(app.Task):  # type: ignore[misc,name-defined]
+    """Limits declared on the class: the client puts them in the message's ``timelimit``."""
+
+    name = "taskapi.limited"
+    time_limit = 30
+    soft_time_limit = 20
+
+    def run(self) -> list[Any]:
+        return [self.request.time_limit, self.request.soft_time_limit]
+
+
+class Unnamed(app.Task):  # type: ignore[misc,name-defined]
+    """No ``name``: registered as ``<module>.<ClassName>``, as Celery names it."""
+
+    def run(self) -> str:
+        return self.name
+
+
+app.register_task(Add())
+app.register_task(Flaky())
+app.register_task(Limited())
+app.register_task(Unnamed)
+
+
+@app.task(bind=True, name="taskapi.request_fields")
+def request_fields(self: Any) -> dict[str, Any]:
+    """What the task reads of its request: the limits and the message's AMQP properties."""
+    return {
+        "time_limit": self.request.time_limit,
+        "soft_time_limit": self.request.soft_time_limit,
+        "properties": self.request.properties,
+    }
+
+
+@app.task(bind=True, name="taskapi.grow", default_retry_delay=0)
+def grow(self: Any, foo: int, bar: int = 0) -> list[Any]:
+    """Retries once with ``kwargs={"foo": foo * 10}`` only; the next call's arguments, as it saw them."""
+    if self.request.retries == 0:
+        raise self.retry(kwargs={"foo": foo * 10})
+    return [foo, bar, list(self.request.args), dict(self.request.kwargs)]
+
+
+@app.task(bind=True, name="taskapi.shrink", default_retry_delay=0)
+def shrink(self: Any, foo: int, bar: int = 0) -> list[Any]:
+    """Retries once with ``args=(foo - 1,)`` only."""
+    if self.request.retries == 0:
+        raise self.retry(args=(foo - 1,))
+    return [foo, bar, list(self.request.args), dict(self.request.kwargs)]
