@@ -65,7 +65,26 @@ class Unnamed(app.Task):  # type: ignore[misc,name-defined]
         return self.name
 
 
+class Routed(app.Task):  # type: ignore[misc,name-defined]
+    """Sent to the queue its class names (the test sets ``queue`` on the client's side)."""
+
+    name = "taskapi.routed"
+
+    def run(self) -> str | None:
+        return self.request.delivery_info.get("routing_key")
+
+
+class Slowed(app.Task):  # type: ignore[misc,name-defined]
+    """Given its rate limit by ``register_task``, on the instance (Celery's way of passing options)."""
+
+    name = "taskapi.slowed"
+
+    def run(self) -> None: ...
+
+
 app.register_task(Add())
+app.register_task(Routed())
+app.register_task(Slowed(), rate_limit="100/m")
 app.register_task(Flaky())
 app.register_task(Limited())
 app.register_task(Unnamed)

@@ -28,16 +28,16 @@ CTL = str(Path(sys.executable).parent / "ctl")
 
 @pytest.fixture(scope="module")
 def node(test_vhost_url: str) -> Iterator[WorkerProcess]:
-    queue = unique_queue("taskapi")
+    queue, routed = unique_queue("taskapi"), unique_queue("taskapi-routed")
     worker = WorkerProcess(
-        test_vhost_url, app="tests.integration.task_api_tasks:app", queues=[queue], concurrency=1,
+        test_vhost_url, app="tests.integration.task_api_tasks:app", queues=[queue, routed], concurrency=1,
         name=f"taskapi-{uuid.uuid4().hex[:6]}@test",
         extra_args=["--time-limit", "60", "--soft-time-limit", "50"],
     )  # fmt: skip
     with worker:
         worker.wait_ready()
         yield worker
-    delete_queues(test_vhost_url, queue, f"{queue}.dead")
+    delete_queues(test_vhost_url, queue, f"{queue}.dead", routed, f"{routed}.dead")
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +62,15 @@ def test_a_class_based_task_is_registered_and_runs_on_the_worker(app: App):
     assert tasks.Add().delay(2, 3).get(timeout=30) == 5
     assert tasks.Add().apply_async((4, 5)).get(timeout=30) == 9
     assert app.send_task("taskapi.add", (1, 1)).get(timeout=30) == 2
+
+
+def test_a_class_based_tasks_queue_attribute_routes_its_sends(app: App, node: WorkerProcess):
+    routed = node.queues[1]
+    tasks.Routed.queue = routed
+    try:
+        assert tasks.Routed().delay().get(timeout=30) == routed
+    finally:
+        tasks.Routed.queue = None
 
 
 def test_a_class_without_a_name_is_named_after_its_module_and_class(app: App):
@@ -167,6 +176,19 @@ def test_inspect_registered_shows_rate_limits_by_default_and_asked_items(app: Ap
     asked = inspect.registered("rate_limit", "max_retries", "_hidden", "no_such_attribute")[node.name]
     assert "taskapi.add [rate_limit=50/s max_retries=7]" in asked, asked
     assert "taskapi.grow [max_retries=3]" in asked, asked
+
+
+def test_registered_shows_a_rate_limit_register_task_gave_and_the_rate_limit_command_changed(
+    app: App, node: WorkerProcess
+):
+    inspect = app.control.inspect(destination=[node.name], timeout=5)
+    assert "taskapi.slowed [rate_limit=100/m]" in inspect.registered()[node.name]
+    arguments = {"task_name": "taskapi.slowed", "rate_limit": "5/s"}
+    [reply] = (
+        app.control.broadcast("rate_limit", arguments, destination=[node.name], reply=True, timeout=5) or []
+    )
+    assert reply[node.name] == {"ok": "new rate limit set successfully"}
+    assert "taskapi.slowed [rate_limit=5/s]" in inspect.registered()[node.name]
 
 
 def test_ctl_inspect_registered_takes_task_info_items(test_vhost_url: str, node: WorkerProcess):

@@ -274,8 +274,12 @@ class WorkerCommands:
         if task_name not in self._app.tasks:
             log.warning("rate_limit_unknown_task", task_name=task_name)
             return nok("unknown task")
-        # As Celery, rewrite the task's option too: it stays what this worker enforces.
-        type(self._app.tasks[task_name]).rate_limit = rate_limit
+        # As Celery, rewrite the task's option too: it stays what this worker enforces (and what
+        # ``registered`` shows), on the instance too when ``register_task`` set it there.
+        task = self._app.tasks[task_name]
+        type(task).rate_limit = rate_limit
+        if "rate_limit" in vars(task):
+            vars(task)["rate_limit"] = rate_limit
         self._pool.feeding.rates.set(task_name, per_second)  # every child takes from the same bucket
         if per_second is None:
             log.info("rate_limit_disabled", task_name=task_name)
