@@ -98,24 +98,26 @@ class TaskRegistry:
         ``task`` is an instance (or its class, made with no arguments). Its class attributes are its
         options, as with ``@app.task(...)``; ``options`` set more on this instance (Celery passes
         ``autoretry_for``, ``retry_kwargs``, ``retry_backoff``, ... this way). A task without a
-        ``name`` is named ``<module>.<ClassName>``. The class is bound to this app, so
-        ``T().delay()`` sends through it. A worker runs the instance registered here: register it
-        in a module the worker imports (the ``-A`` app module or one it ``include``s).
+        ``name`` is named ``<module>.<ClassName>``. A class of ``app.Task`` sends through that app
+        (``T().delay()``); one of plain ``broker_svc.Task`` is bound to this one. A worker runs the
+        instance registered here: register it in a module the worker imports (the ``-A`` app
+        module or one it ``include``s).
 
         Returns:
             The task registered: ``task``, or the instance of its class registered before.
 
         Raises:
-            TypeError: ``task`` is not a ``broker_svc.Task`` (or subclass), or an unknown option.
+            TypeError: ``task`` is not a ``broker_svc.Task`` (or subclass), an unknown option, or a
+                ``dedup_key`` that is neither one of ``run``'s arguments nor a callable.
             ValueError: another task already has its name; a ``rate_limit`` that is not a rate; a
-                ``dedup_key`` that is not one of ``run``'s arguments; a ``dedup_timeout`` out of range.
+                ``dedup_timeout`` out of range.
         """
         if isinstance(task, type) and issubclass(task, TaskBase):
             task = task()
         if not isinstance(task, TaskBase):
             raise TypeError(f"register_task() takes a broker_svc.Task instance or subclass, got {task!r}")
         cls = type(task)
-        unknown = set(options) - cls.OPTIONS - {"name"}
+        unknown = set(options) - cls.OPTIONS
         if unknown:
             raise TypeError(f"unknown task option(s) {sorted(unknown)}; known: {sorted(cls.OPTIONS)}")
         for option, value in options.items():
