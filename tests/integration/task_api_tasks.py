@@ -44,7 +44,7 @@ class Flaky(app.Task):  # type: ignore[misc,name-defined]
     def run(self, need: int) -> int:
         if self.request.retries < need:
             raise ConnectionError(f"attempt {self.request.retries}")
-        return self.request.retries
+        return int(self.request.retries)
 
 
 class Limited(app.Task):  # type: ignore[misc,name-defined]
@@ -62,7 +62,7 @@ class Unnamed(app.Task):  # type: ignore[misc,name-defined]
     """No ``name``: registered as ``<module>.<ClassName>``, as Celery names it."""
 
     def run(self) -> str:
-        return self.name
+        return str(self.name)
 
 
 class Routed(app.Task):  # type: ignore[misc,name-defined]
@@ -71,7 +71,8 @@ class Routed(app.Task):  # type: ignore[misc,name-defined]
     name = "taskapi.routed"
 
     def run(self) -> str | None:
-        return self.request.delivery_info.get("routing_key")
+        routing_key: str | None = self.request.delivery_info.get("routing_key")
+        return routing_key
 
 
 class Slowed(app.Task):  # type: ignore[misc,name-defined]

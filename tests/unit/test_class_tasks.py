@@ -79,7 +79,7 @@ def test_register_task_options_go_on_the_instance(app: App):
 def test_a_class_without_a_name_is_named_after_its_module_and_class(app: App):
     class Nameless(app.Task):  # type: ignore[misc,name-defined]
         def run(self) -> str:
-            return self.name
+            return str(self.name)
 
     task = app.register_task(Nameless)
     assert task.name == f"{__name__}.Nameless" == Nameless().name
