@@ -47,6 +47,22 @@ class Flaky(app.Task):  # type: ignore[misc,name-defined]
         return int(self.request.retries)
 
 
+class Backoff(app.Task):  # type: ignore[misc,name-defined]
+    """Autoretried with exponential backoff; ``acks_late`` accepted (Clockwork always acks late)."""
+
+    name = "taskapi.backoff"
+    autoretry_for = (TimeoutError,)
+    retry_backoff = 0.05  # 0.05 s, then 0.1 s: the factor of 2 ** retries
+    retry_jitter = False
+    max_retries = 2
+    acks_late = True
+
+    def run(self) -> list[Any]:
+        if self.request.retries < 2:
+            raise TimeoutError(f"attempt {self.request.retries}")
+        return [self.request.retries, self.request.eta is not None]
+
+
 class Limited(app.Task):  # type: ignore[misc,name-defined]
     """Limits declared on the class: the client puts them in the message's ``timelimit``."""
 
@@ -84,6 +100,7 @@ class Slowed(app.Task):  # type: ignore[misc,name-defined]
 
 
 app.register_task(Add())
+app.register_task(Backoff())
 app.register_task(Routed())
 app.register_task(Slowed(), rate_limit="100/m")
 app.register_task(Flaky())

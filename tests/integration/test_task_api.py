@@ -90,6 +90,11 @@ def test_autoretry_for_on_a_class_retries_until_the_task_succeeds_or_runs_out(ap
         tasks.Flaky().delay(5).get(timeout=30)  # max_retries = 3
 
 
+def test_retry_backoff_on_a_class_sends_each_retry_later(app: App):
+    # Two retries, each with an ETA (the backoff's countdown), then the third run succeeds.
+    assert tasks.Backoff().delay().get(timeout=30) == [2, True]
+
+
 def test_register_task_refuses_what_it_cannot_run(app: App):
     other = App("other", broker="amqp://guest:guest@127.0.0.1:5672/", set_as_current=False)
     try:
