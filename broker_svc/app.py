@@ -83,6 +83,7 @@ class App(TaskRegistry):
         self.settings = settings
         self.clock = LamportClock()
         self.tasks: dict[str, TaskBase] = {}
+        self._task_base: type[TaskBase] | None = None
         self._producer: Producer | None = None
         self._batches = BatchScope()
         self.conf = Config(self._apply_settings)
@@ -175,8 +176,12 @@ class App(TaskRegistry):
 
     @property
     def Task(self) -> type[TaskBase]:  # Celery's name
-        """The base class of this app's tasks, to subclass for ``base=`` (``class Base(app.Task)``)."""
-        return TaskBase
+        """The base class of this app's tasks, bound to it, as Celery's: subclass it for ``base=``
+        or for a class-based task (``class T(app.Task)``, then ``app.register_task(T())``)."""
+        if self._task_base is None:
+            # One class per app, made on first use, so ``T().delay()`` sends through this app.
+            self._task_base = type("Task", (TaskBase,), {"app": self, "__module__": TaskBase.__module__})
+        return self._task_base
 
     def __repr__(self) -> str:
         return f"<App {self.main or '__main__'} broker={self.settings.safe_broker_url}>"

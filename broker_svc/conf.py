@@ -124,7 +124,7 @@ ACCEPTED_AS_DESIGNED: Final[Mapping[str, str]] = {
     "broker_connection_retry_on_startup": "Clockwork's connections retry within reconnect_window_s",
     "broker_connection_retry": "Clockwork's connections retry within reconnect_window_s",
     "task_create_missing_queues": "a task queue is declared by whoever uses it first",
-    "worker_hijack_root_logger": "Clockwork's worker configures only its own loggers",
+    "worker_hijack_root_logger": "Clockwork's worker replaces the root logger's handlers (Celery's default)",
     "task_protocol": "Clockwork speaks task protocol 2",
 }
 

@@ -325,7 +325,8 @@ class Inspect:
         return self._request("revoked")
 
     def registered(self, *taskinfoitems: str) -> InspectResult[list[str]]:
-        """``{node: [task name, ...]}``."""
+        """``{node: [task name, ...]}``; a task with one of ``taskinfoitems`` (by default
+        ``exchange``, ``routing_key``, ``rate_limit``) reads ``name [rate_limit=10/s ...]``."""
         return self._request("registered", taskinfoitems=list(taskinfoitems))
 
     registered_tasks = registered
@@ -348,6 +349,10 @@ class Inspect:
     def conf(self, with_defaults: bool = False) -> InspectResult[dict[str, Any]]:
         """``{node: {setting: value}}``."""
         return self._request("conf", with_defaults=with_defaults)
+
+    def report(self) -> InspectResult[dict[str, str]]:
+        """``{node: {"ok": text}}``: software versions, platform and settings (Celery's ``report``)."""
+        return self._request("report")
 
     def dedup(self) -> InspectResult[dict[str, Any]]:
         """``{node: {...}}``: the dedup gate shards a worker keeps, its keys and its decisions."""

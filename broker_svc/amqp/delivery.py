@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from broker_svc.amqp.frames import Properties
 from broker_svc.errors import BrokerUnavailable
 
 __all__ = ["ConnectionLost", "TaskDelivery"]
@@ -64,3 +65,5 @@ class TaskDelivery:
     correlation_id: str | None
     reply_to: str | None
     priority: int | None
+    # The whole content header, for what Celery shows a task as ``request.properties``.
+    properties: Properties | None = None

@@ -36,7 +36,7 @@ def task_delivery(
         redelivered=deliver.redelivered, tag=deliver.delivery_tag, generation=generation,
         content_type=properties.content_type, content_encoding=properties.content_encoding,
         headers=properties.headers or {}, correlation_id=properties.correlation_id,
-        reply_to=properties.reply_to, priority=properties.priority,
+        reply_to=properties.reply_to, priority=properties.priority, properties=properties,
     )  # fmt: skip
 
 

@@ -9,7 +9,7 @@ from typing_extensions import ParamSpec, TypeVar
 
 from broker_svc.errors import NotRegistered
 from broker_svc.tasks.task import Task as TaskBase
-from broker_svc.tasks.task_class import build_task_class
+from broker_svc.tasks.task_class import build_task_class, check_task_class
 
 __all__ = ["TaskRegistry"]
 
@@ -92,7 +92,48 @@ class TaskRegistry:
         self.tasks[name] = instance
         return instance
 
-    def _default_name(self, fn: Callable[..., Any]) -> str:
+    def register_task(self, task: TaskBase | type[TaskBase], **options: Any) -> TaskBase:
+        """Register a class-based task, as Celery's ``app.register_task`` (``class T(app.Task)``).
+
+        ``task`` is an instance (or its class, made with no arguments). Its class attributes are its
+        options, as with ``@app.task(...)``; ``options`` set more on this instance (Celery passes
+        ``autoretry_for``, ``retry_kwargs``, ``retry_backoff``, ... this way). A task without a
+        ``name`` is named ``<module>.<ClassName>``. A class of ``app.Task`` sends through that app
+        (``T().delay()``); one of plain ``broker_svc.Task`` is bound to this one. A worker runs the
+        instance registered here: register it in a module the worker imports (the ``-A`` app
+        module or one it ``include``s).
+
+        Returns:
+            The task registered: ``task``, or the instance of its class registered before.
+
+        Raises:
+            TypeError: ``task`` is not a ``broker_svc.Task`` (or subclass), an unknown option, or a
+                ``dedup_key`` that is neither one of ``run``'s arguments nor a callable.
+            ValueError: another task already has its name; a ``rate_limit`` that is not a rate; a
+                ``dedup_timeout`` out of range.
+        """
+        if isinstance(task, type) and issubclass(task, TaskBase):
+            task = task()
+        if not isinstance(task, TaskBase):
+            raise TypeError(f"register_task() takes a broker_svc.Task instance or subclass, got {task!r}")
+        cls = type(task)
+        unknown = set(options) - cls.OPTIONS
+        if unknown:
+            raise TypeError(f"unknown task option(s) {sorted(unknown)}; known: {sorted(cls.OPTIONS)}")
+        for option, value in options.items():
+            setattr(task, option, value)  # on this instance, as Celery's add_autoretry_behaviour
+        if not task.name:
+            cls.name = self._default_name(cls)  # on the class: ``T().delay()`` has it too
+        existing = self.tasks.get(task.name)
+        if existing is not None:
+            if existing is task or type(existing) is cls:
+                return existing  # the module imported twice, or the class registered again
+            raise ValueError(f"a task named {task.name!r} is already registered; give it another name")
+        checked = check_task_class(task, self)
+        self.tasks[task.name] = checked
+        return checked
+
+    def _default_name(self, fn: Callable[..., Any] | type) -> str:
         module = fn.__module__
         if module == "__main__" and self.main:
             module = self.main

@@ -57,7 +57,11 @@ class Request:
     correlation_id: str | None = None
     origin: str | None = None
     ignore_result: bool = False
+    # The message's ``timelimit`` header, ``(hard, soft)``; ``time_limit``/``soft_time_limit`` read it.
     timelimit: tuple[float | None, float | None] = (None, None)
+    # The message's AMQP properties as Celery shows them (``content_type``, ``application_headers``,
+    # ``priority``, ``reply_to``, ...); None outside a worker.
+    properties: dict[str, Any] | None = None
     called_directly: bool = True
     # Run here by ``apply()`` (Celery's eager mode), not by a worker.
     is_eager: bool = False
@@ -71,8 +75,6 @@ class Request:
     chord: dict[str, Any] | None = None
     group_index: int | None = None
     replaced_task_nesting: int = 0
-    # Ours: the message's content type, so what ``replace`` sends for it goes in the same serializer.
-    content_type: str | None = None
     # The message's own headers (``apply_async(headers=...)``), also readable as attributes, as
     # Celery shows them: ``self.request.headers["tenant"]`` or ``self.request.tenant``.
     headers: dict[str, Any] | None = None
@@ -82,6 +84,19 @@ class Request:
     send_update: Callable[[dict[str, Any]], None] | None = field(default=None, repr=False)
     # Set by ``Task.retry`` when no retries are left, so the worker dead-letters the message.
     retries_exhausted: bool = False
+
+    @property
+    def time_limit(self) -> float | None:
+        """The hard time limit the message carries (its ``timelimit`` header), as Celery's request.
+
+        None when the sender set none, although the worker may hold the run to its own default.
+        """
+        return self.timelimit[0]
+
+    @property
+    def soft_time_limit(self) -> float | None:
+        """The soft time limit the message carries; None when the sender set none."""
+        return self.timelimit[1]
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names that are not fields: a custom header, as Celery's Context has them.
@@ -120,13 +135,13 @@ class Request:
             origin=context.get("origin"),
             ignore_result=bool(context.get("ignore_result")),
             timelimit=(limits[0], limits[1]),
+            properties=context.get("properties"),
             errbacks=context.get("errbacks"),
             callbacks=context.get("callbacks"),
             chain=context.get("chain"),
             chord=context.get("chord"),
             group_index=context.get("group_index"),
             replaced_task_nesting=int(context.get("replaced_task_nesting") or 0),
-            content_type=context.get("content_type"),
             headers=context.get("headers"),
             called_directly=False,
             send_update=send_update,

@@ -14,7 +14,7 @@ from broker_svc.canvas import maps
 from broker_svc.canvas.signature import Signature
 from broker_svc.errors import MaxRetriesExceededError, Retry
 from broker_svc.logging import get_logger
-from broker_svc.tasks.arguments import check_call_arguments
+from broker_svc.tasks.arguments import check_call_arguments, retry_arguments
 from broker_svc.tasks.eager import EagerResult, apply
 from broker_svc.tasks.pydantic_args import call_with_models
 from broker_svc.tasks.replace import replace
@@ -60,10 +60,10 @@ class Task(Generic[P, R]):
     rate_limit: ClassVar[str | int | float | None] = None
     track_started: ClassVar[bool] = False
     max_retries: ClassVar[int | None] = 3
-    default_retry_delay: ClassVar[float] = 180.0
+    default_retry_delay: ClassVar[float] = 180  # an int, as Celery shows it (inspect registered)
     autoretry_for: ClassVar[tuple[type[BaseException], ...]] = ()
     retry_backoff: ClassVar[bool | float] = False
-    retry_backoff_max: ClassVar[float] = 600.0
+    retry_backoff_max: ClassVar[float] = 600
     retry_jitter: ClassVar[bool] = True
     # Passed to ``retry`` by ``autoretry_for`` (``max_retries``, ``countdown``), as Celery's.
     retry_kwargs: ClassVar[Mapping[str, Any]] = {}
@@ -134,8 +134,10 @@ class Task(Generic[P, R]):
         """Ask the worker to run this task again later (same id, ``retries + 1``), as Celery's.
 
         Use as ``raise self.retry(exc=exc)``; it always raises. ``args``/``kwargs`` replace the
-        next attempt's arguments. Other send options (``queue``, ``priority``, ...) are not
-        honoured on a retry: the copy goes back where it came from, and a warning says so.
+        next attempt's arguments, as Celery 5.7's: given one alone, the call's other half is kept
+        where it does not clash (``retry_arguments``). Other send options (``queue``,
+        ``priority``, ...) are not honoured on a retry: the copy goes back where it came from, and
+        a warning says so.
 
         Raises:
             Retry: always, when retries are left; the worker republishes the task.
@@ -160,12 +162,17 @@ class Task(Generic[P, R]):
             log.warning("retry_options_ignored", task_name=self.name, options=sorted(options))
         del throw  # a Retry is always raised here; the worker decides what the caller sees
         reason = f"retry in {(eta - dt.datetime.now(dt.UTC)).total_seconds():.1f} s"
+        call_args: tuple[Any, ...] | None = None
+        call_kwargs: dict[str, Any] | None = None
+        if args is not None or kwargs is not None:  # both halves, so the worker keeps neither
+            next_args, call_kwargs = retry_arguments(self.run, request.args, request.kwargs, args, kwargs)
+            call_args = tuple(next_args)
         raise Retry(
             f"{reason}: {exc!r}" if exc is not None else reason,
             exc=exc,
             eta=eta,
-            call_args=tuple(args) if args is not None else None,
-            call_kwargs=dict(kwargs) if kwargs is not None else None,
+            call_args=call_args,
+            call_kwargs=call_kwargs,
         )
 
     def update_state(

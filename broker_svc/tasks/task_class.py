@@ -1,7 +1,9 @@
-"""The task class made from a function (``build_task_class``), as ``@app.task`` registers it."""
+"""A task's class: made from a function (``build_task_class``, ``@app.task``) or written as one
+(``check_task_class``, ``app.register_task``)."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -9,7 +11,7 @@ from broker_svc.sending.dedup_keys import task_dedup
 from broker_svc.tasks.task import Task
 from broker_svc.wire.rates import parse_rate
 
-__all__ = ["build_task_class"]
+__all__ = ["build_task_class", "check_task_class"]
 
 
 def build_task_class(
@@ -52,3 +54,29 @@ def build_task_class(
     if callable(dedup_key):
         attrs["dedup_key"] = staticmethod(dedup_key)  # a function, not a method of the task
     return type(fn.__name__, (base,), attrs)
+
+
+def check_task_class(task: Task, app: object) -> Task:
+    """Bind a class-based task (``class T(app.Task)``) to ``app`` and check its options; ``task``.
+
+    The checks ``build_task_class`` makes of a decorator's options, made of the class's attributes.
+
+    Raises:
+        ValueError: a ``rate_limit`` that is not a rate, or a ``dedup_timeout`` out of range.
+        TypeError: a ``dedup_key`` that is neither one of ``run``'s arguments nor a callable.
+    """
+    cls = type(task)
+    try:
+        parse_rate(task.rate_limit)
+    except ValueError as exc:
+        raise ValueError(f"task {task.name!r}: {exc}") from None
+    written = inspect.getattr_static(task, "dedup_key")
+    if inspect.isfunction(written):
+        cls.dedup_key = staticmethod(written)  # a function of the call's arguments, not a method
+    cls._dedup = task_dedup(
+        task.run, task_name=task.name, bind=False, dedup_key=task.dedup_key, dedup_timeout=task.dedup_timeout
+    )
+    if getattr(cls, "app", None) is None:
+        # A class of plain ``broker_svc.Task``; one of ``app.Task`` keeps the app it was made for.
+        cls.app = app  # type: ignore[assignment]  # any TaskApp: T().delay() sends through it
+    return task

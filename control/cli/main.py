@@ -51,12 +51,13 @@ INSPECT_METHODS: Final = {
     "reserved": ("reserved", "tasks received, not started"),
     "scheduled": ("scheduled", "tasks waiting for their ETA"),
     "revoked": ("revoked", "revoked task ids"),
-    "registered": ("registered", "task names each worker knows"),
+    "registered": ("registered", "task names each worker knows (with ATTRs: name [attr=value ...])"),
     "stats": ("stats", "worker statistics"),
     "clock": ("clock", "each worker's Lamport clock"),
     "query-task": ("query_task", "where tasks are (active, reserved)"),
     "active-queues": ("active_queues", "queues each worker consumes"),
     "conf": ("conf", "worker configuration"),
+    "report": ("report", "each worker's report: software versions, platform, settings"),
     "dedup": ("dedup", "dedup gate: shards kept, keys held, decisions counted"),
 }
 

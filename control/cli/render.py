@@ -70,7 +70,11 @@ def show(
     width = max((len(node) for node in by_node), default=0)
     layout = _LAYOUTS.get(method or "")
     for node, value in by_node.items():
-        if is_error(value) or is_ok(value) or layout is None:
+        if method == "report" and is_ok(value) and isinstance(value["ok"], str):
+            # A text report: its lines under the node, not squeezed into a summary.
+            out.write(f"{style.node(node.ljust(width))}  {style.ok('OK')}\n")
+            lines = value["ok"].strip("\n").splitlines()
+        elif is_error(value) or is_ok(value) or layout is None:
             out.write(f"{style.node(node.ljust(width))}  {_summary(value, style)}\n")
             lines = [] if is_error(value) or is_ok(value) else _details(value)
         else:

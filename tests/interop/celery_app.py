@@ -99,3 +99,54 @@ def beat_tick(self, journal: str, seconds: float = 0.0) -> str:
         journal, self.request, started=started, headers=sorted(headers), reply_to=self.request.reply_to
     )
     return str(self.request.id)
+
+
+# Celery's task API idioms, as tests/integration/task_api_tasks.py defines them for our worker.
+
+
+class Add(app.Task):  # type: ignore[name-defined,misc]  # Celery's app.Task: a class made per app
+    name = "taskapi.add"
+    rate_limit = "50/s"
+    max_retries = 7
+
+    def run(self, x: int, y: int) -> int:
+        return x + y
+
+
+class Flaky(app.Task):  # type: ignore[name-defined,misc]
+    name = "taskapi.flaky"
+    autoretry_for = (ConnectionError,)
+    max_retries = 3
+    default_retry_delay = 0
+
+    def run(self, need: int) -> int:
+        if self.request.retries < need:
+            raise ConnectionError(f"attempt {self.request.retries}")
+        return int(self.request.retries)
+
+
+app.register_task(Add())
+app.register_task(Flaky())
+
+
+@app.task(bind=True, name="taskapi.request_fields")
+def request_fields(self) -> dict:
+    return {
+        "time_limit": self.request.time_limit,
+        "soft_time_limit": self.request.soft_time_limit,
+        "properties": self.request.properties,
+    }
+
+
+@app.task(bind=True, name="taskapi.grow", default_retry_delay=0)
+def grow(self, foo: int, bar: int = 0) -> list:
+    if self.request.retries == 0:
+        raise self.retry(kwargs={"foo": foo * 10})
+    return [foo, bar, list(self.request.args), dict(self.request.kwargs)]
+
+
+@app.task(bind=True, name="taskapi.shrink", default_retry_delay=0)
+def shrink(self, foo: int, bar: int = 0) -> list:
+    if self.request.retries == 0:
+        raise self.retry(args=(foo - 1,))
+    return [foo, bar, list(self.request.args), dict(self.request.kwargs)]

@@ -52,7 +52,7 @@ async def test_a_handler_that_raises_gives_a_typed_error():
 def test_vocabulary_has_celerys_commands():
     inspect = {n for n, c in COMMANDS.items() if c.kind is CommandKind.INSPECT}
     assert {"ping", "clock", "hello", "stats", "active", "reserved", "scheduled", "revoked", "registered",
-            "query_task", "active_queues", "conf"} == inspect - {"dedup"}  # fmt: skip
+            "query_task", "active_queues", "conf", "report"} == inspect - {"dedup"}  # fmt: skip
     assert {"revoke", "terminate", "time_limit", "add_consumer", "cancel_consumer", "enable_events",
             "disable_events", "heartbeat", "shutdown"} <= set(COMMANDS)  # fmt: skip
 

@@ -84,6 +84,12 @@ def test_errors_stand_out_and_colour_is_only_for_a_terminal():
     assert not Style.for_stream(io.StringIO()).enabled  # not a terminal
 
 
+def test_a_report_is_printed_line_by_line_under_its_node():
+    text = _shown({"w1@h": {"ok": "\nsoftware -> clockwork:1.0\nloader   -> m:app\n"}}, "report")
+    assert text.splitlines() == ["w1@h  OK", "        software -> clockwork:1.0", "        loader   -> m:app"]
+    assert _shown({"w1@h": {"error": "unknown command 'report'"}}, "report").startswith("w1@h  ERROR")
+
+
 def test_control_commands_have_help_that_says_what_they_do():
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit):

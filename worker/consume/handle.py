@@ -49,7 +49,13 @@ from worker.rules.deliveries import (
 )
 from worker.rules.disposition import ACK, Disposition
 from worker.rules.gate_forward import to_gate
-from worker.rules.job_request import delivery_info, past_dedup_deadline, request_context, time_limits
+from worker.rules.job_request import (
+    delivery_info,
+    message_properties,
+    past_dedup_deadline,
+    request_context,
+    time_limits,
+)
 from worker.rules.rate_limits import RATE_RESERVED_HEADER
 from worker.shared.rates import SharedRates
 
@@ -266,7 +272,12 @@ class FeedHandler:
             task_name=request.task,
             args=request.args,
             kwargs=request.kwargs,
-            request=request_context(request, delivery_info(delivery), hostname=self._spec.hostname),
+            request=request_context(
+                request,
+                delivery_info(delivery),
+                hostname=self._spec.hostname,
+                properties=message_properties(delivery.properties),
+            ),
             hard_time_limit_s=hard,
             soft_time_limit_s=soft,
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import resource
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import urlsplit
 
@@ -24,6 +24,8 @@ from worker.events import EventDispatcher, Heart
 from worker.pool.autoscale import Autoscaler, PoolSizer
 from worker.pool.pool import ProcessPool
 from worker.pool.state import WorkerState
+from worker.remote.bug_report import bug_report
+from worker.remote.conf_table import conf_table
 from worker.remote.mingle import HELLO_REVOKED_LIMIT
 from worker.remote.revocation_log import RevocationLog
 from worker.remote.revoker import Revoker
@@ -32,7 +34,7 @@ from worker.rules.rate_limits import parse_rate
 if TYPE_CHECKING:
     from worker.single_active.gatekeeper import Gatekeeper
 
-__all__ = ["COMMAND_NAMES", "WorkerCommands", "queue_info"]
+__all__ = ["COMMAND_NAMES", "DEFAULT_TASK_INFO_ITEMS", "WorkerCommands", "queue_info", "task_info"]
 
 log = structlog.get_logger(__name__)
 
@@ -41,8 +43,11 @@ COMMAND_NAMES: Final = (
     "active", "stats", "ping", "clock", "registered", "revoked", "hello", "reserved", "scheduled",
     "query_task", "active_queues", "conf", "revoke", "terminate", "time_limit", "rate_limit",
     "add_consumer", "cancel_consumer", "enable_events", "disable_events", "heartbeat", "shutdown",
-    "pool_grow", "pool_shrink", "autoscale", "dedup",
+    "pool_grow", "pool_shrink", "autoscale", "dedup", "report",
 )  # fmt: skip
+
+# Celery's task-info items when ``registered`` is given none (celery/worker/control.py).
+DEFAULT_TASK_INFO_ITEMS: Final = ("exchange", "routing_key", "rate_limit")
 
 # Celery's exact refusals (celery/worker/control.py).
 _NOT_WITH_AUTOSCALE = "{} is not supported with autoscale. Adjust autoscale range instead."
@@ -122,7 +127,18 @@ class WorkerCommands:
         return self._state.query(wanted, await self._pool.feeding.held())
 
     async def registered(self, taskinfoitems: list[Any] | None, builtins: bool) -> list[str]:
-        return sorted(name for name in self._app.tasks if builtins or not name.startswith("celery."))
+        """Celery's ``registered``: each name, with ``[item=value ...]`` for the items it has."""
+        items = [
+            item
+            for item in (taskinfoitems or DEFAULT_TASK_INFO_ITEMS)
+            if isinstance(item, str) and not item.startswith("_")
+        ]
+        tasks = self._app.tasks
+        return [
+            task_info(tasks[name], items)
+            for name in sorted(tasks)
+            if builtins or not name.startswith("celery.")
+        ]
 
     async def active_queues(self) -> list[dict[str, Any]]:
         return [queue_info(name) for name in self._queues.listed()]
@@ -176,19 +192,19 @@ class WorkerCommands:
         return reply
 
     async def conf(self, with_defaults: bool) -> dict[str, Any]:
-        config, settings = self._config, self._config.settings
-        return {
-            "broker_url": settings.safe_broker_url,
-            "task_serializer": settings.serializer,
-            "accept_content": list(settings.accept_content),
-            "task_default_queue": settings.default_queue,
-            "worker_concurrency": config.concurrency,
-            "worker_prefetch_multiplier": config.prefetch_multiplier,
-            "task_time_limit": config.time_limit_s,
-            "task_soft_time_limit": config.soft_time_limit_s,
-            "worker_send_task_events": self._events.task_events,
-            "result_persistent": settings.result_persistent,
-        }
+        """Celery's ``conf``: settings by Celery's names, what this worker does (``conf_table``)."""
+        return conf_table(
+            self._app, self._config, task_events=self._events.task_events, with_defaults=with_defaults
+        )
+
+    async def report(self) -> dict[str, Any]:
+        """Celery's ``report``: versions, platform and settings, as text."""
+        settings = conf_table(
+            self._app, self._config, task_events=self._events.task_events, with_defaults=False
+        )
+        return ok(
+            bug_report(app_spec=self._config.app_spec, results=settings["result_backend"], settings=settings)
+        )
 
     # -- the node: liveness, clock, peers -------------------------------------------------------------
 
@@ -258,8 +274,12 @@ class WorkerCommands:
         if task_name not in self._app.tasks:
             log.warning("rate_limit_unknown_task", task_name=task_name)
             return nok("unknown task")
-        # As Celery, rewrite the task's option too: it stays what this worker enforces.
-        type(self._app.tasks[task_name]).rate_limit = rate_limit
+        # As Celery, rewrite the task's option too: it stays what this worker enforces (and what
+        # ``registered`` shows), on the instance too when ``register_task`` set it there.
+        task = self._app.tasks[task_name]
+        type(task).rate_limit = rate_limit
+        if "rate_limit" in vars(task):
+            vars(task)["rate_limit"] = rate_limit
         self._pool.feeding.rates.set(task_name, per_second)  # every child takes from the same bucket
         if per_second is None:
             log.info("rate_limit_disabled", task_name=task_name)
@@ -332,6 +352,17 @@ class WorkerCommands:
         except ValueError as exc:
             return nok(repr(exc))
         return ok(f"autoscale now max={new_max} min={new_min}")
+
+
+def task_info(task: object, items: Sequence[str]) -> str:
+    """A task as Celery's ``registered`` lists it: ``name [rate_limit=10/s ...]``.
+
+    Each item is the task's attribute of that name, as ``str()``; those it lacks or holds None for
+    are left out, and a task with none of them is its bare name.
+    """
+    name = str(getattr(task, "name", ""))
+    fields = [f"{item}={value}" for item in items if (value := getattr(task, item, None)) is not None]
+    return f"{name} [{' '.join(fields)}]" if fields else name
 
 
 def queue_info(name: str) -> dict[str, Any]:

@@ -23,6 +23,7 @@ __all__ = [
     "DeliveryFacts",
     "custom_headers",
     "delivery_info",
+    "message_properties",
     "past_dedup_deadline",
     "reply_wanted",
     "request_context",
@@ -96,9 +97,23 @@ def reply_wanted(request: TaskMessage, task: Task | None, *, failed: bool = Fals
     return not ignored or (failed and task is not None and task.store_errors_even_if_ignored)
 
 
-def request_context(request: TaskMessage, delivery: dict[str, Any], *, hostname: str) -> dict[str, Any]:
-    """The ``task.request`` context a child sees for ``request`` (``delivery``: its delivery_info)."""
+def request_context(
+    request: TaskMessage,
+    delivery: dict[str, Any],
+    *,
+    hostname: str,
+    properties: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The ``task.request`` context a child sees for ``request``.
+
+    Args:
+        request: the decoded task message.
+        delivery: its ``delivery_info``.
+        hostname: the worker's node name.
+        properties: its AMQP properties as Celery shows them (``message_properties``).
+    """
     return {
+        "properties": properties,
         "id": request.id,
         "retries": request.retries,
         "hostname": hostname,
@@ -118,7 +133,6 @@ def request_context(request: TaskMessage, delivery: dict[str, Any], *, hostname:
         **{key: request.embed[key] for key in ("callbacks", "chain", "chord") if request.embed.get(key)},
         **({"group_index": request.group_index} if request.group_index is not None else {}),
         **({"replaced_task_nesting": n} if (n := request.replaced_task_nesting) else {}),
-        "content_type": request.content_type,
         **({"headers": headers} if (headers := custom_headers(request)) else {}),
     }
 
@@ -135,6 +149,34 @@ def custom_headers(request: TaskMessage) -> dict[str, Any]:
 # RabbitMQ's dead-lettering and delivery counts, and Clockwork's own bookkeeping.
 _NOT_CUSTOM_PREFIXES: Final = ("x-clockwork-", "x-death", "x-first-death-", "x-last-death-", "x-delivery-")
 _NOT_CUSTOM: Final = frozenset({"meth"})
+
+
+def message_properties(properties: object | None) -> dict[str, Any] | None:
+    """A delivery's AMQP properties as a Celery task sees them (``request.properties``).
+
+    ``properties`` is a content header as a child reads it (``broker_svc.amqp.frames.Properties``).
+    py-amqp's names and order, the headers as ``application_headers``, only those the message
+    carries: what kombu hands a Celery worker, so code reading ``priority`` or ``app_id`` there
+    works unchanged.
+    """
+    if properties is None:
+        return None
+    found: dict[str, Any] = {}
+    for name, attribute in _PROPERTY_NAMES:
+        value = getattr(properties, attribute, None)
+        if value is not None:
+            found[name] = value
+    return found
+
+
+# (Celery's name, the content header's attribute), in the order py-amqp decodes them.
+_PROPERTY_NAMES: Final = (
+    ("content_type", "content_type"), ("content_encoding", "content_encoding"),
+    ("application_headers", "headers"), ("delivery_mode", "delivery_mode"), ("priority", "priority"),
+    ("correlation_id", "correlation_id"), ("reply_to", "reply_to"), ("expiration", "expiration"),
+    ("message_id", "message_id"), ("timestamp", "timestamp"), ("type", "type"), ("user_id", "user_id"),
+    ("app_id", "app_id"),
+)  # fmt: skip
 
 
 def delivery_info(message: DeliveryFacts) -> dict[str, Any]:
