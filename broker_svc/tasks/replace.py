@@ -57,9 +57,8 @@ def replace(app: TaskApp, request: Request, sig: Signature) -> Any:
     rest = [maybe_signature(step, app) for step in reversed(request.chain or ())]
     everything = [*steps, *rest]
     # In the replaced task's serializer, as a worker's follow-ups: its caller reads that one.
-    serializer = {"application/json": "json", "application/x-msgpack": "msgpack"}.get(
-        request.content_type or ""
-    )
+    content_type = (request.properties or {}).get("content_type") or ""
+    serializer = {"application/json": "json", "application/x-msgpack": "msgpack"}.get(content_type)
     for step in everything:
         step.options["replaced_task_nesting"] = nesting
         if serializer is not None:
