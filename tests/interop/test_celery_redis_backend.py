@@ -107,6 +107,13 @@ def test_a_celery_clients_result_is_stored_in_celerys_format_and_read_from_anoth
         )
     )
     assert got == 5
+    # So does Celery's command line, which hung on an rpc:// result it could not reach.
+    shown = subprocess.run(
+        [sys.executable, "-m", "celery", "--broker", test_vhost_url, "--result-backend", redis_url, "result",
+         result.id],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert shown.returncode == 0 and shown.stdout.strip() == "5", shown.stderr[-2000:]
 
 
 def test_a_failure_is_stored_with_its_exception_and_traceback(
@@ -240,12 +247,12 @@ def test_our_client_on_redis_reads_results_from_another_process_and_from_celery_
             import json
             from broker_svc import App
             app = App("elsewhere", broker={test_vhost_url!r}, backend={redis_url!r}, set_as_current=False)
-            result = app.AsyncResult({sent.id!r})
-            print(json.dumps([result.get(timeout=30), result.state]))
+            result, job = app.AsyncResult({sent.id!r}), app.jobs.fetch({sent.id!r})
+            print(json.dumps([result.get(timeout=30), result.state, job.get(timeout=30)]))
             app.close()
             """
         )
-        assert got == [42, "SUCCESS"]
+        assert got == [42, "SUCCESS", 42]  # app.jobs.fetch(id) reads it too
         # A Celery worker on the same Redis sends no rpc reply: the result comes through Redis.
         theirs = unique_queue("redis-celery-ours")
         monkeypatch.setenv("INTEROP_RESULT_BACKEND", redis_url)
