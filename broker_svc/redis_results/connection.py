@@ -11,7 +11,7 @@ import redis
 from broker_svc.errors import ResultBackendUnavailable
 from broker_svc.logging import get_logger
 
-__all__ = ["REDIS_ERRORS", "open_client", "with_retries"]
+__all__ = ["REDIS_ERRORS", "WRITE_BUDGET_S", "open_client", "with_retries"]
 
 log = get_logger(__name__)
 
@@ -19,8 +19,10 @@ T = TypeVar("T")
 
 # What a Redis call raises when the server is unreachable, busy or refuses the command.
 REDIS_ERRORS: Final = (redis.RedisError, OSError)
-# Pauses between attempts: a write waits about 3 s for Redis before its task is handed back.
-_BACKOFF_S: Final = (0.1, 0.3, 0.6, 1.0, 1.0)
+# Pauses between attempts grow to this; a call is retried until its budget is spent.
+_MAX_PAUSE_S: Final = 1.0
+# Celery's Redis backend retries a write 20 times a second apart (its retry_policy): the same here.
+WRITE_BUDGET_S: Final = 20.0
 _SOCKET_TIMEOUT_S: Final = 5.0
 
 
@@ -33,18 +35,20 @@ def open_client(url: str) -> redis.Redis:
     )  # fmt: skip
 
 
-def with_retries(call: Callable[[], T], *, what: str) -> T:
-    """``call()``, again after a pause while Redis fails (about 3 s in all).
+def with_retries(call: Callable[[], T], *, what: str, within_s: float = WRITE_BUDGET_S) -> T:
+    """``call()``, again after a growing pause while Redis fails, for about ``within_s`` seconds.
 
     Raises:
         ResultBackendUnavailable: every attempt failed (with the last error as its cause).
     """
-    for pause_s in (*_BACKOFF_S, None):
+    deadline = time.monotonic() + within_s
+    pause_s = 0.1
+    while True:
         try:
             return call()
         except REDIS_ERRORS as exc:
-            if pause_s is None:
+            if time.monotonic() + pause_s > deadline:
                 raise ResultBackendUnavailable(f"Redis result backend: {what} failed: {exc}") from exc
             log.warning("result_backend_retry", what=what, error=str(exc), retry_in_s=pause_s)
             time.sleep(pause_s)
-    raise AssertionError("unreachable")  # pragma: no cover
+            pause_s = min(pause_s * 2, _MAX_PAUSE_S)

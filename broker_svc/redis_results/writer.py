@@ -7,7 +7,7 @@ from typing import Any
 import redis
 
 from broker_svc.redis_results.backend_conf import RedisBackendConf
-from broker_svc.redis_results.connection import with_retries
+from broker_svc.redis_results.connection import WRITE_BUDGET_S, with_retries
 from broker_svc.wire import codec
 from broker_svc.wire.states import State
 
@@ -43,14 +43,14 @@ class ResultWriter:
         content_type = codec.content_type_of(self.conf.serializer)[0]
         return codec.decode(payload, content_type, accept=self.conf.accept, max_bytes=self.conf.max_bytes)
 
-    def store(self, meta: dict[str, Any]) -> bool:
+    def store(self, meta: dict[str, Any], *, within_s: float = WRITE_BUDGET_S) -> bool:
         """Write ``meta`` (``result_meta``) and PUBLISH it; False if the task already succeeded.
 
         As Celery's backend: a SUCCESS stored is never overwritten (a copy that ran again, or a
         late STARTED, must not hide it); a FAILURE keeps ``result_failure_expires``.
 
         Raises:
-            ResultBackendUnavailable: Redis did not take it within the retries.
+            ResultBackendUnavailable: Redis did not take it within ``within_s`` of retries.
         """
         key = self.conf.keys.task(meta["task_id"])
         payload = self.encode(meta)
@@ -72,7 +72,7 @@ class ResultWriter:
                 pipe.execute()
             return True
 
-        return with_retries(write, what=f"store {meta['status']} of {meta['task_id']}")
+        return with_retries(write, what=f"store {meta['status']} of {meta['task_id']}", within_s=within_s)
 
 
 def _succeeded(writer: ResultWriter, payload: bytes) -> bool:

@@ -28,18 +28,33 @@ class RedisServerError(RuntimeError):
     """The private redis-server could not be started."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class RedisServer:
-    """A running private redis-server."""
+    """A private redis-server; ``stop()`` and ``start()`` again on the same port (fault tests)."""
 
     port: int
     base_dir: Path
     proc: subprocess.Popen[bytes]
+    binary: str
 
     @property
     def url(self) -> str:
         """``redis://127.0.0.1:<port>/0``."""
         return f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        """Stop the server (its data is gone: nothing is saved)."""
+        _stop(self.proc)
+
+    def start(self) -> None:
+        """Start it again on its port.
+
+        Raises:
+            RedisServerError: it did not answer within 20 s.
+        """
+        self.proc = _spawn(self.binary, self.port, self.base_dir)
+        if not _started(self):
+            raise RedisServerError(f"redis-server did not start again on {self.port}:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 30) -> str:
         path = self.base_dir / "redis.log"
@@ -90,47 +105,49 @@ def private_redis_server() -> Iterator[RedisServer]:
     binary = redis_server_binary()
     base_dir = Path(tempfile.mkdtemp(prefix="clockwork-redis-"))
     server: RedisServer | None = None
+    log = base_dir / "redis.log"
     try:
         for _attempt in range(3):  # another process may take the port between our probe and its bind
             port = _free_port()
-            proc = subprocess.Popen(
-                [
-                    binary,
-                    "--port",
-                    str(port),
-                    "--bind",
-                    "127.0.0.1",
-                    "--dir",
-                    str(base_dir),
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                    "--daemonize",
-                    "no",
-                    "--logfile",
-                    str(base_dir / "redis.log"),
-                ],  # fmt: skip
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
+            candidate = RedisServer(
+                port=port, base_dir=base_dir, proc=_spawn(binary, port, base_dir), binary=binary
             )
-            candidate = RedisServer(port=port, base_dir=base_dir, proc=proc)
             if _started(candidate):
                 server = candidate
                 break
-            _stop(proc)
+            candidate.stop()
         if server is None:
-            tail = (
-                (base_dir / "redis.log").read_text(errors="replace")[-2000:]
-                if (base_dir / "redis.log").exists()
-                else ""
-            )
+            tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
             raise RedisServerError(f"the private redis-server did not start:\n{tail}")
         yield server
     finally:
         if server is not None:
-            _stop(server.proc)
+            server.stop()
         shutil.rmtree(base_dir, ignore_errors=True)
+
+
+def _spawn(binary: str, port: int, base_dir: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(base_dir),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--daemonize",
+            "no",
+            "--logfile",
+            str(base_dir / "redis.log"),
+        ],  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def _started(server: RedisServer) -> bool:

@@ -22,6 +22,7 @@ from celery import Celery, chord
 from celery import exceptions as celery_exceptions
 
 from broker_svc import App
+from tests.infra.redis_server import private_redis_server
 from tests.interop.conftest import ROOT, close_celery_client
 from tests.support.amqp import delete_queues
 from tests.support.waiting import wait_for
@@ -263,3 +264,30 @@ def test_our_client_on_redis_reads_results_from_another_process_and_from_celery_
             delete_queues(test_vhost_url, theirs)
     finally:
         app.close()
+
+
+def test_a_result_redis_does_not_take_waits_for_redis_and_is_stored_not_lost(test_vhost_url: str):
+    # A Redis of its own, stopped while the task runs: the worker holds the result (and the ack)
+    # and retries; once Redis is back the result is stored, then the rpc reply goes out.
+    with private_redis_server() as server:
+        queue = unique_queue("redis-down")
+        env = {"CLOCKWORK_TEST_REDIS_URL": server.url}
+        with WorkerProcess(test_vhost_url, app=APP, queues=[queue], concurrency=1, env=env) as worker:
+            worker.wait_ready()
+            server.stop()
+            app = App("redis-down-client", broker=test_vhost_url, set_as_current=False)  # rpc:// results
+            try:
+                sent = app.send_task("canvas.add", (5, 6), queue=queue)
+                worker.first("result_backend_retry", timeout_s=30)
+                assert not sent.ready()  # nothing is answered before the result is stored
+                server.start()
+                assert sent.get(timeout=30) == 11
+                client = redis.Redis.from_url(server.url)
+                try:
+                    assert json.loads(client.get(f"celery-task-meta-{sent.id}"))["result"] == 11
+                finally:
+                    client.close()
+                assert worker.count("task_succeeded") == 1  # stored on the first run's retries
+            finally:
+                app.close()
+        delete_queues(test_vhost_url, queue, f"{queue}.dead")

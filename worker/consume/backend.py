@@ -7,10 +7,11 @@ and a chord sent by a client whose backend is Redis (its header tasks carry no `
 is counted in Redis as Celery's workers count it (``broker_svc/redis_results/chords.py``), so
 Celery workers and ours join one chord together.
 
-A ready state or a chord part that Redis does not take (after about 3 s of retries) raises
-``ResultBackendUnavailable``: the delivery is handed back and runs again, as when its rpc reply
-is not confirmed; a result is never lost silently. A non-ready state (STARTED, RETRY, progress)
-that cannot be written is logged and the task goes on, since a later state replaces it.
+A ready state or a chord part is retried for 20 s, as Celery's Redis backend retries a write;
+then ``ResultBackendUnavailable`` is raised: the delivery is handed back and runs again, as when
+its rpc reply is not confirmed, so a result is never lost silently (each hand-back counts toward
+``delivery_limit``). A non-ready state (STARTED, RETRY, progress) is retried for a second, then
+logged, and the task goes on: a later state replaces it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from broker_svc.canvas.follow_ups import FollowUp, follow_ups, runs_in_process
 from broker_svc.errors import ResultBackendUnavailable
 from broker_svc.redis_results.backend_conf import RedisBackendConf
 from broker_svc.redis_results.chords import ChordClaim, ChordCounter
-from broker_svc.redis_results.connection import open_client
+from broker_svc.redis_results.connection import WRITE_BUDGET_S, open_client
 from broker_svc.redis_results.writer import ResultWriter
 from broker_svc.wire.codec import reply_type
 from broker_svc.wire.result_message import Outcome, wire_exception
@@ -40,6 +41,8 @@ log = structlog.get_logger(__name__)
 
 # Header states that fail a chord (Celery's PROPAGATE_STATES).
 _PROPAGATE: Final = frozenset({State.FAILURE.value, State.REVOKED.value})
+# How long a STARTED, RETRY or progress state is retried before the task goes on without it.
+_PASSING_STATE_BUDGET_S: Final = 1.0
 # How long a claim is kept while the body is published and confirmed.
 _PUBLISH_CLAIM_S: Final = 60
 
@@ -83,12 +86,14 @@ class FeedBackend:
             if self._conf.extended
             else None
         )
+        # A non-ready state is not worth holding the task for: the next one replaces it.
+        within_s = WRITE_BUDGET_S if outcome.status in READY_STATES else _PASSING_STATE_BUDGET_S
         try:
             meta = result_meta(
                 outcome, group_id=request.group, parent_id=request.parent_id, extended=extended
             )
             try:
-                self._writer.store(meta)
+                self._writer.store(meta, within_s=within_s)
             except (TypeError, ValueError, OverflowError) as exc:  # as the rpc reply: a FAILURE says why
                 error = wire_exception(
                     "EncodeError", f"result cannot be encoded as {self._conf.serializer}: {exc}"
