@@ -136,6 +136,24 @@ def test_a_failure_is_stored_with_its_exception_and_traceback(
 def test_retry_and_started_states_are_visible_from_another_process(
     client: Celery, ours: WorkerProcess, tmp_path: Path, test_vhost_url: str, redis_url: str
 ):
+    # task_track_started in the worker's app: STARTED, with Celery's {pid, hostname}, while it runs.
+    unblock = tmp_path / "unblock"
+    running = client.send_task("redis.block_until", args=(str(unblock),), queue=ours.queues[0])
+    started = in_another_process(
+        celery_reader(
+            test_vhost_url, redis_url,
+            f"""
+            import time
+            r, deadline = app.AsyncResult({running.id!r}), time.monotonic() + 30
+            while r.state != "STARTED" and time.monotonic() < deadline:
+                time.sleep(0.02)
+            print(json.dumps([r.state, r.info]))
+            """,
+        )
+    )  # fmt: skip
+    assert started[0] == "STARTED" and started[1]["hostname"] == ours.name and started[1]["pid"] > 0
+    unblock.touch()
+    assert running.get(timeout=30) == "unblocked"
     flag = tmp_path / "go"
     result = client.send_task("redis.retry_until", args=(str(flag),), queue=ours.queues[0])
     seen = in_another_process(
