@@ -42,6 +42,9 @@ class ResultSource(Protocol):
     def unwatch(self, task_id: str) -> None:
         """Stop following ``task_id``."""
 
+    def forget(self, task_id: str) -> None:
+        """Delete ``task_id``'s stored state."""
+
 
 class ResultStore:
     """The latest states of the tasks one client is waiting for, fed by its reply-queue consumer.
@@ -92,9 +95,16 @@ class ResultStore:
             source.unwatch(task_id)
 
     def forget(self, task_id: str) -> None:
-        """Drop the states received so far for ``task_id``."""
+        """Drop the states received so far for ``task_id``, and its stored state in the source.
+
+        Raises:
+            ResultBackendUnavailable: the source (Redis) could not be reached.
+        """
         with self._cond:
             self._history.pop(task_id, None)
+        source = self.source() if self.source is not None else None
+        if source is not None:
+            source.forget(task_id)
 
     def on_delivery(self, delivery: Delivery) -> None:
         """Consumer callback (I/O thread): decode one result and wake its waiters."""

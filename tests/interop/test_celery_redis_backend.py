@@ -272,6 +272,13 @@ def test_our_client_on_redis_reads_results_from_another_process_and_from_celery_
             """
         )
         assert got == [42, "SUCCESS", 42]  # app.jobs.fetch(id) reads it too
+        store = redis.Redis.from_url(redis_url)
+        try:
+            assert store.exists(f"celery-task-meta-{sent.id}") == 1
+            sent.forget()  # as Celery's: the stored key goes
+            assert store.exists(f"celery-task-meta-{sent.id}") == 0
+        finally:
+            store.close()
         # A Celery worker on the same Redis sends no rpc reply: the result comes through Redis.
         theirs = unique_queue("redis-celery-ours")
         monkeypatch.setenv("INTEROP_RESULT_BACKEND", redis_url)
