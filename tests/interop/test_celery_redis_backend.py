@@ -21,7 +21,8 @@ import redis
 from celery import Celery, chord
 from celery import exceptions as celery_exceptions
 
-from broker_svc import App
+from broker_svc import App, ChordError
+from broker_svc import chord as our_chord
 from tests.infra.redis_server import private_redis_server
 from tests.interop.conftest import ROOT, close_celery_client
 from tests.support.amqp import delete_queues
@@ -279,6 +280,30 @@ def test_our_client_on_redis_reads_results_from_another_process_and_from_celery_
             assert store.exists(f"celery-task-meta-{sent.id}") == 0
         finally:
             store.close()
+        # Our client's own chords are joined on RabbitMQ; their bodies' results, a ChordError
+        # from the joiner included, are stored in Redis too, so another process reads them.
+        q = ours.queues[0]
+        joined = our_chord([app.signature("canvas.add", (1, 1), queue=q)])(
+            app.signature("canvas.xsum", queue=q)
+        )
+        failed = our_chord(
+            [app.signature("canvas.add", (1, 1), queue=q), app.signature("canvas.fail", (3,), queue=q)]
+        )(app.signature("canvas.xsum", queue=q))
+        assert joined.get(timeout=30) == 2
+        with pytest.raises(ChordError):
+            failed.get(timeout=30)
+        read = in_another_process(
+            f"""
+            import json
+            from broker_svc import App
+            app = App("elsewhere", broker={test_vhost_url!r}, backend={redis_url!r}, set_as_current=False)
+            error = app.AsyncResult({failed.id!r}).get(timeout=30, propagate=False)
+            value = app.AsyncResult({joined.id!r}).get(timeout=30)
+            print(json.dumps([value, type(error).__name__, str(error)]))
+            app.close()
+            """
+        )
+        assert read[0] == 2 and read[1] == "ChordError" and "Dependency" in read[2]
         # A Celery worker on the same Redis sends no rpc reply: the result comes through Redis.
         theirs = unique_queue("redis-celery-ours")
         monkeypatch.setenv("INTEROP_RESULT_BACKEND", redis_url)
