@@ -116,10 +116,13 @@ class RedisResults:
                     self._to_unsubscribe.clear()
                 self._serve(pubsub)
                 return
-            except REDIS_ERRORS as exc:
+            except Exception as exc:  # Redis's errors, and any other: the waits depend on this thread
                 pause_s = _RECONNECT_S[min(attempt, len(_RECONNECT_S) - 1)]
                 attempt += 1
-                log.warning("result_backend_subscription_lost", error=str(exc), retry_in_s=pause_s)
+                if isinstance(exc, REDIS_ERRORS):
+                    log.warning("result_backend_subscription_lost", error=str(exc), retry_in_s=pause_s)
+                else:
+                    log.exception("result_backend_reader_failed", retry_in_s=pause_s)
                 self._stopping.wait(pause_s)
             finally:
                 pubsub.close()
