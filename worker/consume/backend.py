@@ -23,7 +23,7 @@ import structlog
 
 from broker_svc.app import App
 from broker_svc.canvas.follow_ups import FollowUp, follow_ups, runs_in_process
-from broker_svc.errors import ResultBackendUnavailable
+from broker_svc.errors import MessageError, ResultBackendUnavailable
 from broker_svc.redis_results.backend_conf import RedisBackendConf
 from broker_svc.redis_results.chords import ChordClaim, ChordCounter
 from broker_svc.redis_results.connection import WRITE_BUDGET_S, open_client
@@ -95,6 +95,9 @@ class FeedBackend:
             try:
                 self._writer.store(meta, within_s=within_s)
             except (TypeError, ValueError, OverflowError) as exc:  # as the rpc reply: a FAILURE says why
+                if outcome.status not in READY_STATES:  # a progress meta it cannot carry: the task goes on
+                    log.warning("result_state_not_stored", state=outcome.status, error=str(exc))
+                    return
                 error = wire_exception(
                     "EncodeError", f"result cannot be encoded as {self._conf.serializer}: {exc}"
                 )
@@ -128,16 +131,32 @@ class FeedBackend:
         log.info("chord_part_counted", group_id=group_id, index=request.group_index, state=state.value)
         if claim is None:
             return
+        try:
+            self._complete(request, body, claim, send)
+        except BaseException:
+            # The body was not sent (or its failure not wholly told): let the claim go, so this
+            # task's next run completes the chord (its part counts once; the count stays whole)
+            # instead of waiting for the claim to lapse.
+            self._release(claim)
+            raise
+
+    def _complete(self, request: TaskMessage, body: Mapping[str, Any], claim: ChordClaim, send: Send) -> None:
+        # This worker's part completed the chord and it holds the claim: send the body, or fail it.
+        group_id = claim.group_id
         if self._chords.saved_group(claim):
             # The client saved the header as a GroupResult: groups inside the header, which a
             # Clockwork worker does not join (a Celery worker does); refused, never half-run.
-            self._fail_body(
-                request, body, "a chord whose header holds groups is not joined by Clockwork workers", send
-            )
+            why = "a chord whose header holds groups is not joined by Clockwork workers"
+            self._fail_body(request, body, why, send)
             self._chords.drop_size(group_id)
             return
-        entries = self._chords.results(claim)
-        for _one, task_id, part_state, value in entries:
+        try:
+            entries = [_entry(raw) for raw in self._chords.results(claim)]
+        except (MessageError, ValueError) as exc:  # Celery's "Join error"
+            self._fail_body(request, body, f"Join error: {exc}", send)
+            self._chords.drop_size(group_id)
+            return
+        for task_id, part_state, value in entries:
             if part_state in _PROPAGATE:
                 self._fail_body(request, body, f"Dependency {task_id} raised {_repr_error(value)}", send)
                 self._chords.drop_size(group_id)
@@ -145,15 +164,16 @@ class FeedBackend:
         if not self._chords.extend(claim, _PUBLISH_CLAIM_S):
             log.warning("chord_claim_lost", group_id=group_id)  # another worker took it over
             return
-        values = [value for _one, _task_id, _state, value in entries]
-        try:
-            send(follow_ups(body, parent=request, partial=(values,)))
-        except BaseException:
-            self._chords.release(claim)  # the task runs again and sends it then
-            raise
+        send(follow_ups(body, parent=request, partial=([value for _id, _state, value in entries],)))
         if not self._cleanup(claim):
             log.warning("chord_claim_lost_before_cleanup", group_id=group_id)
         log.info("chord_body_sent", group_id=group_id, size=claim.total)
+
+    def _release(self, claim: ChordClaim) -> None:
+        try:
+            self._chords.release(claim)
+        except ResultBackendUnavailable as exc:  # it lapses by itself within its lifetime
+            log.warning("chord_claim_not_released", group_id=claim.group_id, error=str(exc))
 
     def _cleanup(self, claim: ChordClaim) -> bool:
         try:
@@ -191,6 +211,13 @@ class FeedBackend:
                 )
                 continue
             send(follow_ups(errback, parent=request, partial=(body_id,)))
+
+
+def _entry(raw: Any) -> tuple[str, str, Any]:
+    # A header result as Celery stores it: [1, task id, state, result].
+    if not isinstance(raw, list | tuple) or len(raw) != 4 or not isinstance(raw[1], str):
+        raise ValueError(f"a chord result entry must be [1, id, state, result], got {raw!r:.200}")
+    return raw[1], str(raw[2]), raw[3]
 
 
 def _repr_error(value: Any) -> str:
