@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
-from urllib.parse import urlsplit
 
 from broker_svc.wire.result_message import Outcome
 from broker_svc.wire.task_message import TaskMessage
@@ -37,11 +36,15 @@ GROUP_KEY_PREFIX: Final = "celery-taskset-meta-"
 # A chord's keys beside its group key: results, added tasks, size, counted parts, dispatch claim.
 CHORD_KEY_SUFFIXES: Final = (".j", ".t", ".s", ".d", ".c")
 REDIS_SCHEMES: Final = frozenset({"redis", "rediss"})
+_REDIS_PREFIXES: Final = tuple(f"{scheme}://" for scheme in sorted(REDIS_SCHEMES))
 
 
 def is_redis_url(value: Any) -> bool:
-    """Whether ``value`` names a Redis result backend (``redis://`` or ``rediss://``)."""
-    return isinstance(value, str) and urlsplit(value).scheme in REDIS_SCHEMES
+    """Whether ``value`` names a Redis result backend (``redis://`` or ``rediss://``).
+
+    Asked on every result handle a client makes, so a prefix test, as Celery reads the scheme.
+    """
+    return isinstance(value, str) and value.startswith(_REDIS_PREFIXES)
 
 
 @dataclass(frozen=True, slots=True)
