@@ -18,7 +18,8 @@ __all__ = ["RedisBackendConf"]
 class RedisBackendConf:
     """An app's Redis result backend, from ``app.conf`` (Celery's setting names and defaults).
 
-    ``expires_s`` 0 means results never expire (Celery's ``result_expires=None``).
+    ``expires_s`` 0 would store results without expiry (``result_expires`` takes no 0 or None
+    here, as it also bounds the client's reply queue).
     """
 
     url: str
