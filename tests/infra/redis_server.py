@@ -73,10 +73,13 @@ def redis_server_binary() -> str:
     if found:
         return found
     if os.geteuid() == 0 and shutil.which("apt-get"):
-        subprocess.run(["apt-get", "install", "-y", "-q", "redis-server"], check=False, capture_output=True)
-        found = shutil.which("redis-server")
-        if found:
-            return found
+        install = ["apt-get", "install", "-y", "-q", "redis-server"]
+        for steps in ([install], [["apt-get", "update", "-q"], install]):  # the package lists may be stale
+            for command in steps:
+                subprocess.run(command, check=False, capture_output=True, timeout=600)
+            found = shutil.which("redis-server")
+            if found:
+                return found
     raise RedisServerError("redis-server is not installed: apt-get install redis-server (Debian's package)")
 
 
