@@ -36,9 +36,14 @@ class RedisResults:
     Args:
         conf: the app's Redis backend.
         offer: called with each state read (from this thread or the caller's).
+        read_on_watch: ``watch`` reads the stored state in the caller's thread too (so ``state``
+            right after a handle is made is Redis's); off for an event loop's thread.
     """
 
-    def __init__(self, conf: RedisBackendConf, *, offer: Callable[[Outcome], None]) -> None:
+    def __init__(
+        self, conf: RedisBackendConf, *, offer: Callable[[Outcome], None], read_on_watch: bool = True
+    ) -> None:
+        self._read_on_watch = read_on_watch
         self._client = open_client(conf.url)
         self._reader = ResultWriter(self._client, conf)  # its decode and keys
         self._keys = conf.keys
@@ -60,6 +65,8 @@ class RedisResults:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="clockwork-redis-results", daemon=True)
                 self._thread.start()
+        if not self._read_on_watch:
+            return
         try:
             self._read([key])  # ``state`` right after the handle is made is Redis's, as Celery's
         except REDIS_ERRORS as exc:

@@ -7,6 +7,7 @@ the machine's. Our worker loads ``tests/interop/redis_tasks.py``, whose app has 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -23,6 +24,7 @@ from celery import exceptions as celery_exceptions
 
 from broker_svc import App, ChordError
 from broker_svc import chord as our_chord
+from broker_svc.aio import AsyncApp
 from tests.infra.redis_server import private_redis_server
 from tests.interop.conftest import ROOT, close_celery_client
 from tests.support.amqp import delete_queues
@@ -273,6 +275,16 @@ def test_our_client_on_redis_reads_results_from_another_process_and_from_celery_
             """
         )
         assert got == [42, "SUCCESS", 42]  # app.jobs.fetch(id) reads it too
+
+        async def read_from_asyncio() -> Any:  # another client: the result reached the sender's queue only
+            reader = App("aio-reader", broker=test_vhost_url, backend=redis_url, set_as_current=False)
+            try:
+                async with AsyncApp(reader) as aapp:
+                    return await aapp.AsyncResult(sent.id).get(timeout=30)
+            finally:
+                reader.close()
+
+        assert asyncio.run(read_from_asyncio()) == 42
         store = redis.Redis.from_url(redis_url)
         try:
             assert store.exists(f"celery-task-meta-{sent.id}") == 1
