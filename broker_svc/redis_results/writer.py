@@ -6,6 +6,7 @@ from typing import Any
 
 import redis
 
+from broker_svc.errors import MessageError
 from broker_svc.redis_results.backend_conf import RedisBackendConf
 from broker_svc.redis_results.connection import WRITE_BUDGET_S, with_retries
 from broker_svc.wire import codec
@@ -51,6 +52,7 @@ class ResultWriter:
 
         Raises:
             ResultBackendUnavailable: Redis did not take it within ``within_s`` of retries.
+            TypeError, ValueError, OverflowError: the ``result_serializer`` cannot carry it.
         """
         key = self.conf.keys.task(meta["task_id"])
         payload = self.encode(meta)
@@ -78,6 +80,6 @@ class ResultWriter:
 def _succeeded(writer: ResultWriter, payload: bytes) -> bool:
     try:
         current = writer.decode(payload)
-    except Exception:  # unreadable here (another serializer): overwritten, as Celery would fail to read it
+    except MessageError:  # unreadable here (another serializer): overwritten; no reader could use it
         return False
     return isinstance(current, dict) and current.get("status") == State.SUCCESS
