@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import redis
-from celery import Celery, chord
+from celery import Celery, chain, chord, group
 from celery import exceptions as celery_exceptions
 
 from broker_svc import App, ChordError
@@ -199,6 +199,14 @@ def test_a_celery_chord_on_redis_results_runs_on_our_workers_and_cleans_up(
     )
     assert store.exists(*keys) == 0
     assert ours.count("chord_body_sent") >= 1
+    # A chain through a group, as Celery turns it into a chord: the steps after the body run too.
+    steps = chain(
+        s(client, "add", 1, 1, queue=queue),
+        group(s(client, "add", 10, queue=queue), s(client, "mul", 10, queue=queue)),
+        s(client, "xsum", queue=queue),
+        s(client, "mul", 2, queue=queue),
+    )
+    assert steps.apply_async().get(timeout=30) == (12 + 20) * 2
 
 
 def test_a_failed_header_task_fails_the_redis_chord_with_a_chord_error(
