@@ -207,6 +207,16 @@ def test_a_celery_chord_on_redis_results_runs_on_our_workers_and_cleans_up(
         s(client, "mul", 2, queue=queue),
     )
     assert steps.apply_async().get(timeout=30) == (12 + 20) * 2
+    # A chain inside the header counts as one part (its last step's), as Celery counts it.
+    header = [
+        chain(s(client, "add", 1, 1, queue=queue), s(client, "add", 2, queue=queue)),
+        s(client, "add", 3, 3, queue=queue),
+    ]
+    assert chord(header)(s(client, "xsum", queue=queue)).get(timeout=30) == 4 + 6
+    # A group inside the header: Celery's client flattens it into the header, and it is joined.
+    nested = chord([group(s(client, "add", 1, 1, queue=queue), s(client, "add", 2, 2, queue=queue)),
+                    s(client, "add", 3, 3, queue=queue)])(s(client, "xsum", queue=queue))  # fmt: skip
+    assert nested.get(timeout=30) == 2 + 4 + 6
 
 
 def test_a_failed_header_task_fails_the_redis_chord_with_a_chord_error(

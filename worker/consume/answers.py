@@ -133,14 +133,16 @@ class FeedAnswers:
         body = request.embed.get("chord")
         options = body.get("options") if isinstance(body, Mapping) else None
         reply_to = (options or {}).get("reply_to") or request.reply_to
-        if isinstance(options, Mapping) and isinstance(options.get("task_id"), str) and reply_to:
+        if isinstance(options, Mapping) and isinstance(options.get("task_id"), str):
             refused = wire_exception("ChordError", f"chord refused: {why}")
-            self._replies.result(
-                Outcome(task_id=options["task_id"], status=State.FAILURE, result=refused),
-                reply_to=reply_to,
-                correlation_id=options["task_id"],
-                content_type=reply_type(request.content_type),
-            )
+            body_failed = Outcome(task_id=options["task_id"], status=State.FAILURE, result=refused)
+            if self._canvas.redis is not None:
+                self._canvas.redis.store_alone(body_failed)
+            if reply_to:
+                self._replies.result(
+                    body_failed, reply_to=reply_to, correlation_id=options["task_id"],
+                    content_type=reply_type(request.content_type),
+                )  # fmt: skip
         return Disposition.dead_letter("unsupported_canvas", why)
 
     def fail(self, request: TaskMessage, reason: str, why: str, *, exc: tuple[str, str, str]) -> Handled:

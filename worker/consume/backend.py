@@ -110,6 +110,14 @@ class FeedBackend:
                 raise
             log.warning("result_state_not_stored", state=outcome.status, error=str(exc))
 
+    def store_alone(self, outcome: Outcome) -> None:
+        """Store a final state of a task that is not the one running (a refused chord's body).
+
+        Raises:
+            ResultBackendUnavailable: it was not stored (the delivery must not be acked).
+        """
+        self._writer.store(result_meta(outcome, group_id=None, parent_id=None, extended=None))
+
     def chord_part(self, request: TaskMessage, state: State, result: Any, *, send: Send) -> None:
         """A header task of a Redis-counted chord ended: count it; the last one sends the body.
 
@@ -190,7 +198,7 @@ class FeedBackend:
         error = wire_exception("ChordError", why)
         if isinstance(body_id, str) and body_id:
             failed = Outcome(task_id=body_id, status=State.FAILURE, result=error)
-            self._writer.store(result_meta(failed, group_id=None, parent_id=None, extended=None))
+            self.store_alone(failed)
             reply_to = options.get("reply_to") or request.reply_to
             if reply_to:
                 self._replies.result(
