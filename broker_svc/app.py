@@ -28,10 +28,12 @@ from broker_svc.tasks.task_app import set_current_app
 from broker_svc.tasks.task_modules import Discovery, import_task_modules
 from broker_svc.topology import new_reply_queue_name, result_queue
 from broker_svc.wire import codec
+from broker_svc.wire.result_meta import is_redis_url
 
 if TYPE_CHECKING:
     # Imported when the app first publishes: a worker, its forkserver and its children import the
     # app to run its tasks and need no pika (about 4 MiB each) unless a task sends one.
+    from broker_svc.redis_results.reader import RedisResults
     from broker_svc.results.jobs import Job, Jobs
     from broker_svc.sending.producer import Producer
     from broker_svc.spool.stats import SpoolStats
@@ -47,7 +49,8 @@ class App(TaskRegistry):
     Args:
         main: the app's name; tasks defined in ``__main__`` are named ``<main>.<function>``.
         broker: the broker URL (Celery's name); ``broker_url`` is the same.
-        backend: where results go: only ``"rpc://"`` (or None), as results travel on RabbitMQ.
+        backend: where results go: ``"rpc://"`` (or None: results travel on RabbitMQ) or a
+            ``redis://`` URL (Celery's Redis backend, read from any process; ``clockwork[redis]``).
         include: modules a worker imports at start, for the tasks they define.
         settings: full settings, used as given. Without them, every setting comes from its
             ``CLOCKWORK_<FIELD>`` variable where one is set (``Settings.from_env``), as the worker
@@ -104,6 +107,9 @@ class App(TaskRegistry):
         self._jobs: Jobs | None = None
         self._store.state_lookup = self._stream_state
         self._store.unreachable = self._unreachable
+        self._store.source = self._result_source
+        self._redis_results: RedisResults | None = None
+        self._source_lock = threading.Lock()
         self._close_hooks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         open_apps.add(self)
@@ -323,6 +329,28 @@ class App(TaskRegistry):
             TypeError: the arguments do not fit the task.
         """
         return self.jobs.enqueue(f, *args, **kwargs)
+
+    def _result_source(self) -> RedisResults | None:
+        # With a Redis result backend, results are read there too, from any process (as Celery's
+        # client reads them); made on the first result handle, so ``app.conf`` may set it first.
+        source = self._redis_results
+        if source is not None or not is_redis_url(self.conf.get("result_backend")):
+            return source
+        from broker_svc.redis_results.backend_conf import RedisBackendConf  # lazy: needs redis-py
+        from broker_svc.redis_results.reader import RedisResults
+
+        with self._source_lock:
+            if self._redis_results is None:
+                conf = RedisBackendConf.of(self.conf, self.settings)
+                assert conf is not None
+                self._redis_results = RedisResults(conf, offer=self._store.offer)
+                self._close_hooks.append(self._close_redis_results)
+            return self._redis_results
+
+    def _close_redis_results(self) -> None:
+        source, self._redis_results = self._redis_results, None
+        if source is not None:
+            source.close()
 
     def _stream_state(self, task_id: str) -> str | None:
         # ``AsyncResult.state`` of a task with no result here yet: the stream's, when it is kept.

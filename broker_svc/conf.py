@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import datetime as dt
 import importlib
+import importlib.util
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any, Final
 
 from broker_svc.errors import ConfigurationError
 from broker_svc.logging import get_logger
 from broker_svc.topology import SINGLE_ACTIVE_ARGUMENT
+from broker_svc.wire.result_meta import is_redis_url
 
 __all__ = ["ACCEPTED_AS_DESIGNED", "READ_BY_CLOCKWORK", "SETTINGS_FIELDS", "Config", "load_object"]
 
@@ -66,14 +68,22 @@ def _task_queues(value: Any, ordered: tuple[str, ...]) -> dict[str, Any]:
 
 
 def _backend(value: Any) -> None:
-    # Results travel on RabbitMQ, as Celery's rpc:// backend carries them; any other store would be
+    # Results travel on RabbitMQ, as Celery's rpc:// backend carries them, and with a redis:// URL
+    # also in Redis, in Celery's Redis format (broker_svc/redis_results/). Any other store would be
     # a setting silently not honoured, so it is refused. Our Celery backend (rpc:// plus chords
     # joined by Clockwork workers) is what Clockwork's client does anyway.
     if value in (None, "rpc", "rpc://", CHORD_BACKEND):
         return
+    if is_redis_url(value):
+        if importlib.util.find_spec("redis") is None:
+            raise ConfigurationError(
+                f"result backend {value!r} needs the redis client library: pip install 'clockwork[redis]'"
+            )
+        return
     raise ConfigurationError(
         f"result backend {value!r} is not supported: Clockwork keeps results on RabbitMQ, as "
-        "Celery's 'rpc://' backend does; use result_backend='rpc://' or leave it unset"
+        "Celery's 'rpc://' backend does, or in Redis (a redis:// or rediss:// URL); use "
+        "result_backend='rpc://', a Redis URL, or leave it unset"
     )
 
 
@@ -112,6 +122,9 @@ READ_BY_CLOCKWORK: Final = frozenset(
         "worker_prefetch_multiplier", "result_accept_content", "task_track_started",
         "worker_max_tasks_per_child", "worker_max_memory_per_child", "task_always_eager",
         "task_eager_propagates", "task_queues", "timezone",
+        # Read by the Redis result backend (broker_svc/redis_results/backend_conf.py).
+        "result_serializer", "result_extended", "result_failure_expires", "result_chord_expires",
+        "result_chord_join_timeout", "result_backend_transport_options",
     }
 )  # fmt: skip
 

@@ -5,6 +5,8 @@
     BrokerSvcError
     ├── ConfigurationError (ValueError)      bad settings or URL
     ├── BrokerUnavailable (ConnectionError)  cannot reach or keep the broker
+    ├── ResultBackendUnavailable             cannot reach the Redis result backend
+    │   (ConnectionError)
     ├── PublishError                         a publish was not confirmed
     │   ├── PublishNacked                    the broker refused it (nack)
     │   ├── BrokerBlocked                    a memory or disk alarm held it past confirm_timeout_s
@@ -60,6 +62,7 @@ __all__ = [
     "PublishError",
     "PublishNacked",
     "Reject",
+    "ResultBackendUnavailable",
     "ResultTimeout",
     "ResultUnreachable",
     "Retry",
@@ -83,6 +86,10 @@ class ConfigurationError(BrokerSvcError, ValueError):
 
 class BrokerUnavailable(BrokerSvcError, ConnectionError):
     """The broker could not be reached, or the connection was lost for good."""
+
+
+class ResultBackendUnavailable(BrokerSvcError, ConnectionError):
+    """The Redis result backend could not be reached, or refused a write, within its retries."""
 
 
 class LeadershipLost(BrokerSvcError):

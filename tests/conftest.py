@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.infra.redis_server import RedisServer, private_redis_server
 from tests.infra.session_broker import NoBrokerError, SessionBroker, open_session_broker
 
 # ==== Broker (tests/infra does the work; keep this block small) ===========================
@@ -50,3 +51,29 @@ def test_vhost_url(session_broker: SessionBroker) -> Iterator[str]:
 
 
 # ==== End of broker block ==================================================================
+
+
+# ==== Redis (a private redis-server per run, started on first use) ========================
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """A private ``redis-server`` on a free loopback port for this run, stopped at its end.
+
+    Never the machine's own Redis: tests of the Redis result backend write and flush freely.
+    """
+    with private_redis_server() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> Iterator[str]:
+    """The private Redis's URL, its database flushed after the test."""
+    import redis
+
+    yield redis_server.url
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        client.flushdb()
+    finally:
+        client.close()

@@ -14,6 +14,7 @@ instead of published (``broker_svc/sending/capture.py``), so both clients send t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, overload
@@ -33,9 +34,12 @@ from broker_svc.tasks.shared import SharedTask
 from broker_svc.tasks.task import Task
 from broker_svc.topology import new_reply_queue_name, result_queue
 from broker_svc.wire import codec
+from broker_svc.wire.result_meta import is_redis_url
 
 if TYPE_CHECKING:
     from broker_svc.app import App
+    from broker_svc.redis_results.reader import RedisResults
+    from broker_svc.wire.result_message import Outcome
 
 __all__ = ["AsyncApp"]
 
@@ -73,6 +77,8 @@ class AsyncApp:
         self._waiters = ResultWaiters(
             accept=codec.accept_set(settings.accept_content), max_bytes=settings.max_body_bytes
         )
+        self._waiters.source = self._result_source
+        self._redis_results: RedisResults | None = None
         self._connection: AioConnection | None = None
         self._lock: asyncio.Lock | None = None  # made on the loop of the first call
         self._closed = False
@@ -128,8 +134,33 @@ class AsyncApp:
         are confirmed; results not received yet are lost (their handles time out)."""
         self._closed = True
         connection, self._connection = self._connection, None
+        source, self._redis_results = self._redis_results, None
         if connection is not None:
             await connection.close()
+        if source is not None:
+            await asyncio.to_thread(source.close)  # joins its thread
+
+    def _result_source(self) -> RedisResults | None:
+        # With a Redis result backend, results are read there too, from any process; its reader
+        # thread hands each state to this loop. Made on the first handle, on the client's loop.
+        source = self._redis_results
+        if source is not None or not is_redis_url(self.app.conf.get("result_backend")):
+            return source
+        from broker_svc.redis_results.backend_conf import RedisBackendConf  # lazy: needs redis-py
+        from broker_svc.redis_results.reader import RedisResults
+
+        conf = RedisBackendConf.of(self.app.conf, self.app.settings)
+        assert conf is not None
+        loop, offer = asyncio.get_running_loop(), self._waiters.offer
+
+        def to_loop(outcome: Outcome) -> None:  # from the reader's thread
+            if not loop.is_closed():  # a client left unclosed when its loop ended: nobody waits
+                with contextlib.suppress(RuntimeError):  # closed meanwhile
+                    loop.call_soon_threadsafe(offer, outcome)
+
+        # No read in the caller's thread: it is the event loop's; the reader reads once subscribed.
+        self._redis_results = RedisResults(conf, offer=to_loop, read_on_watch=False)
+        return self._redis_results
 
     # -- sending ---------------------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
 Nothing polls: ``await result.get()`` waits on a future that the consumer of the client's reply
 queue resolves when the task's ready state arrives (Celery's ``rpc://`` format, decoded as the
-blocking client decodes it, and raised as ``AsyncResult.get`` raises it).
+blocking client decodes it, and raised as ``AsyncResult.get`` raises it). With a Redis result
+backend, the Redis reader's thread resolves it too, through the loop.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final, Generic
 
 import aio_pika.abc
@@ -19,6 +20,7 @@ from typing_extensions import TypeVar
 from broker_svc.errors import MessageError, ResultTimeout
 from broker_svc.logging import get_logger
 from broker_svc.results.result import outcome_value
+from broker_svc.results.store import ResultSource
 from broker_svc.wire import codec
 from broker_svc.wire.result_message import Outcome
 from broker_svc.wire.result_view import OutcomeView, ResultsView
@@ -50,6 +52,8 @@ class ResultWaiters:
         self._holders: dict[str, int] = {}
         self._latest: dict[str, Outcome] = {}
         self._stray: OrderedDict[str, Outcome] = OrderedDict()
+        # The app's other source of states (a Redis result backend), or None; set by the client.
+        self.source: Callable[[], ResultSource | None] | None = None
 
     def __len__(self) -> int:
         return len(self._ready)
@@ -64,6 +68,9 @@ class ResultWaiters:
             if stray is not None:
                 self._latest[task_id] = stray
                 future.set_result(stray)
+            source = self.source() if self.source is not None else None
+            if source is not None:
+                source.watch(task_id)
         return future
 
     def release(self, task_id: str) -> None:
@@ -74,6 +81,9 @@ class ResultWaiters:
             return
         self._holders.pop(task_id, None)
         self._ready.pop(task_id, None)
+        source = self.source() if self.source is not None else None
+        if source is not None:
+            source.unwatch(task_id)
         outcome = self._latest.pop(task_id, None)
         if outcome is not None and outcome.ready:
             self._keep_stray(outcome)  # a later handle (``AsyncResult(id)``) still finds it
@@ -97,11 +107,18 @@ class ResultWaiters:
         except MessageError as exc:
             log.warning("result_refused", error=str(exc), correlation_id=message.correlation_id)
             return
+        self.offer(outcome)
+
+    def offer(self, outcome: Outcome) -> None:
+        """A state received (from the reply queue or, on the loop, from a ``ResultSource``)."""
         future = self._ready.get(outcome.task_id)
         if future is None:
             if outcome.ready:
                 self._keep_stray(outcome)
             return
+        latest = self._latest.get(outcome.task_id)
+        if latest is not None and latest.ready and not outcome.ready:
+            return  # read late from a second source (Redis and the reply queue): it ended already
         self._latest[outcome.task_id] = outcome
         if outcome.ready and not future.done():
             future.set_result(outcome)

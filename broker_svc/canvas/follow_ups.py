@@ -52,12 +52,13 @@ class FollowUp:
     queue: str | None
 
 
-def unhonoured(embed: Mapping[str, Any]) -> str | None:
+def unhonoured(embed: Mapping[str, Any], *, redis_chords: bool = False) -> str | None:
     """Why a message's embed cannot be honoured (before it runs), or None if it can.
 
     A malformed signature or a canvas shape Clockwork does not run yet is refused as a whole, so
     no part of it is silently dropped. A chord header's message must also carry its group id and
-    index (``chord_header_problem``).
+    index (``chord_header_problem``). ``redis_chords``: a chord without ``chord_size`` is counted
+    in the worker's Redis result backend, as Celery's workers count it.
     """
     body = embed.get("chord")
     if body is not None:
@@ -65,11 +66,14 @@ def unhonoured(embed: Mapping[str, Any]) -> str | None:
         if why is not None:
             return f"embed 'chord' (the chord's body): {why}"
         size = body.get("chord_size")
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        if size is None and redis_chords:
+            pass  # counted in Redis: the client set the size there
+        elif not isinstance(size, int) or isinstance(size, bool) or size < 1:
             return (
                 "embed 'chord' carries no chord_size: the chord was sent by a client whose result "
                 "backend counts chords itself; send it with Clockwork's client or with "
-                "Celery's backend='broker_svc.celery_backend:ChordBackend'"
+                "Celery's backend='broker_svc.celery_backend:ChordBackend', or give the worker's "
+                "app that client's Redis result backend"
             )
     for field_name in ("callbacks", "errbacks", "chain"):
         value = embed.get(field_name)
@@ -98,6 +102,8 @@ def chord_header_problem(
     if not group_id:
         return "a chord's header task needs its chord's id (header 'group')"
     size = body.get("chord_size")
+    if size is None:
+        return None  # counted in Redis (``unhonoured`` refused it otherwise): any index
     if group_index is None or not 0 <= group_index < size:
         return f"a chord's header task needs its place, 0 <= group_index < {size}, got {group_index!r}"
     return None

@@ -19,6 +19,7 @@ from broker_svc.results.result import AsyncResult
 from broker_svc.sending.message import CLIENT_HOSTNAME, build_message, state_publish
 from broker_svc.tasks.task_app import TaskApp
 from broker_svc.topology import DEFAULT_EXCHANGE, QueueSpec, dependents_queue, task_states_stream
+from broker_svc.wire.result_meta import is_redis_url
 from broker_svc.wire.task_message import encode_task
 from broker_svc.wire.task_state import (
     ALLOW_FAILURE_HEADER,
@@ -114,7 +115,13 @@ class Jobs:
         return latest_state(self.history(task_id, timeout=timeout))
 
     def fetch(self, job_id: str) -> Job:
-        """A job by id, as RQ's ``Job.fetch`` (its status comes from the stream)."""
+        """A job by id, as RQ's ``Job.fetch`` (its status comes from the stream).
+
+        With a Redis result backend its result is read there, so ``result`` and ``get()`` work in
+        any process, as in RQ; on ``rpc://`` only the process that enqueued it gets its result.
+        """
+        if is_redis_url(self._app.conf.get("result_backend")):
+            return Job(self, job_id, result=AsyncResult(job_id, store=self._store))
         return Job(self, job_id)
 
     # -- sending ---------------------------------------------------------------------------------
@@ -334,7 +341,8 @@ class Job:
 
     @property
     def result(self) -> Any:
-        """The return value once it arrived (None before; only where the job was enqueued)."""
+        """The return value once it arrived (None before; where the job was enqueued, or anywhere
+        with a Redis result backend)."""
         return self._result.result if self._result is not None else None
 
     def return_value(self, refresh: bool = False) -> Any:
@@ -343,10 +351,10 @@ class Job:
         return self.result
 
     def get(self, timeout: float | None = None) -> Any:
-        """Wait for the result (only where the job was enqueued).
+        """Wait for the result (where the job was enqueued, or anywhere with a Redis backend).
 
         Raises:
-            RuntimeError: this process did not enqueue it (results go to the sender).
+            RuntimeError: this process did not enqueue it and results go to the sender (rpc://).
             TimeoutError: no result within ``timeout``.
             Exception: the task's own error, if it failed.
         """

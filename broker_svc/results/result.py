@@ -214,7 +214,12 @@ class AsyncResult(OutcomeView, Generic[R]):
                 continue
 
     def forget(self) -> None:
-        """Drop what this client holds of the result (the rpc backend keeps nothing elsewhere)."""
+        """Drop what this client holds of the result, and with a Redis backend its stored key (as
+        Celery's ``forget``; the rpc backend keeps nothing elsewhere).
+
+        Raises:
+            ResultBackendUnavailable: the Redis backend could not be reached.
+        """
         self._store.forget(self.id)
 
 

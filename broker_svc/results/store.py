@@ -1,5 +1,5 @@
-"""``ResultStore``: the ``rpc://`` reply queue's side of a client: the latest states of the tasks
-it waits for, fed by its consumer, with thread-safe waits."""
+"""``ResultStore``: the latest states of the tasks a client waits for, with thread-safe waits, fed
+by its ``rpc://`` reply queue's consumer and, with a Redis result backend, by a ``ResultSource``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from broker_svc.connection.pending import Delivery, PendingPublish
 from broker_svc.errors import MessageError, ResultTimeout, ResultUnreachable
@@ -15,7 +15,7 @@ from broker_svc.logging import get_logger
 from broker_svc.wire import codec
 from broker_svc.wire.result_message import Outcome
 
-__all__ = ["OnMessage", "ResultStore"]
+__all__ = ["OnMessage", "ResultSource", "ResultStore"]
 
 log = get_logger(__name__)
 
@@ -31,6 +31,19 @@ _STRAY_KEPT: Final = 1000
 # QUEUED records this client sent and may still be waiting on (read-your-writes for app.jobs):
 # the newest ones, as a status asked right after a send is what needs it.
 _QUEUED_KEPT: Final = 10_000
+
+
+class ResultSource(Protocol):
+    """Where states come from besides the reply queue (the Redis backend's ``RedisResults``)."""
+
+    def watch(self, task_id: str) -> None:
+        """Follow ``task_id``: offer its stored state and every later one."""
+
+    def unwatch(self, task_id: str) -> None:
+        """Stop following ``task_id``."""
+
+    def forget(self, task_id: str) -> None:
+        """Delete ``task_id``'s stored state."""
 
 
 class ResultStore:
@@ -54,14 +67,19 @@ class ResultStore:
         self.state_lookup: Callable[[str], str | None] | None = None
         # Why no result can arrive now (no connection to the broker), or None; set by the app.
         self.unreachable: Callable[[], str | None] | None = None
+        # The app's other source of states (a Redis result backend), or None; set by the app.
+        self.source: Callable[[], ResultSource | None] | None = None
 
     def register(self, task_id: str) -> None:
         """Start keeping results for ``task_id`` (one call per ``AsyncResult`` holding it)."""
         with self._cond:
-            self._wanted[task_id] = self._wanted.get(task_id, 0) + 1
+            count = self._wanted[task_id] = self._wanted.get(task_id, 0) + 1
             stray = self._stray.pop(task_id, None)
             if stray is not None:
                 self._history.setdefault(task_id, stray)
+        source = self.source() if self.source is not None and count == 1 else None
+        if source is not None:
+            source.watch(task_id)  # outside the lock: it offers what it reads
 
     def release(self, task_id: str) -> None:
         """Stop keeping results for ``task_id`` once no ``AsyncResult`` holds it."""
@@ -72,11 +90,21 @@ class ResultStore:
             else:
                 self._wanted.pop(task_id, None)
                 self._history.pop(task_id, None)
+        source = self.source() if self.source is not None and count <= 0 else None
+        if source is not None:
+            source.unwatch(task_id)
 
     def forget(self, task_id: str) -> None:
-        """Drop the states received so far for ``task_id``."""
+        """Drop the states received so far for ``task_id``, and its stored state in the source.
+
+        Raises:
+            ResultBackendUnavailable: the source (Redis) could not be reached.
+        """
         with self._cond:
             self._history.pop(task_id, None)
+        source = self.source() if self.source is not None else None
+        if source is not None:
+            source.forget(task_id)
 
     def on_delivery(self, delivery: Delivery) -> None:
         """Consumer callback (I/O thread): decode one result and wake its waiters."""
@@ -88,11 +116,17 @@ class ResultStore:
         except MessageError as exc:
             log.warning("result_refused", error=str(exc), correlation_id=delivery.correlation_id)
             return
+        self.offer(outcome)
+
+    def offer(self, outcome: Outcome) -> None:
+        """A state received (from the reply queue or a ``ResultSource``): keep it, wake its waiters."""
         with self._cond:
             if outcome.task_id not in self._wanted:
                 self._keep_stray(outcome)
                 return
             history = self._history.setdefault(outcome.task_id, deque(maxlen=_HISTORY_LIMIT))
+            if history and history[-1].ready and not outcome.ready:
+                return  # read late from a second source (Redis and the reply queue): it ended already
             history.append(outcome)
             self._cond.notify_all()
 

@@ -13,7 +13,8 @@ from celery import Celery
 
 app = Celery("interop", broker=os.environ.get("INTEROP_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//"))
 app.conf.update(
-    # INTEROP_RESULT_BACKEND: Clockwork's chord backend, for a Celery worker in a chord's header.
+    # INTEROP_RESULT_BACKEND: Clockwork's chord backend, for a Celery worker in a chord's header,
+    # or the test run's Redis, for a Celery worker beside ours on one Redis result backend.
     result_backend=os.environ.get("INTEROP_RESULT_BACKEND", "rpc://"),
     accept_content=["json", "msgpack"],
     result_accept_content=["json", "msgpack"],
@@ -65,6 +66,14 @@ def canvas_mul(x: int, y: int) -> int:
 @app.task(name="canvas.xsum")
 def canvas_xsum(numbers: list) -> int:
     return sum(numbers)
+
+
+@app.task(name="canvas.slow_add")
+def canvas_slow_add(x: int, y: int, seconds: float = 0.5) -> int:
+    import time
+
+    time.sleep(seconds)
+    return x + y
 
 
 @app.task(name="canvas.fail")

@@ -77,7 +77,7 @@ def test_imports_flow_worker_to_control_to_broker_svc_only():
 BLOCKING_FOLDERS = ("broker_svc/connection/", "control/blocking/", "worker/beat/")
 ASYNC_FOLDERS = ("worker/", "control/aio/", "broker_svc/aio/")
 PURE_FOLDERS = ("broker_svc/wire/", "control/protocol/", "broker_svc/schedules/")
-IO_LIBRARIES = {"pika", "aio_pika", "aiormq", "pamqp", "socket", "asyncio", "selectors"}
+IO_LIBRARIES = {"pika", "aio_pika", "aiormq", "pamqp", "socket", "asyncio", "selectors", "redis"}
 ASYNC_LIBRARIES = {"aio_pika", "aiormq", "pamqp", "asyncio"}
 
 
@@ -109,6 +109,21 @@ def test_pure_folders_do_no_io():
                 assert not _top(names) & IO_LIBRARIES, path
                 checked += 1
     assert checked >= 10  # the folders exist and hold the wire and protocol modules
+
+
+def test_redis_is_imported_only_by_the_redis_results_folder_which_imports_no_amqp_library():
+    # The Redis result backend is optional (clockwork[redis]): everything else reaches it lazily,
+    # through broker_svc/redis_results/, so an app on rpc:// never imports redis-py.
+    checked = 0
+    for package in ("broker_svc", "control", "worker"):
+        for path, names in _package_imports(package).items():
+            tops = _top(names)
+            if path.startswith("broker_svc/redis_results/"):
+                assert not tops & (ASYNC_LIBRARIES | {"pika"}), path
+                checked += 1
+            else:
+                assert "redis" not in tops, path
+    assert checked >= 5
 
 
 def test_the_client_nouns_import_no_amqp_library_directly():

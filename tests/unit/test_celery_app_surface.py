@@ -28,9 +28,13 @@ def test_the_celery_constructor_takes_broker_backend_include_and_settings_by_cel
     assert app.conf["result_backend"] == "rpc://"
 
 
-def test_a_result_backend_other_than_rpc_is_refused_not_ignored():
+def test_a_result_backend_other_than_rpc_or_redis_is_refused_not_ignored():
     with pytest.raises(ConfigurationError, match="rpc://"):
-        App("proj", broker=URL, backend="redis://localhost/0")
+        App("proj", broker=URL, backend="mongodb://localhost/0")
+    # Celery's Redis backend is written and read in Celery's format (broker_svc/redis_results/).
+    assert (
+        App("proj", broker=URL, backend="redis://localhost/0").conf["result_backend"] == "redis://localhost/0"
+    )
     app = App("proj", broker=URL)
     with pytest.raises(ConfigurationError, match="rpc://"):
         app.conf.result_backend = "db+sqlite:///results.db"

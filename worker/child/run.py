@@ -152,7 +152,7 @@ def _call(
     task: Task, request: Request, job: Job, soft_limit: SoftLimit, task_loop: TaskLoop
 ) -> dict[str, Any]:
     def started() -> None:
-        if task.track_started:
+        if task.track_started or task.app.conf.get("task_track_started"):  # the task's, else the app's
             send_update({"state": "STARTED", "meta": {"pid": os.getpid(), "hostname": request.hostname}})
 
     traced = trace(

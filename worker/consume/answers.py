@@ -29,7 +29,7 @@ from worker.consume.replies import FeedReplies
 from worker.consume.states import FeedStates
 from worker.rules import canvas_plan
 from worker.rules.disposition import ACK, Disposition
-from worker.rules.job_request import reply_wanted
+from worker.rules.job_request import reply_wanted, result_stored
 
 __all__ = ["FeedAnswers", "Handled"]
 
@@ -133,14 +133,16 @@ class FeedAnswers:
         body = request.embed.get("chord")
         options = body.get("options") if isinstance(body, Mapping) else None
         reply_to = (options or {}).get("reply_to") or request.reply_to
-        if isinstance(options, Mapping) and isinstance(options.get("task_id"), str) and reply_to:
+        if isinstance(options, Mapping) and isinstance(options.get("task_id"), str):
             refused = wire_exception("ChordError", f"chord refused: {why}")
-            self._replies.result(
-                Outcome(task_id=options["task_id"], status=State.FAILURE, result=refused),
-                reply_to=reply_to,
-                correlation_id=options["task_id"],
-                content_type=reply_type(request.content_type),
-            )
+            body_failed = Outcome(task_id=options["task_id"], status=State.FAILURE, result=refused)
+            if self._canvas.redis is not None:
+                self._canvas.redis.store_alone(body_failed)
+            if reply_to:
+                self._replies.result(
+                    body_failed, reply_to=reply_to, correlation_id=options["task_id"],
+                    content_type=reply_type(request.content_type),
+                )  # fmt: skip
         return Disposition.dead_letter("unsupported_canvas", why)
 
     def fail(self, request: TaskMessage, reason: str, why: str, *, exc: tuple[str, str, str]) -> Handled:
@@ -172,9 +174,18 @@ class FeedAnswers:
         return Disposition.dead_letter(reason, error)
 
     def reply(self, request: TaskMessage, outcome: Outcome, *, failed: bool = False) -> None:
-        """To ``reply_to``, unless results are ignored (a final failure goes when errors are stored)."""
+        """To ``reply_to``, unless results are ignored (a final failure goes when errors are stored),
+        and first to the Redis result backend when the app has one.
+
+        Raises:
+            BrokerSvcError: the result was not confirmed, or not stored in Redis (the delivery
+                must not be acked).
+        """
         if self._states is not None and outcome.status in WORKER_STATES:
             self._states.record(request, outcome.status, outcome.result)
+        backend = self._canvas.redis
+        if backend is not None and result_stored(request, self._app.tasks.get(request.task), failed=failed):
+            backend.store(request, outcome)
         reply_to = request.reply_to
         if reply_to is None or not reply_wanted(request, self._app.tasks.get(request.task), failed=failed):
             return

@@ -6,7 +6,7 @@ module sends it on the child's connection.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -18,6 +18,9 @@ from broker_svc.wire.states import State
 from broker_svc.wire.task_message import TaskMessage
 from worker.consume.replies import FeedReplies
 from worker.rules import canvas_plan
+
+if TYPE_CHECKING:
+    from worker.consume.backend import FeedBackend
 
 __all__ = ["FeedCanvas"]
 
@@ -37,6 +40,8 @@ class FeedCanvas:
         self._app = app
         self._replies = replies
         self._namespace = namespace
+        # The app's Redis result backend: it counts the chords a Redis client sent (no chord_size).
+        self.redis: FeedBackend | None = None
 
     def chord_part(self, request: TaskMessage, state: State, result: Any) -> None:
         """If ``request`` is a chord header task, its end goes to the chord's joiner.
@@ -44,6 +49,13 @@ class FeedCanvas:
         Raises:
             BrokerSvcError: the part was not confirmed (the delivery must not be acked).
         """
+        body = request.embed.get("chord")
+        if self.redis is not None and body is not None and "chord_size" not in body:
+            if request.group is not None:
+                self.redis.chord_part(
+                    request, state, result, send=lambda planned: self.send(planned, why="chord_body")
+                )
+            return
         planned = canvas_plan.chord_part(request, state, result)
         if planned is None:
             return

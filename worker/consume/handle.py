@@ -26,6 +26,7 @@ from broker_svc.errors import MessageError
 from broker_svc.topology import DELAY_HOLD_WINDOW_S, delay_bucket_ms, expired_queue
 from broker_svc.wire import codec
 from broker_svc.wire.result_message import CELERY_EXCEPTIONS_MODULE, Outcome, wire_exception
+from broker_svc.wire.result_meta import is_redis_url
 from broker_svc.wire.states import State
 from broker_svc.wire.task_message import TaskMessage, decode_task, eta_and_expires, safe_repr
 from worker.child.spec import FeedSpec
@@ -106,6 +107,10 @@ class FeedHandler:
         )
         self._canvas = FeedCanvas(app=app, replies=replies, namespace=spec.settings.namespace)
         self._parked = FeedParked(replies, hostname=spec.hostname, namespace=spec.settings.namespace)
+        if is_redis_url(app.conf.get("result_backend")):  # lazy: redis-py only where it is used
+            from worker.consume.backend import FeedBackend
+
+            self._canvas.redis = FeedBackend.for_app(app, hostname=spec.hostname, replies=replies)
         self._terminated: Mapping[str, int] = terminated if terminated is not None else {}
         self._timed_out: Mapping[str, float] = timed_out if timed_out is not None else {}
         self._states = FeedStates(
@@ -138,6 +143,8 @@ class FeedHandler:
         clear_contextvars()
         raw_id = delivery.headers.get("id")
         bind_contextvars(queue=delivery.queue, task_id=raw_id if isinstance(raw_id, str) else None)
+        if self._canvas.redis is not None:
+            self._canvas.redis.queue = delivery.queue  # result_extended's ``queue``
         ordered = delivery.queue in self._settings.ordered_queues
         if ordered and delivery.redelivered:
             # An ordered queue's failover: the one task its last consumer held comes first here,
@@ -193,7 +200,7 @@ class FeedHandler:
             return self._answers.fail(
                 request, "NotRegistered", f"task {request.task!r} is not registered", exc=not_registered
             )
-        if (why := canvas_plan.refusal(request)) is not None:
+        if (why := canvas_plan.refusal(request, redis_chords=self._canvas.redis is not None)) is not None:
             return self._answers.cannot_honour(request, why), self._answers.rejected(request.id)
         if (
             gated := to_gate(task, request, delivery.headers, delivery.queue, self._settings.namespace)

@@ -39,9 +39,13 @@ __all__ = [
 log = structlog.get_logger(__name__)
 
 
-def refusal(request: TaskMessage) -> str | None:
-    """Why ``request``'s canvas cannot be honoured, or None (then it may run)."""
-    return unhonoured(request.embed) or chord_header_problem(
+def refusal(request: TaskMessage, *, redis_chords: bool = False) -> str | None:
+    """Why ``request``'s canvas cannot be honoured, or None (then it may run).
+
+    ``redis_chords``: the worker's app has a Redis result backend, which counts the chords of a
+    client whose backend is Redis (their header tasks carry no ``chord_size``).
+    """
+    return unhonoured(request.embed, redis_chords=redis_chords) or chord_header_problem(
         request.embed, request.group, request.group_index
     )
 

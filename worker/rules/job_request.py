@@ -91,8 +91,12 @@ def reply_wanted(request: TaskMessage, task: Task | None, *, failed: bool = Fals
 
     ``failed``: a final failure, which ``store_errors_even_if_ignored`` sends all the same.
     """
-    if request.reply_to is None:
-        return False
+    return request.reply_to is not None and result_stored(request, task, failed=failed)
+
+
+def result_stored(request: TaskMessage, task: Task | None, *, failed: bool = False) -> bool:
+    """Whether a state of ``request`` is kept for its caller at all (``ignore_result`` and
+    ``store_errors_even_if_ignored``), by ``reply_to`` or in a result backend."""
     ignored = request.ignore_result or (task is not None and task.ignore_result)
     return not ignored or (failed and task is not None and task.store_errors_even_if_ignored)
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import aio_pika
 import aio_pika.abc
@@ -51,9 +51,13 @@ from broker_svc.topology import chord_join_queue, dead_letter_queue
 from broker_svc.wire import codec
 from broker_svc.wire.chord_part import ChordPart, decode_part
 from broker_svc.wire.result_message import Outcome, wire_exception
+from broker_svc.wire.result_meta import is_redis_url, result_meta
 from broker_svc.wire.states import State
 from broker_svc.wire.task_message import CLOCK_HEADER, TaskMessage, WireMessage, encode_task
 from control.aio.declare import declare_queue
+
+if TYPE_CHECKING:
+    from broker_svc.redis_results.writer import ResultWriter
 from worker.amqp.connection import one_time_channel
 from worker.rules.canvas_plan import follow_up_queue
 from worker.single_active.resubscribe import resubscribing
@@ -105,6 +109,8 @@ class ChordJoiner:
         self._channel: aiormq.abc.AbstractChannel | None = None
         self._declared: set[str] = set()
         self.fired = 0
+        # With a Redis result backend, a failed chord's body is stored there too (made on first use).
+        self._redis: ResultWriter | None = None
 
     @property
     def waiting(self) -> int:
@@ -246,6 +252,8 @@ class ChordJoiner:
         log.warning(
             "chord_failed", group_id=part.group_id, task_id=part.task_id, state=part.state, body_id=body_id
         )
+        if isinstance(body_id, str):
+            await self._store_failure(Outcome(task_id=body_id, status=State.FAILURE, result=error))
         if isinstance(body_id, str) and reply_to:
             outcome = Outcome(task_id=body_id, status=State.FAILURE, result=error)
             content_type = (
@@ -263,6 +271,23 @@ class ChordJoiner:
             for item in follow_ups(errback, parent=parent, partial=(parent.id,)):
                 await self._send_task(channel, item)
         await channel.tx_commit()  # the failure is told now; the parts stay held until all are in
+
+    async def _store_failure(self, outcome: Outcome) -> None:
+        # With a Redis result backend the body's ChordError is stored there, where a process that
+        # did not send the chord reads it. Before the commit: if Redis does not take it (within
+        # its retries), the transaction is not committed and the parts go to the next joiner.
+        if not is_redis_url(self._app.conf.get("result_backend")):
+            return
+        from broker_svc.redis_results.backend_conf import RedisBackendConf  # lazy: needs redis-py
+        from broker_svc.redis_results.connection import open_client
+        from broker_svc.redis_results.writer import ResultWriter
+
+        if self._redis is None:
+            conf = RedisBackendConf.of(self._app.conf, self._app.settings)
+            assert conf is not None
+            self._redis = ResultWriter(open_client(conf.url), conf)
+        meta = result_meta(outcome, group_id=None, parent_id=None, extended=None)
+        await asyncio.to_thread(self._redis.store, meta)  # redis-py blocks: off the event loop
 
     def _parent(self, part: ChordPart, content_type: str, *, task_id: str | None = None) -> TaskMessage:
         # What a follow-up takes from the task before it: ids, result queue, content type.
