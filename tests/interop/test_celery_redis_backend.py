@@ -37,6 +37,13 @@ APP = "tests.interop.redis_tasks:app"
 
 
 @pytest.fixture(scope="module")
+def stored(client: Any, key: str) -> bytes:
+    """The value Redis holds at ``key`` (it must hold one)."""
+    value = client.get(key)
+    assert isinstance(value, bytes), f"nothing stored at {key}"
+    return value
+
+
 def notes_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("redis-backend") / "notes.jsonl"
 
@@ -97,7 +104,7 @@ def test_a_celery_clients_result_is_stored_in_celerys_format_and_read_from_anoth
     result = s(client, "add", 2, 3, queue=queue).delay()
     assert result.get(timeout=30) == 5
     key = f"celery-task-meta-{result.id}"
-    meta = json.loads(store.get(key))
+    meta = json.loads(stored(store, key))
     assert meta["status"] == "SUCCESS" and meta["result"] == 5 and meta["task_id"] == result.id
     assert meta["traceback"] is None and meta["children"] == [] and meta["date_done"]
     # result_extended is on in the worker's app: Celery's extra fields.
@@ -126,7 +133,7 @@ def test_a_failure_is_stored_with_its_exception_and_traceback(
     result = s(client, "fail", 7, queue=ours.queues[0]).delay()
     with pytest.raises(ValueError, match=r"failed with \[7\]"):
         result.get(timeout=30)
-    meta = json.loads(store.get(f"celery-task-meta-{result.id}"))
+    meta = json.loads(stored(store, f"celery-task-meta-{result.id}"))
     assert meta["status"] == "FAILURE"
     assert meta["result"] == {
         "exc_type": "ValueError",
@@ -257,7 +264,9 @@ def test_a_mixed_fleet_of_a_celery_worker_and_ours_joins_chords_on_one_redis(
 
         def sent_by_us() -> set[str]:
             return {
-                event.get("group_id") for event in ours.events() if event.get("event") == "chord_body_sent"
+                str(event.get("group_id"))
+                for event in ours.events()
+                if event.get("event") == "chord_body_sent"
             }
 
         # Logged once the body is confirmed and the chord cleaned up, which may follow its result.
@@ -364,7 +373,7 @@ def test_a_result_redis_does_not_take_waits_for_redis_and_is_stored_not_lost(tes
                 assert sent.get(timeout=30) == 11
                 client = redis.Redis.from_url(server.url)
                 try:
-                    assert json.loads(client.get(f"celery-task-meta-{sent.id}"))["result"] == 11
+                    assert json.loads(stored(client, f"celery-task-meta-{sent.id}"))["result"] == 11
                 finally:
                     client.close()
                 assert worker.count("task_succeeded") == 1  # stored on the first run's retries
