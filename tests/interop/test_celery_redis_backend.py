@@ -36,7 +36,6 @@ pytestmark = pytest.mark.interop
 APP = "tests.interop.redis_tasks:app"
 
 
-@pytest.fixture(scope="module")
 def stored(client: Any, key: str) -> bytes:
     """The value Redis holds at ``key`` (it must hold one)."""
     value = client.get(key)
@@ -44,6 +43,7 @@ def stored(client: Any, key: str) -> bytes:
     return value
 
 
+@pytest.fixture(scope="module")
 def notes_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("redis-backend") / "notes.jsonl"
 
