@@ -376,7 +376,9 @@ def test_a_result_redis_does_not_take_waits_for_redis_and_is_stored_not_lost(tes
                     assert json.loads(stored(client, f"celery-task-meta-{sent.id}"))["result"] == 11
                 finally:
                     client.close()
-                assert worker.count("task_succeeded") == 1  # stored on the first run's retries
+                # Stored on the first run's retries (its log line may follow the result by a moment).
+                wait_for(lambda: worker.count("task_succeeded") == 1, timeout_s=10, message="one run")
+                assert worker.count("task_succeeded") == 1
             finally:
                 app.close()
         delete_queues(test_vhost_url, queue, f"{queue}.dead")

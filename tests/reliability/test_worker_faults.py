@@ -422,9 +422,9 @@ def test_r6_forced_closes_leave_the_consumer_in_place_and_lose_nothing(
     queue = unique_queue("r6")
     with worker(node.url, journal, queue, concurrency=4, args=["--prefetch-multiplier", "2"]) as proc:
         proc.wait_ready()
-        # About 15 s of work for 4 children (and their threads) whatever n, so that the five
-        # closes land mid-run.
-        task_s = max(0.005, 60.0 * DESIGN_THREADS / n)
+        # About 30 s of work for 4 children (and their threads) whatever n, so that the five
+        # closes land mid-run even when each reconnect takes 3 s on a loaded machine.
+        task_s = max(0.005, 120.0 * DESIGN_THREADS / n)
         ids = publish(node.url, journal, queue, "journal.sleep", [(task_s,)] * n)
         reconnect_s: list[float] = []
         consumer_counts: list[int] = []

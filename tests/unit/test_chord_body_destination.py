@@ -66,7 +66,8 @@ def test_a_celery_clients_body_carries_its_apps_route():
     client = Celery("sender", broker="memory://", backend="rpc://")
     client.conf.update(task_default_queue="fallback", task_routes={"t.routed": {"queue": "routed"}})
 
-    @client.task(name="t.declared", queue="declared")
+    # shared=False: a shared Celery task joins every Celery app finalized later in this process.
+    @client.task(name="t.declared", queue="declared", shared=False)
     def declared(values: list[int]) -> list[int]:
         return values
 
