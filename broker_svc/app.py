@@ -12,6 +12,7 @@ from broker_svc.conf import Config
 from broker_svc.control_plane import ControlPlane, load_control
 from broker_svc.logging import get_logger
 from broker_svc.open_apps import open_apps
+from broker_svc.results.backend import ResultBackend
 from broker_svc.results.result import AsyncResult
 from broker_svc.results.store import ResultStore
 from broker_svc.sending.batch import Batch, BatchScope
@@ -278,6 +279,13 @@ class App(TaskRegistry):
         if capture is not None:
             return capture.result(task_id)
         return AsyncResult(task_id, store=self._store)
+
+    @property
+    def backend(self) -> ResultBackend:
+        """Celery's result-backend calls on this app's results (``save_group``, ``restore_group``,
+        ``delete_group``, ``store_result``): Redis with ``result_backend="redis://..."``; on
+        ``rpc://`` they raise ``NotImplementedError`` (``broker_svc/results/backend.py``)."""
+        return ResultBackend(self._result_source, self)
 
     # -- remote control --------------------------------------------------------------------------
 

@@ -89,6 +89,55 @@ class RedisResults:
         key = self._keys.task(task_id)
         with_retries(lambda: self._client.delete(key), what=f"forget {task_id}")
 
+    def save_group(self, group_id: str, value: Any) -> None:
+        """Store a group's results under ``celery-taskset-meta-<id>`` (Celery's ``save_group``:
+        ``{"result": <GroupResult.as_tuple()>}`` with ``result_expires``).
+
+        Raises:
+            ResultBackendUnavailable: Redis could not be reached.
+        """
+        key, payload = self._keys.group(group_id), self._reader.encode({"result": value})
+        expires_s = self._reader.conf.expires_s
+
+        def write() -> None:
+            if expires_s:
+                self._client.setex(key, expires_s, payload)
+            else:
+                self._client.set(key, payload)
+
+        with_retries(write, what=f"save group {group_id}")
+
+    def restore_group(self, group_id: str) -> Any | None:
+        """The tuple a ``save_group`` stored for ``group_id``, or None.
+
+        Raises:
+            ResultBackendUnavailable: Redis could not be reached.
+            MessageError: what is stored does not decode.
+        """
+        key = self._keys.group(group_id)
+        payload = with_retries(lambda: self._client.get(key), what=f"restore group {group_id}")
+        if payload is None:
+            return None
+        meta = self._reader.decode(payload if isinstance(payload, bytes) else str(payload).encode())
+        return meta.get("result") if isinstance(meta, dict) else None
+
+    def delete_group(self, group_id: str) -> None:
+        """Delete a saved group (Celery's ``delete_group``).
+
+        Raises:
+            ResultBackendUnavailable: Redis could not be reached.
+        """
+        key = self._keys.group(group_id)
+        with_retries(lambda: self._client.delete(key), what=f"delete group {group_id}")
+
+    def store(self, meta: dict[str, Any]) -> None:
+        """Store and publish a task's state from this process (``app.backend.store_result``).
+
+        Raises:
+            ResultBackendUnavailable: Redis could not be reached.
+        """
+        self._reader.store(meta)
+
     def close(self) -> None:
         """Stop the thread and close the connections."""
         self._stopping.set()

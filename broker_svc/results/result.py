@@ -16,7 +16,7 @@ from broker_svc.wire.result_message import Outcome, exception_from_wire
 from broker_svc.wire.result_view import OutcomeView, ResultsView
 from broker_svc.wire.states import State
 
-__all__ = ["AsyncResult", "GroupResult", "ResultSet", "outcome_error", "outcome_value"]
+__all__ = ["AsyncResult", "GroupResult", "ResultSet", "outcome_error", "outcome_value", "result_from_tuple"]
 
 # What the task returns (``AsyncResult[int]`` for ``def add(...) -> int``); Any when unknown.
 R = TypeVar("R", default=Any)
@@ -78,6 +78,10 @@ class AsyncResult(OutcomeView, Generic[R]):
 
     def __repr__(self) -> str:
         return f"<AsyncResult: {self.id}>"
+
+    def as_tuple(self) -> tuple[Any, None]:
+        """Celery's ``((id, parent), None)``: what a saved group or ``children`` hold of it."""
+        return ((self.id, self.parent.as_tuple() if self.parent is not None else None), None)
 
     def _latest(self) -> Outcome | None:
         return self._store.latest(self.id)
@@ -299,6 +303,43 @@ class GroupResult(ResultSet):
     def __repr__(self) -> str:
         return f"<GroupResult: {self.id} [{', '.join(getattr(r, 'id', '?') for r in self.results)}]>"
 
+    def as_tuple(self) -> tuple[Any, list[Any]]:
+        """Celery's ``((id, None), [member tuples])``, nested groups as groups."""
+        members = [r.as_tuple() for r in self.results if isinstance(r, AsyncResult | GroupResult)]
+        return ((self.id, None), members)
+
+    def save(self, backend: Any = None) -> GroupResult:
+        """Save it in the app's result backend, so ``GroupResult.restore(id)`` in any process gets it
+        back (Celery's; Redis results: ``celery-taskset-meta-<id>``).
+
+        Raises:
+            NotImplementedError: the app's results are ``rpc://``.
+        """
+        saved: GroupResult = (backend or _backend_of(self.app)).save_group(self.id, self)
+        return saved
+
+    def delete(self, backend: Any = None) -> None:
+        """Delete it from the app's result backend (Celery's).
+
+        Raises:
+            NotImplementedError: the app's results are ``rpc://``.
+        """
+        (backend or _backend_of(self.app)).delete_group(self.id)
+
+    @classmethod
+    def restore(cls, id: str, backend: Any = None, app: object | None = None) -> GroupResult | None:
+        """The group saved under ``id`` (by this process or any other, Celery's client included),
+        or None. Pass the ``app`` whose results it reads (or its ``backend``).
+
+        Raises:
+            NotImplementedError: the app's results are ``rpc://``.
+            TypeError: neither ``app`` nor ``backend``.
+        """
+        if backend is None and app is None:
+            raise TypeError("GroupResult.restore(id, app=app): name the app whose results to read")
+        restored: GroupResult | None = (backend or _backend_of(app)).restore_group(id)
+        return restored
+
     @property
     def children(self) -> list[AsyncResult | ResultSet]:
         """The member results (Celery's name)."""
@@ -317,6 +358,31 @@ class _Release:
         if not self._done:
             self._done = True
             self._store.release(self._task_id)
+
+
+def _backend_of(app: object) -> Any:
+    # ``app.backend`` (``broker_svc/results/backend.py``, which imports this module).
+    backend = getattr(app, "backend", None)
+    if backend is None:
+        raise TypeError(f"{app!r} has no result backend (app.backend): pass backend= or app=")
+    return backend
+
+
+def result_from_tuple(value: Any, app: Any) -> AsyncResult | GroupResult:
+    """A handle from Celery's ``as_tuple()`` form, its members' made by ``app.AsyncResult``.
+
+    Raises:
+        ValueError: not a result tuple.
+    """
+    if not _is_result_tuple(value):
+        raise ValueError(f"not a result tuple: {value!r}")
+    (task_id, parent), members = value
+    if isinstance(members, list | tuple):
+        return GroupResult(task_id, [result_from_tuple(m, app) for m in members], app=app)
+    handle: AsyncResult = app.AsyncResult(task_id)
+    if parent is not None and _is_result_tuple(parent):
+        handle.parent = result_from_tuple(parent, app)
+    return handle
 
 
 def _is_result_tuple(value: Any) -> bool:

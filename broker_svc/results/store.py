@@ -45,6 +45,18 @@ class ResultSource(Protocol):
     def forget(self, task_id: str) -> None:
         """Delete ``task_id``'s stored state."""
 
+    def save_group(self, group_id: str, value: Any) -> None:
+        """Store a group's ``as_tuple()`` under its id."""
+
+    def restore_group(self, group_id: str) -> Any | None:
+        """A group's stored ``as_tuple()``, or None."""
+
+    def delete_group(self, group_id: str) -> None:
+        """Delete a stored group."""
+
+    def store(self, meta: dict[str, Any]) -> None:
+        """Store and publish a task's state."""
+
 
 class ResultStore:
     """The latest states of the tasks one client is waiting for, fed by its reply-queue consumer.
