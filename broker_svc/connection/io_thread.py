@@ -279,6 +279,13 @@ class BrokerConnection:
         self._conn = conn
         try:
             conn.ioloop.start()
+        except AssertionError:
+            # pika 1.3, when close() aborts its connection workflow mid-handshake, hands itself the
+            # Aborted class instead of an instance and asserts on it (base_connection.py); its
+            # transport has closed the socket by then. The attempt ended, as close() asked.
+            if not self._stopping.is_set():
+                raise
+            log.debug("connect_aborted_mid_handshake", connection=self._name)
         finally:
             self._conn = None
             conn.ioloop.close()  # releases the loop's wake-up socket pair
