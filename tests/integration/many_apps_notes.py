@@ -20,5 +20,7 @@ def read_notes(path: Path) -> list[tuple[str, str]]:
     """The notes so far, in order."""
     if not path.exists():
         return []
-    rows: list[Any] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text()
+    complete = text[: text.rfind("\n") + 1]  # a line a task is still writing is read next time
+    rows: list[Any] = [json.loads(line) for line in complete.splitlines() if line.strip()]
     return [(str(app), str(what)) for app, what in rows]

@@ -33,12 +33,17 @@ def record(path: str | Path, *, phase: str, seq: int, node: str, redelivered: bo
 
 
 def read_journal(path: str | Path) -> list[dict[str, Any]]:
-    """The journal's lines in the order they were written (none if nothing ran yet)."""
+    """The journal's complete lines in the order they were written (none if nothing ran yet).
+
+    A reader may meet a line a task is still writing (seen once in a full run): only lines ended
+    by their newline are read; the rest is read on the next call.
+    """
     try:
         text = Path(path).read_text()
     except FileNotFoundError:
         return []
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    complete = text[: text.rfind("\n") + 1]
+    return [json.loads(line) for line in complete.splitlines() if line.strip()]
 
 
 @dataclass
