@@ -11,7 +11,7 @@ from typing import Any, Final, Literal, get_type_hints
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 from broker_svc.errors import ConfigurationError
-from broker_svc.topology import QueueSpec, QueueType, app_namespace, task_queue
+from broker_svc.topology import LEGACY_NAMESPACE, QueueSpec, QueueType, app_namespace, task_queue
 
 __all__ = [
     "DEFAULT_BROKER_URL",
@@ -209,8 +209,9 @@ class Settings:
 
     @property
     def namespace(self) -> str:
-        """The app namespace in effect: ``app_namespace``, else ``celery``."""
-        return app_namespace(self.app_namespace)
+        """The app namespace in effect: ``app_namespace`` (checked when the settings were made),
+        else ``celery``. Read for every delivery, so it is a lookup, not a check."""
+        return self.app_namespace or LEGACY_NAMESPACE
 
     @property
     def virtual_host(self) -> str:

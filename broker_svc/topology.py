@@ -483,6 +483,7 @@ def dedup_gate_queue(shard: int, namespace: str) -> QueueSpec:
     )
 
 
+@functools.lru_cache(maxsize=64)  # named for every chord part a child sends; specs are never mutated
 def chord_join_queue(namespace: str) -> QueueSpec:
     """Where finished chord header tasks leave their parts for the joiner.
 

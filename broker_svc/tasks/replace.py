@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from broker_svc.canvas.signature import Signature, chain, chord, group, maybe_signature
 from broker_svc.errors import Ignore
+from broker_svc.wire import codec
 
 if TYPE_CHECKING:
     from broker_svc.tasks.request import Request
@@ -57,8 +58,7 @@ def replace(app: TaskApp, request: Request, sig: Signature) -> Any:
     rest = [maybe_signature(step, app) for step in reversed(request.chain or ())]
     everything = [*steps, *rest]
     # In the replaced task's serializer, as a worker's follow-ups: its caller reads that one.
-    content_type = (request.properties or {}).get("content_type") or ""
-    serializer = {"application/json": "json", "application/x-msgpack": "msgpack"}.get(content_type)
+    serializer = codec.serializer_of((request.properties or {}).get("content_type"))
     for step in everything:
         step.options["replaced_task_nesting"] = nesting
         if serializer is not None:

@@ -182,6 +182,11 @@ def _json_object_hook(obj: dict[str, Any]) -> Any:
     return obj
 
 
+def serializer_of(content_type: str | None) -> str | None:
+    """The serializer's name (``json``, ``msgpack``) of a content type; None for any other."""
+    return {JSON: "json", MSGPACK: "msgpack"}.get(content_type or "")
+
+
 def reply_type(content_type: str | None) -> str:
     """The content type a task's results go out in: the request's own; json for a refused one.
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+
+from tests.support.json_lines import read_json_lines
 
 
 def note_run(app: str, what: str) -> None:
@@ -18,9 +19,4 @@ def note_run(app: str, what: str) -> None:
 
 def read_notes(path: Path) -> list[tuple[str, str]]:
     """The notes so far, in order."""
-    if not path.exists():
-        return []
-    text = path.read_text()
-    complete = text[: text.rfind("\n") + 1]  # a line a task is still writing is read next time
-    rows: list[Any] = [json.loads(line) for line in complete.splitlines() if line.strip()]
-    return [(str(app), str(what)) for app, what in rows]
+    return [(str(app), str(what)) for app, what in read_json_lines(path)]

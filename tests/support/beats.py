@@ -13,6 +13,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from tests.support.json_lines import read_json_lines
 from tests.support.waiting import wait_for
 from tests.support.workers import ROOT, WorkerProcess
 
@@ -59,11 +60,7 @@ def schedule_env(entries: dict[str, dict[str, Any]], **extra: str) -> dict[str, 
 
 def runs(journal: Path) -> list[dict[str, Any]]:
     """What ``beat.tick`` journaled, in the order written."""
-    if not journal.exists():
-        return []
-    text = journal.read_text()
-    complete = text[: text.rfind("\n") + 1]  # a line a task is still writing is read next time
-    return [json.loads(line) for line in complete.splitlines() if line.strip()]
+    return read_json_lines(journal)
 
 
 def new_journal(directory: Path) -> Path:

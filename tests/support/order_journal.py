@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.support.json_lines import read_json_lines
+
 __all__ = ["OrderVerdict", "check_order", "read_journal", "record"]
 
 
@@ -33,17 +35,8 @@ def record(path: str | Path, *, phase: str, seq: int, node: str, redelivered: bo
 
 
 def read_journal(path: str | Path) -> list[dict[str, Any]]:
-    """The journal's complete lines in the order they were written (none if nothing ran yet).
-
-    A reader may meet a line a task is still writing (seen once in a full run): only lines ended
-    by their newline are read; the rest is read on the next call.
-    """
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        return []
-    complete = text[: text.rfind("\n") + 1]
-    return [json.loads(line) for line in complete.splitlines() if line.strip()]
+    """The journal's complete lines in the order they were written (none if nothing ran yet)."""
+    return read_json_lines(path)
 
 
 @dataclass

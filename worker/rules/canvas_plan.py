@@ -21,6 +21,7 @@ from broker_svc.canvas.follow_ups import (
     unhonoured,
 )
 from broker_svc.sending.routes import queue_for
+from broker_svc.wire import codec
 from broker_svc.wire.chord_part import ChordPart, encode_part
 from broker_svc.wire.result_message import wire_exception
 from broker_svc.wire.states import State
@@ -86,7 +87,7 @@ def errbacks_to_send(app: App, request: TaskMessage) -> list[FollowUp]:
 def follow_up_wire(app: App, item: FollowUp) -> tuple[WireMessage, str]:
     """A follow-up encoded in its parent's serializer, and the queue it goes to."""
     message = item.message
-    serializer = "json" if message.content_type == "application/json" else "msgpack"
+    serializer = codec.serializer_of(message.content_type) or "msgpack"
     return encode_task(message, serializer=serializer), follow_up_queue(app, item)
 
 
@@ -132,7 +133,7 @@ def chord_part(request: TaskMessage, state: State, result: Any) -> tuple[ChordPa
         reply_to=request.reply_to,
         root_id=request.root_id,
     )
-    content_type = "json" if request.content_type == "application/json" else "msgpack"
+    content_type = codec.serializer_of(request.content_type) or "msgpack"
     try:
         payload, ctype, encoding = encode_part(part, content_type)
     except (TypeError, ValueError, OverflowError) as exc:

@@ -305,7 +305,7 @@ class ChordJoiner:
         if queue not in self._declared:
             await self._declare(self._app.settings.task_queue(queue))
             self._declared.add(queue)
-        serializer = "json" if message.content_type == codec.JSON else "msgpack"
+        serializer = codec.serializer_of(message.content_type) or "msgpack"
         wire = encode_task(message, serializer=serializer)
         properties = _task_properties(wire, self._clock)
         await channel.basic_publish(wire.body, exchange="", routing_key=queue, properties=properties)
