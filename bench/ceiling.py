@@ -37,7 +37,7 @@ from bench.spine import NOOP
 from broker_svc.settings import Settings
 from broker_svc.topology import QueueSpec, result_queue
 from broker_svc.wire import codec
-from broker_svc.wire.result_message import Outcome
+from broker_svc.wire.results.message import Outcome
 from broker_svc.wire.states import State
 from broker_svc.wire.task_message import CLOCK_HEADER, TaskMessage, WireMessage, encode_task
 

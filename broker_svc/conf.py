@@ -19,7 +19,7 @@ from typing import Any, Final
 from broker_svc.errors import ConfigurationError
 from broker_svc.logging import get_logger
 from broker_svc.topology import SINGLE_ACTIVE_ARGUMENT
-from broker_svc.wire.result_meta import is_redis_url
+from broker_svc.wire.results.meta import is_redis_url
 
 __all__ = ["ACCEPTED_AS_DESIGNED", "READ_BY_CLOCKWORK", "SETTINGS_FIELDS", "Config", "load_object"]
 

@@ -34,12 +34,12 @@ from broker_svc.tasks.shared import SharedTask
 from broker_svc.tasks.task import Task
 from broker_svc.topology import new_reply_queue_name, result_queue
 from broker_svc.wire import codec
-from broker_svc.wire.result_meta import is_redis_url
+from broker_svc.wire.results.meta import is_redis_url
 
 if TYPE_CHECKING:
     from broker_svc.app import App
     from broker_svc.redis_results.reader import RedisResults
-    from broker_svc.wire.result_message import Outcome
+    from broker_svc.wire.results.message import Outcome
 
 __all__ = ["AsyncApp"]
 

@@ -22,8 +22,8 @@ from broker_svc.logging import get_logger
 from broker_svc.results.result import outcome_value
 from broker_svc.results.store import ResultSource
 from broker_svc.wire import codec
-from broker_svc.wire.result_message import Outcome
-from broker_svc.wire.result_view import OutcomeView, ResultsView
+from broker_svc.wire.results.message import Outcome
+from broker_svc.wire.results.view import OutcomeView, ResultsView
 from broker_svc.wire.states import State
 
 __all__ = ["AioGroupResult", "AioResult", "ResultWaiters"]

@@ -9,7 +9,7 @@ from typing import Any
 from broker_svc.errors import ConfigurationError, ContentDisallowed
 from broker_svc.settings import Settings
 from broker_svc.wire import codec
-from broker_svc.wire.result_meta import ResultKeys, is_redis_url
+from broker_svc.wire.results.meta import ResultKeys, is_redis_url
 
 __all__ = ["RedisBackendConf"]
 

@@ -24,7 +24,7 @@ from typing import Any, Final
 
 from broker_svc.redis_results.connection import with_retries
 from broker_svc.redis_results.writer import ResultWriter
-from broker_svc.wire.result_meta import chord_member
+from broker_svc.wire.results.meta import chord_member
 
 __all__ = ["ChordClaim", "ChordCounter"]
 

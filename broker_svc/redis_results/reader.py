@@ -19,7 +19,7 @@ from broker_svc.logging import get_logger
 from broker_svc.redis_results.backend_conf import RedisBackendConf
 from broker_svc.redis_results.connection import REDIS_ERRORS, open_client, with_retries
 from broker_svc.redis_results.writer import ResultWriter
-from broker_svc.wire.result_message import Outcome
+from broker_svc.wire.results.message import Outcome
 
 __all__ = ["RedisResults"]
 

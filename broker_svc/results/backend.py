@@ -14,8 +14,8 @@ from typing import Any, Protocol
 
 from broker_svc.results.result import AsyncResult, GroupResult, result_from_tuple
 from broker_svc.results.store import ResultSource
-from broker_svc.wire.result_message import Outcome, exception_to_wire
-from broker_svc.wire.result_meta import result_meta
+from broker_svc.wire.results.message import Outcome, exception_to_wire
+from broker_svc.wire.results.meta import result_meta
 from broker_svc.wire.states import State
 
 __all__ = ["ResultBackend"]

@@ -12,8 +12,8 @@ from typing_extensions import TypeVar
 from broker_svc.connection.pending import PendingPublish
 from broker_svc.errors import ResultTimeout, TaskDeclined, TaskError
 from broker_svc.results.store import OnMessage, ResultStore
-from broker_svc.wire.result_message import Outcome, exception_from_wire
-from broker_svc.wire.result_view import OutcomeView, ResultsView
+from broker_svc.wire.results.message import Outcome, exception_from_wire
+from broker_svc.wire.results.view import OutcomeView, ResultsView
 from broker_svc.wire.states import State
 
 __all__ = ["AsyncResult", "GroupResult", "ResultSet", "outcome_error", "outcome_value", "result_from_tuple"]

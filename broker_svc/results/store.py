@@ -13,7 +13,7 @@ from broker_svc.connection.pending import Delivery, PendingPublish
 from broker_svc.errors import MessageError, ResultTimeout, ResultUnreachable
 from broker_svc.logging import get_logger
 from broker_svc.wire import codec
-from broker_svc.wire.result_message import Outcome
+from broker_svc.wire.results.message import Outcome
 
 __all__ = ["OnMessage", "ResultSource", "ResultStore"]
 

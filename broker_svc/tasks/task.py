@@ -15,10 +15,10 @@ from broker_svc.canvas.signature import Signature
 from broker_svc.errors import MaxRetriesExceededError, Retry
 from broker_svc.logging import get_logger
 from broker_svc.tasks.arguments import check_call_arguments, retry_arguments
-from broker_svc.tasks.eager import EagerResult, apply
 from broker_svc.tasks.pydantic_args import call_with_models
-from broker_svc.tasks.replace import replace
 from broker_svc.tasks.request import SEND_OPTIONS, ExceptionInfo, Request, current_request, executing
+from broker_svc.tasks.running.eager import EagerResult, apply
+from broker_svc.tasks.running.replace import replace
 
 if TYPE_CHECKING:
     from broker_svc.results.result import AsyncResult as ResultHandle
@@ -112,7 +112,7 @@ class Task(Generic[P, R]):
     def replace(self, sig: Signature) -> Any:
         """Hand this task's place to ``sig`` (a signature, a chain or a group), as Celery's does:
         its caller gets the replacement's result, the rest of its chain runs after it, and its
-        callbacks, errbacks and chord go with it (``broker_svc/tasks/replace.py``). Raises
+        callbacks, errbacks and chord go with it (``broker_svc/tasks/running/replace.py``). Raises
         ``Ignore`` (so use it as ``return self.replace(sig)``); run eagerly, returns the value.
 
         Raises:

@@ -20,7 +20,7 @@ from broker_svc.redis_results.chords import ChordCounter
 from broker_svc.redis_results.connection import open_client
 from broker_svc.redis_results.writer import ResultWriter
 from broker_svc.settings import Settings
-from broker_svc.wire.result_message import wire_exception
+from broker_svc.wire.results.message import wire_exception
 
 
 @pytest.fixture

@@ -12,8 +12,8 @@ from broker_svc.errors import (
     TaskRevokedError,
 )
 from broker_svc.results.result import outcome_error, outcome_value
-from broker_svc.wire.result_message import Outcome, exception_from_wire, exception_to_wire, wire_exception
-from broker_svc.wire.result_view import OutcomeView
+from broker_svc.wire.results.message import Outcome, exception_from_wire, exception_to_wire, wire_exception
+from broker_svc.wire.results.view import OutcomeView
 from broker_svc.wire.states import READY_STATES
 from broker_svc.wire.task_state import FINAL_STATES
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from broker_svc.wire.result_message import Outcome, wire_exception
-from broker_svc.wire.result_meta import ResultKeys, chord_member, extended_fields, is_redis_url, result_meta
+from broker_svc.wire.results.message import Outcome, wire_exception
+from broker_svc.wire.results.meta import ResultKeys, chord_member, extended_fields, is_redis_url, result_meta
 from broker_svc.wire.task_message import TaskMessage
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 from broker_svc import App, Signature, current_app
 from broker_svc.results.jobs import JobsApp
 from broker_svc.tasks.arguments import CheckedTask
-from broker_svc.tasks.eager import EagerTask
+from broker_svc.tasks.running.eager import EagerTask
+from broker_svc.tasks.running.trace import TracedTask
 from broker_svc.tasks.task_app import TaskApp
-from broker_svc.tasks.trace import TracedTask
 
 URL = "amqp://guest:guest@127.0.0.1:5672/%2Ftask-app"
 

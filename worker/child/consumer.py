@@ -30,8 +30,8 @@ from worker.child.run import run_limited
 from worker.child.soft_limits import SoftLimit
 from worker.child.spec import FeedSpec
 from worker.child.task_loop import TaskLoop
-from worker.consume.events import FeedEvents
 from worker.consume.handle import FeedHandler
+from worker.consume.records.events import FeedEvents
 from worker.consume.replies import FeedReplies
 from worker.consume.settle import CopiesInFlight, FeedSettler
 from worker.consume.updates import FeedUpdates

@@ -22,9 +22,9 @@ from broker_svc.errors import (
     Reject,
     TaskRevokedError,
 )
+from broker_svc.tasks.running.trace import IGNORED, REJECTED, RETRY, SUCCESS, trace
 from broker_svc.tasks.task import Request, Task, executing
-from broker_svc.tasks.trace import IGNORED, REJECTED, RETRY, SUCCESS, trace
-from broker_svc.wire.result_message import exception_to_wire, wire_exception
+from broker_svc.wire.results.message import exception_to_wire, wire_exception
 from worker import ipc
 from worker.child.hard_limit import HardLimit
 from worker.child.soft_limits import SoftLimit

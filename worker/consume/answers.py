@@ -18,15 +18,15 @@ from broker_svc.amqp.feed_connection import TaskDelivery
 from broker_svc.app import App
 from broker_svc.wire.codec import reply_type
 from broker_svc.wire.event_fields import describe_repr
-from broker_svc.wire.result_message import Outcome, wire_exception
+from broker_svc.wire.results.message import Outcome, wire_exception
 from broker_svc.wire.states import State
 from broker_svc.wire.task_message import TaskMessage
 from broker_svc.wire.task_state import WORKER_STATES, result_expiration
 from worker.consume.canvas import FeedCanvas
-from worker.consume.events import FeedEvents
 from worker.consume.ledger import FeedLedger
+from worker.consume.records.events import FeedEvents
+from worker.consume.records.states import FeedStates
 from worker.consume.replies import FeedReplies
-from worker.consume.states import FeedStates
 from worker.rules import canvas_plan
 from worker.rules.disposition import ACK, Disposition
 from worker.rules.job_request import reply_wanted, result_stored

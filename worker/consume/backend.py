@@ -29,8 +29,8 @@ from broker_svc.redis_results.chords import ChordClaim, ChordCounter
 from broker_svc.redis_results.connection import WRITE_BUDGET_S, open_client
 from broker_svc.redis_results.writer import ResultWriter
 from broker_svc.wire.codec import reply_type
-from broker_svc.wire.result_message import Outcome, wire_exception
-from broker_svc.wire.result_meta import extended_fields, result_meta
+from broker_svc.wire.results.message import Outcome, wire_exception
+from broker_svc.wire.results.meta import extended_fields, result_meta
 from broker_svc.wire.states import READY_STATES, State
 from broker_svc.wire.task_message import TaskMessage
 from worker.consume.replies import FeedReplies

@@ -25,19 +25,19 @@ from broker_svc.clock import LamportClock
 from broker_svc.errors import MessageError
 from broker_svc.topology import DELAY_HOLD_WINDOW_S, delay_bucket_ms, expired_queue
 from broker_svc.wire import codec
-from broker_svc.wire.result_message import CELERY_EXCEPTIONS_MODULE, Outcome, wire_exception
-from broker_svc.wire.result_meta import is_redis_url
+from broker_svc.wire.results.message import CELERY_EXCEPTIONS_MODULE, Outcome, wire_exception
+from broker_svc.wire.results.meta import is_redis_url
 from broker_svc.wire.states import State
 from broker_svc.wire.task_message import TaskMessage, decode_task, eta_and_expires, safe_repr
 from worker.child.spec import FeedSpec
 from worker.consume.answers import FeedAnswers, Handled
 from worker.consume.canvas import FeedCanvas
-from worker.consume.events import FeedEvents
 from worker.consume.ledger import FeedLedger
 from worker.consume.outcomes import FeedOutcomes
-from worker.consume.parked import FeedParked
+from worker.consume.records.events import FeedEvents
+from worker.consume.records.parked import FeedParked
+from worker.consume.records.states import FeedStates
 from worker.consume.replies import FeedReplies
-from worker.consume.states import FeedStates
 from worker.ipc import Job
 from worker.rules import canvas_plan
 from worker.rules.deliveries import (

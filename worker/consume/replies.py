@@ -25,7 +25,7 @@ from broker_svc.topology import (
     dead_letter_queue,
 )
 from broker_svc.wire import codec
-from broker_svc.wire.result_message import Outcome, wire_exception
+from broker_svc.wire.results.message import Outcome, wire_exception
 from broker_svc.wire.states import State
 from broker_svc.wire.task_message import CLOCK_HEADER, WireMessage
 

@@ -50,8 +50,8 @@ from broker_svc.clock import LamportClock
 from broker_svc.topology import chord_join_queue, dead_letter_queue
 from broker_svc.wire import codec
 from broker_svc.wire.chord_part import ChordPart, decode_part
-from broker_svc.wire.result_message import Outcome, wire_exception
-from broker_svc.wire.result_meta import is_redis_url, result_meta
+from broker_svc.wire.results.message import Outcome, wire_exception
+from broker_svc.wire.results.meta import is_redis_url, result_meta
 from broker_svc.wire.states import State
 from broker_svc.wire.task_message import CLOCK_HEADER, TaskMessage, WireMessage, encode_task
 from control.aio.declare import declare_queue

@@ -12,7 +12,7 @@ from typing import Any, Final
 
 from broker_svc.wire import codec
 from broker_svc.wire.dedup import FORWARDED_HEADER
-from broker_svc.wire.result_message import Outcome, wire_exception
+from broker_svc.wire.results.message import Outcome, wire_exception
 from broker_svc.wire.states import State
 from broker_svc.wire.task_state import JobState, StateRecord
 

@@ -37,7 +37,7 @@ from broker_svc.errors import MessageError
 from broker_svc.settings import Settings
 from broker_svc.topology import dependents_queue, task_states_stream
 from broker_svc.wire import codec
-from broker_svc.wire.result_message import Outcome, wire_exception
+from broker_svc.wire.results.message import Outcome, wire_exception
 from broker_svc.wire.states import State
 from broker_svc.wire.task_message import CLOCK_HEADER
 from broker_svc.wire.task_state import (

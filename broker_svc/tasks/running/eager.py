@@ -1,8 +1,8 @@
 """``Task.apply()``: run a task here and now, as Celery's eager mode does (the usual test idiom).
 
-The body runs in this process through ``broker_svc.tasks.trace``, with the same signals and hooks as in
-a worker. ``retry()`` runs it again at once (countdowns are not waited for), until it succeeds or
-its retries run out. Nothing touches the broker, unless the task itself sends tasks.
+The body runs in this process through ``broker_svc.tasks.running.trace``, with the same signals
+and hooks as in a worker. ``retry()`` runs it again at once (countdowns are not waited for),
+until it succeeds or its retries run out. Nothing touches the broker, unless the task itself sends tasks.
 """
 
 from __future__ import annotations
@@ -12,7 +12,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from broker_svc.errors import TaskError
 from broker_svc.tasks.request import Request, executing
-from broker_svc.tasks.trace import FAILURE, IGNORED, REJECTED, RETRY, SUCCESS, Traced, TracedTask, trace
+from broker_svc.tasks.running.trace import (
+    FAILURE,
+    IGNORED,
+    REJECTED,
+    RETRY,
+    SUCCESS,
+    Traced,
+    TracedTask,
+    trace,
+)
 from broker_svc.wire.ids import uuid4_str
 
 if TYPE_CHECKING:

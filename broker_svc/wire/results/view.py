@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from broker_svc.wire.result_message import Outcome
+from broker_svc.wire.results.message import Outcome
 from broker_svc.wire.states import READY_STATES, State
 
 __all__ = ["OutcomeView", "ResultsView"]

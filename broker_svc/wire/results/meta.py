@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from broker_svc.wire.result_message import Outcome
+from broker_svc.wire.results.message import Outcome
 from broker_svc.wire.task_message import TaskMessage
 
 __all__ = [

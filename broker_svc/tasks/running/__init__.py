@@ -1,0 +1,1 @@
+"""A task's run: traced in a worker, applied eagerly, or handed to a replacement."""
