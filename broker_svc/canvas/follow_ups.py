@@ -13,13 +13,13 @@ import datetime as dt
 import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import Any, Protocol
 
+from broker_svc.canvas.chord_header import as_joined, group_as_chord, unrolled
 from broker_svc.wire.ids import uuid4_str
 from broker_svc.wire.task_message import TaskMessage, parse_iso_datetime
 
 __all__ = [
-    "NESTED_HEADER",
     "FollowUp",
     "as_list",
     "chord_header_problem",
@@ -28,11 +28,6 @@ __all__ = [
     "runs_in_process",
     "unhonoured",
 ]
-
-NESTED_HEADER: Final = (
-    "a chord's header holds plain task signatures only; a group, chain or chord inside a chord's "
-    "header is not supported yet"
-)
 
 
 def chord_members(sig: Mapping[str, Any]) -> tuple[list[Mapping[str, Any]], Mapping[str, Any]]:
@@ -158,8 +153,6 @@ def _unhonoured_chord(kwargs: Any, depth: int) -> str | None:
     if not isinstance(header, list | tuple):
         return "a chord signature needs kwargs.header (a group or a list of signatures)"
     for member in header:
-        if isinstance(member, Mapping) and member.get("subtask_type") is not None:
-            return NESTED_HEADER
         why = _unhonoured_signature(member, depth + 1)
         if why is not None:
             return why
@@ -185,16 +178,24 @@ def follow_ups(
         return _chord_follow_ups(sig, parent=parent, partial=partial, chain_rest=chain_rest)
     if kind == "group":
         options = sig.get("options") or {}
+        outer = options.get("chord")
+        if isinstance(outer, Mapping) and outer.get("chord_size") is not None:
+            # Ends a chain in a chord's header: its results are one part (chord_header.py).
+            as_chord = group_as_chord(sig)
+            return _chord_follow_ups(as_chord, parent=parent, partial=partial, chain_rest=chain_rest)
         group_id = options.get("group_id") or options.get("task_id") or uuid4_str()
+        # A chord counted in Redis counts each member, as Celery's workers send them: the client
+        # sized it so and saved the header's shape, which gives the group's values as one list.
+        counted = {"chord": outer} if outer is not None else {}
         members = list(inner.get("tasks") or ())
         out: list[FollowUp] = []
         for index, member in enumerate(members):
             fixed = {**member, "options": {**(member.get("options") or {}), "group_id": group_id,
-                                            "group_index": index}}  # fmt: skip
+                                            "group_index": index, **counted}}  # fmt: skip
             out.extend(follow_ups(fixed, parent=parent, partial=partial))
         return out
     if kind == "chain":
-        steps = list(inner.get("tasks") or ())
+        steps = _upgraded(list(inner.get("tasks") or ()))
         # Stored last step first: the outer chain's rest runs after this chain's own steps.
         rest = [*(chain_rest or ()), *reversed(steps[1:])]
         return follow_ups(steps[0], parent=parent, partial=partial, chain_rest=rest)
@@ -208,14 +209,21 @@ def _chord_follow_ups(
     partial: Sequence[Any],
     chain_rest: Sequence[Mapping[str, Any]] | None,
 ) -> list[FollowUp]:
-    # A chord as a step (Celery's chain of a group and a step): its header tasks, each carrying
-    # the body with the chord's size; the steps after it run after its body.
+    # A chord as a step (Celery's chain of a group and a step): its header's members, each made to
+    # leave its part (chord_header.py) and carrying the body with the chord's size; the steps after
+    # it run after its body.
     members, body = chord_members(sig)
-    options = sig.get("options") or {}
+    members = unrolled(members)
+    options = dict(sig.get("options") or {})
+    body_options = {**(body.get("options") or {})}
+    if options.get("chord") is not None:
+        # The chord is itself a part of an outer chord: its body leaves that part.
+        outer = {key: options.pop(key) for key in ("group_id", "group_index", "chord") if key in options}
+        if body_options.get("chord") is None:
+            body_options.update(outer)
     header = (sig.get("kwargs") or {}).get("header")
     header_options = (header.get("options") or {}) if isinstance(header, Mapping) else {}
     group_id = options.get("group_id") or header_options.get("task_id") or uuid4_str()
-    body_options = {**(body.get("options") or {})}
     body_options.setdefault("task_id", options.get("task_id") or uuid4_str())
     body_options.setdefault("reply_to", options.get("reply_to") or parent.reply_to)
     if chain_rest:
@@ -225,9 +233,27 @@ def _chord_follow_ups(
     carried = {**body, "options": body_options, "chord_size": len(members)}
     out: list[FollowUp] = []
     for index, member in enumerate(members):
-        fixed = {**member, "options": {**(member.get("options") or {}), "group_id": group_id,
-                                        "group_index": index, "chord": carried}}  # fmt: skip
-        out.extend(follow_ups(fixed, parent=parent, partial=partial))
+        joined = as_joined(member, group_id=group_id, index=index, body=carried)
+        out.extend(follow_ups(joined, parent=parent, partial=partial))
+    return out
+
+
+def _upgraded(steps: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    # Celery's rule: a group followed by another step is a chord with that step as its body.
+    out: list[Mapping[str, Any]] = []
+    index = 0
+    while index < len(steps):
+        step = steps[index]
+        if step.get("subtask_type") == "group" and index + 1 < len(steps):
+            header = {**step}
+            out.append({
+                "task": "celery.chord", "args": [], "kwargs": {"header": header, "body": steps[index + 1],
+                "kwargs": {}}, "options": {}, "subtask_type": "chord", "immutable": False,
+            })  # fmt: skip
+            index += 2
+        else:
+            out.append(step)
+            index += 1
     return out
 
 

@@ -29,7 +29,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from broker_svc.canvas.follow_ups import NESTED_HEADER, chord_members
+from broker_svc.canvas.chord_header import as_joined, unrolled
+from broker_svc.canvas.follow_ups import chord_members
 from broker_svc.results.result import GroupResult
 from broker_svc.sending.routes import queue_for
 from broker_svc.tasks.task_app import current_app
@@ -284,7 +285,7 @@ class chain(Signature):
         """Send the first step, carrying the rest; the last step's result (``.parent``: the one before).
 
         Raises:
-            ValueError: an empty chain, a group as its last step, or a chord with a nested header.
+            ValueError: an empty chain, or a group as its last step.
         """
         steps = _upgrade_to_chords([step.clone() for step in self.tasks])
         if not steps:
@@ -478,14 +479,12 @@ class chord(Signature):
         id. A chord with an empty header sends its body at once, with an empty list.
 
         Raises:
-            ValueError: no body, or a header holding groups, chains or chords.
+            ValueError: no body, or an empty chain in the header.
             PublishError: (``confirm="each"``) the broker did not confirm a header task.
         """
 
         body = (body or self._body_or_raise()).clone()
         members = self.tasks
-        if any(member.subtask_type is not None for member in members):
-            raise ValueError(NESTED_HEADER)
         options = {**self.options, **options}
         group_id = options.pop("group_id", None) or uuid4_str()
         body_id = options.pop("task_id", None) or body.id
@@ -508,14 +507,25 @@ class chord(Signature):
             body.apply_async(([],), **options)
             result.parent = GroupResult(group_id, [], app=app)
             return result
+        # A header of chains, groups and chords: one part per member, groups unrolled (chord_header.py).
+        cloned = (_upgraded_chains(member.clone(args, kwargs)) for member in members)
+        parts = [maybe_signature(member, app) for member in unrolled(cloned)]
         # Its size, and whose joiner joins it: this app's, whichever app's worker runs a header task.
-        carried = {**body.as_wire(), "chord_size": len(members), NAMESPACE_KEY: app.settings.namespace}
-        sent: list[Signature] = []
-        for index, member in enumerate(members):
-            new_args, new_kwargs = member._partial(args, kwargs)
-            step = {**member.options, **options, "group_id": group_id, "group_index": index, "chord": carried}
-            sent.append(Signature(member.task, new_args, new_kwargs, step))
-        result.parent = GroupResult(group_id, app.send_many(sent), app=app)
+        carried = {**body.as_wire(), "chord_size": len(parts), NAMESPACE_KEY: app.settings.namespace}
+        plain: list[tuple[int, Signature]] = []
+        results: list[AsyncResult | GroupResult | None] = []
+        for index, member in enumerate(parts):
+            if member.subtask_type is None:
+                membership = {"group_id": group_id, "group_index": index, "chord": carried}
+                step = {**member.options, **options, **membership}
+                plain.append((index, Signature(member.task, member.args, member.kwargs, step)))
+                results.append(None)
+            else:
+                joined = maybe_signature(as_joined(member, group_id=group_id, index=index, body=carried), app)
+                results.append(joined.apply_async(**options))
+        for (index, _), sent in zip(plain, app.send_many(s for _, s in plain), strict=True):
+            results[index] = sent
+        result.parent = GroupResult(group_id, [r for r in results if r is not None], app=app)
         return result
 
     def apply(
@@ -573,6 +583,14 @@ def _upgrade_to_chords(steps: list[Signature]) -> list[Signature]:
             out.append(step)
             index += 1
     return out
+
+
+def _upgraded_chains(sig: Signature) -> Signature:
+    # A chain in a chord's header is sent by its own apply_async, which makes a group followed by a
+    # step a chord; its last step (which leaves the part) must be seen as that chord here too.
+    if isinstance(sig, chain):
+        return chain(*_upgrade_to_chords(sig.tasks), app=sig._app, **sig.options)
+    return sig
 
 
 def _steps_of(sig: Signature) -> list[Signature]:

@@ -118,6 +118,45 @@ def test_a_task_body_calls_a_chain_a_group_and_a_chord_as_celerys_do(
     assert sorted(_body_runs(notes_path, "spawned-group")) == [0, 1, 2]  # type: ignore[comparison-overlap]
 
 
+def test_a_header_of_chains_groups_and_chords_joins_with_one_value_per_member(client: App, queue: str):
+    s = lambda *a, **o: _sig(client, queue, *a, **o)  # noqa: E731
+    # As Celery's workers give it: a chain's last value, a group unrolled (its members reversed, as
+    # Celery's client unrolls them), an inner chord's body value, a chain's closing group as a list.
+    header = [
+        s("add", 1, 0),
+        chain(s("add", 2, 0), s("mul", 10)),
+        group(s("add", 3, 0), s("add", 4, 0)),
+        chord([s("add", 5, 0), s("add", 6, 0)], s("xsum")),
+        chain(s("add", 7, 0), chord([s("add", 1), s("add", 2)], s("xsum"))),
+    ]
+    result = chord(header)(s("collect", label="nested"))
+    assert result.get(timeout=30) == [1, 20, 4, 3, 11, 17]
+    shapes = [
+        chain(s("add", 8, 0), group(s("add", 1), s("add", 2))),
+        group(group(s("add", 1, 0)), s("add", 9, 0)),
+    ]
+    assert chord(shapes)(s("collect")).get(timeout=30) == [[9, 10], 9, 1]
+    deep = chord(
+        [chord([chord([s("add", 1, 1), s("add", 2, 2)], s("xsum")), s("add", 3, 3)], s("xsum"))], s("xsum")
+    )
+    assert deep.apply_async().get(timeout=30) == 12
+
+
+def test_a_failure_inside_a_nested_chord_fails_the_outer_body_with_a_chord_error(client: App, queue: str):
+    # Celery's workers leave the outer chord waiting forever; here the inner chord's failure is its
+    # part, so the outer body fails too, naming the inner body and the first cause.
+    s = lambda *a, **o: _sig(client, queue, *a, **o)  # noqa: E731
+    inner = chord([s("add", 1), s("fail", 3)], s("xsum"))
+    result = chord([s("add", 2, 2), chain(s("add", 1, 0), inner)])(s("collect", label="never-nested"))
+    with pytest.raises(
+        ChordError, match=r"Dependency .* raised ChordError\(.*Dependency .* raised ValueError"
+    ):
+        result.get(timeout=30)
+    failed_in_chain = chord([s("add", 1, 1), chain(s("add", 1, 0), s("fail"))])(s("collect"))
+    with pytest.raises(ChordError, match=r"raised ValueError"):
+        failed_in_chain.get(timeout=30)
+
+
 def test_a_failed_header_task_fails_the_body_with_a_chord_error_and_never_runs_it(
     client: App, worker: WorkerProcess, queue: str, notes_path: Path
 ):

@@ -17,6 +17,7 @@ from celery import Celery, chain, chord, group
 from celery import exceptions as celery_exceptions
 
 from tests.interop.conftest import close_celery_client
+from tests.interop.nested_chords import nested_chords
 from tests.support.amqp import delete_queues
 from tests.support.workers import WorkerProcess, unique_queue
 
@@ -81,6 +82,13 @@ def test_a_failed_header_task_fails_the_celery_body_with_a_chord_error(client: C
     # ...and the body's own result is the ChordError the joiner sent, as Celery's backends store.
     with pytest.raises(celery_exceptions.ChordError, match="Dependency"):
         client.AsyncResult(result.id).get(timeout=30)
+
+
+def test_celery_chords_with_nested_headers_give_our_worker_what_celerys_workers_give(
+    client: Celery, ours: str
+):
+    for name, (canvas, expected) in nested_chords(client, ours).items():
+        assert canvas.apply_async().get(timeout=30) == expected, name
 
 
 def test_a_celery_worker_in_the_header_leaves_its_parts_for_our_joiner(

@@ -25,8 +25,9 @@ def _header_of(app: App, body: Signature) -> list[Signature]:
     sent: list[Signature] = []
 
     def keep(signatures: Iterable[Signature], *, wait: bool = False) -> list[Any]:
-        sent.extend(signatures)
-        return []
+        batch = list(signatures)
+        sent.extend(batch)
+        return [app.AsyncResult(f"part-{i}") for i in range(len(batch))]
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(app, "send_many", keep)

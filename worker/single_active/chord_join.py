@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -49,7 +50,7 @@ from broker_svc.canvas.follow_ups import FollowUp, as_list, follow_ups
 from broker_svc.clock import LamportClock
 from broker_svc.topology import chord_join_queue, dead_letter_queue
 from broker_svc.wire import codec
-from broker_svc.wire.chord_part import ChordPart, decode_part
+from broker_svc.wire.chord_part import ChordPart, decode_part, encode_part, join_namespace
 from broker_svc.wire.results.message import Outcome, wire_exception
 from broker_svc.wire.results.meta import is_redis_url, result_meta
 from broker_svc.wire.states import State
@@ -98,6 +99,7 @@ class ChordJoiner:
     def __init__(self, *, app: App, clock: LamportClock, namespace: str, max_body_bytes: int) -> None:
         self._app = app
         self._clock = clock
+        self._namespace = namespace
         self._queue = chord_join_queue(namespace)
         self._max_bytes = max_body_bytes
         self._chords: dict[str, _Chord] = {}
@@ -270,7 +272,40 @@ class ChordJoiner:
         for errback in as_list(options.get("link_error")):
             for item in follow_ups(errback, parent=parent, partial=(parent.id,)):
                 await self._send_task(channel, item)
+        await self._fail_outer(channel, chord, part, error, body_id=parent.id)
         await channel.tx_commit()  # the failure is told now; the parts stay held until all are in
+
+    async def _fail_outer(
+        self, channel: aiormq.abc.AbstractChannel, chord: _Chord, part: ChordPart, error: Any, *, body_id: str
+    ) -> None:
+        # A chord nested in another's header (chord_header.py): its body was to leave a part of the
+        # outer chord. It never runs, so its failure is that part, and the outer chord fails too
+        # (Celery's workers leave the outer chord waiting forever).
+        options = part.body.get("options") or {}
+        outer, group_id, index = options.get("chord"), options.get("group_id"), options.get("group_index")
+        if not isinstance(outer, Mapping) or not isinstance(group_id, str) or not isinstance(index, int):
+            return
+        size = outer.get("chord_size")
+        if not isinstance(size, int):
+            log.warning("chord_failure_not_passed_on", group_id=group_id, why="outer chord counted in Redis")
+            return
+        failed = ChordPart(
+            group_id=group_id, index=index, size=size, task_id=body_id, state=State.FAILURE.value,
+            result=error, body=dict(outer), reply_to=options.get("reply_to") or part.reply_to,
+            root_id=part.root_id,
+        )  # fmt: skip
+        content_type = chord.content_type if chord.content_type in (codec.JSON, codec.MSGPACK) else codec.JSON
+        payload, ctype, encoding = encode_part(failed, codec.serializer_of(content_type) or "json")
+        queue = chord_join_queue(join_namespace(outer, self._namespace))
+        if queue.name != self._queue.name and queue.name not in self._declared:
+            await self._declare(queue)
+            self._declared.add(queue.name)
+        properties = spec.Basic.Properties(
+            content_type=ctype, content_encoding=encoding, delivery_mode=2,
+            headers={CLOCK_HEADER: self._clock.forward()},
+        )  # fmt: skip
+        await channel.basic_publish(payload, exchange="", routing_key=queue.name, properties=properties)
+        log.info("chord_failure_passed_on", group_id=group_id, index=index, task_id=body_id)
 
     async def _store_failure(self, outcome: Outcome) -> None:
         # With a Redis result backend the body's ChordError is stored there, where a process that
