@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import math
 import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+from broker_svc.errors import MessageError
 from broker_svc.redis_results.connection import with_retries
 from broker_svc.redis_results.writer import ResultWriter
 from broker_svc.wire.results.meta import chord_member
 
-__all__ = ["ChordClaim", "ChordCounter"]
+__all__ = ["ChordClaim", "ChordCounter", "DependencyFailed", "header_ids", "header_values"]
 
 # Count one part, claim the dispatch when it completes the chord. KEYS: .j .t .s .d group .c;
 # ARGV: id, member, ordered (1: sorted set), score, expires, group expires, claim s, token.
@@ -155,10 +157,40 @@ class ChordCounter:
         total = int(size) + int(added or 0)
         return ChordClaim(group_id, token, self._claim_s, total) if count == total else None
 
-    def saved_group(self, claim: ChordClaim) -> bool:
-        """Whether the client saved the header as a ``GroupResult`` (a header of groups)."""
+    def saved_header(self, claim: ChordClaim) -> list[Any] | None:
+        """The header's result tree, if the client saved it (a header nesting chains ending in a
+        group, whose values are lists): its members' ``((id, parent), children)`` tuples; else None.
+
+        Raises:
+            ResultBackendUnavailable: Redis could not be read.
+            MessageError: what is stored does not decode.
+        """
         key = self._keys.group(claim.group_id)
-        return bool(with_retries(lambda: self._client.exists(key), what="read a chord's group"))
+        payload = with_retries(lambda: self._client.get(key), what="read a chord's group")
+        if payload is None:
+            return None
+        meta = self._writer.decode(_bytes(payload))
+        tree = meta.get("result") if isinstance(meta, dict) else None
+        if not isinstance(tree, list | tuple) or len(tree) != 2 or not isinstance(tree[1], list | tuple):
+            raise MessageError(f"a saved group must be ((id, parent), members), got {tree!r:.200}")
+        return list(tree[1])
+
+    def stored(self, task_ids: list[str]) -> dict[str, dict[str, Any]]:
+        """The stored meta of each of ``task_ids`` that has one.
+
+        Raises:
+            ResultBackendUnavailable: Redis could not be read.
+            MessageError: a meta does not decode.
+        """
+        keys = [self._keys.task(task_id) for task_id in task_ids]
+        raw = with_retries(lambda: self._client.mget(keys), what="read a chord's results") if keys else []
+        metas: dict[str, dict[str, Any]] = {}
+        for task_id, payload in zip(task_ids, raw, strict=True):
+            if payload is not None:
+                meta = self._writer.decode(_bytes(payload))
+                if isinstance(meta, dict):
+                    metas[task_id] = meta
+        return metas
 
     def results(self, claim: ChordClaim) -> list[list[Any]]:
         """The header's ``[1, id, state, result]`` entries, in header order.
@@ -200,6 +232,63 @@ class ChordCounter:
         """A failed chord: drop its size, so a late copy of a header task does not fail it again."""
         key = self._keys.group(group_id, ".s")
         with_retries(lambda: self._client.delete(key), what="drop a chord's size")
+
+
+class DependencyFailed(Exception):
+    """A saved header's member failed or was revoked: the chord fails with it."""
+
+    def __init__(self, task_id: str, result: Any) -> None:
+        super().__init__(task_id)
+        self.task_id = task_id
+        self.result = result
+
+
+def header_ids(members: Sequence[Any]) -> list[str]:
+    """The task ids of a saved header's results, groups opened, in header order.
+
+    Raises:
+        MessageError: a member is not a result tuple.
+    """
+    ids: list[str] = []
+    for member in members:
+        task_id, children = _node(member)
+        if children is None:
+            ids.append(task_id)
+        else:
+            ids.extend(header_ids(children))
+    return ids
+
+
+def header_values(members: Sequence[Any], metas: Mapping[str, Mapping[str, Any]]) -> list[Any]:
+    """A saved header's values, each group's as a list (what Celery's ``GroupResult.join`` gives).
+
+    Raises:
+        DependencyFailed: the first member, in header order, that failed or was revoked.
+        MessageError: a member has no ready state stored, or is not a result tuple.
+    """
+    values: list[Any] = []
+    for member in members:
+        task_id, children = _node(member)
+        if children is not None:
+            values.append(header_values(children, metas))
+            continue
+        meta = metas.get(task_id) or {}
+        status = meta.get("status")
+        if status in ("FAILURE", "REVOKED"):
+            raise DependencyFailed(task_id, meta.get("result"))
+        if status != "SUCCESS":
+            raise MessageError(f"header task {task_id} has no result stored (state {status!r})")
+        values.append(meta.get("result"))
+    return values
+
+
+def _node(member: Any) -> tuple[str, list[Any] | None]:
+    # Celery's result tuple: ((id, parent), None) for a task, ((id, parent), [members]) for a group.
+    if isinstance(member, list | tuple) and len(member) == 2 and isinstance(member[0], list | tuple):
+        head, children = member
+        if head and isinstance(head[0], str) and (children is None or isinstance(children, list | tuple)):
+            return head[0], None if children is None else list(children)
+    raise MessageError(f"not a result tuple: {member!r:.200}")
 
 
 def _bytes(value: Any) -> bytes:

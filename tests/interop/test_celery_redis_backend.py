@@ -27,6 +27,7 @@ from broker_svc import chord as our_chord
 from broker_svc.aio import AsyncApp
 from tests.infra.redis_server import private_redis_server
 from tests.interop.conftest import ROOT, close_celery_client
+from tests.interop.nested_chords import nested_chords
 from tests.support.amqp import delete_queues
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerProcess, unique_queue
@@ -224,6 +225,21 @@ def test_a_celery_chord_on_redis_results_runs_on_our_workers_and_cleans_up(
     nested = chord([group(s(client, "add", 1, 1, queue=queue), s(client, "add", 2, 2, queue=queue)),
                     s(client, "add", 3, 3, queue=queue)])(s(client, "xsum", queue=queue))  # fmt: skip
     assert nested.get(timeout=30) == 2 + 4 + 6
+
+
+def test_nested_chord_headers_give_the_same_values_on_a_celery_worker_and_on_ours(
+    client: Celery, ours: WorkerProcess, start_celery_worker: Any, monkeypatch: pytest.MonkeyPatch,
+    redis_url: str, test_vhost_url: str,
+):  # fmt: skip
+    theirs = unique_queue("redis-nested")
+    monkeypatch.setenv("INTEROP_RESULT_BACKEND", redis_url)
+    start_celery_worker(theirs)
+    try:
+        for queue in (theirs, ours.queues[0]):
+            for name, (canvas, expected) in nested_chords(client, queue).items():
+                assert canvas.apply_async().get(timeout=30) == expected, (name, queue)
+    finally:
+        delete_queues(test_vhost_url, theirs)
 
 
 def test_a_failed_header_task_fails_the_redis_chord_with_a_chord_error(

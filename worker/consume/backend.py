@@ -25,7 +25,13 @@ from broker_svc.app import App
 from broker_svc.canvas.follow_ups import FollowUp, follow_ups, runs_in_process
 from broker_svc.errors import MessageError, ResultBackendUnavailable
 from broker_svc.redis_results.backend_conf import RedisBackendConf
-from broker_svc.redis_results.chords import ChordClaim, ChordCounter
+from broker_svc.redis_results.chords import (
+    ChordClaim,
+    ChordCounter,
+    DependencyFailed,
+    header_ids,
+    header_values,
+)
 from broker_svc.redis_results.connection import WRITE_BUDGET_S, open_client
 from broker_svc.redis_results.writer import ResultWriter
 from broker_svc.wire.codec import reply_type
@@ -151,31 +157,38 @@ class FeedBackend:
     def _complete(self, request: TaskMessage, body: Mapping[str, Any], claim: ChordClaim, send: Send) -> None:
         # This worker's part completed the chord and it holds the claim: send the body, or fail it.
         group_id = claim.group_id
-        if self._chords.saved_group(claim):
-            # The client saved the header as a GroupResult: groups inside the header, which a
-            # Clockwork worker does not join (a Celery worker does); refused, never half-run.
-            why = "a chord whose header holds groups is not joined by Clockwork workers"
-            self._fail_body(request, body, why, send)
-            self._chords.drop_size(group_id)
-            return
         try:
-            entries = [_entry(raw) for raw in self._chords.results(claim)]
+            values = self._header_values(claim)
         except (MessageError, ValueError) as exc:  # Celery's "Join error"
             self._fail_body(request, body, f"Join error: {exc}", send)
             self._chords.drop_size(group_id)
             return
-        for task_id, part_state, value in entries:
-            if part_state in _PROPAGATE:
-                self._fail_body(request, body, f"Dependency {task_id} raised {_repr_error(value)}", send)
-                self._chords.drop_size(group_id)
-                return
+        except DependencyFailed as failed:
+            self._fail_body(
+                request, body, f"Dependency {failed.task_id} raised {_repr_error(failed.result)}", send
+            )
+            self._chords.drop_size(group_id)
+            return
         if not self._chords.extend(claim, _PUBLISH_CLAIM_S):
             log.warning("chord_claim_lost", group_id=group_id)  # another worker took it over
             return
-        send(follow_ups(body, parent=request, partial=([value for _id, _state, value in entries],)))
+        send(follow_ups(body, parent=request, partial=(values,)))
         if not self._cleanup(claim):
             log.warning("chord_claim_lost_before_cleanup", group_id=group_id)
         log.info("chord_body_sent", group_id=group_id, size=claim.total)
+
+    def _header_values(self, claim: ChordClaim) -> list[Any]:
+        # The client saved the header's result tree when it nests groups (a chain ending in one):
+        # the values are read by that tree, each group's as a list, as Celery's workers join it.
+        # Otherwise the counted entries are the values, in header order.
+        saved = self._chords.saved_header(claim)
+        if saved is not None:
+            return header_values(saved, self._chords.stored(header_ids(saved)))
+        entries = [_entry(raw) for raw in self._chords.results(claim)]
+        for task_id, part_state, value in entries:
+            if part_state in _PROPAGATE:
+                raise DependencyFailed(task_id, value)
+        return [value for _id, _state, value in entries]
 
     def _release(self, claim: ChordClaim) -> None:
         try:
