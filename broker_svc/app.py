@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from broker_svc.clock import LamportClock
 from broker_svc.conf import Config
+from broker_svc.connection.pending import PendingPublish
 from broker_svc.control_plane import ControlPlane, load_control
 from broker_svc.logging import get_logger
 from broker_svc.open_apps import open_apps
@@ -27,9 +28,10 @@ from broker_svc.tasks.task import Signature
 from broker_svc.tasks.task import Task as TaskBase
 from broker_svc.tasks.task_app import set_current_app
 from broker_svc.tasks.task_modules import Discovery, import_task_modules
-from broker_svc.topology import new_reply_queue_name, result_queue
+from broker_svc.topology import QueueSpec, new_reply_queue_name, result_queue
 from broker_svc.wire import codec
 from broker_svc.wire.results.meta import is_redis_url
+from broker_svc.wire.task_message import WireMessage
 
 if TYPE_CHECKING:
     # Imported when the app first publishes: a worker, its forkserver and its children import the
@@ -238,6 +240,17 @@ class App(TaskRegistry):
             SpoolFull: (spool) none of them was accepted.
         """
         return self._send(list(signatures), wait=wait)
+
+    def publish_confirmed(self, queue: QueueSpec, message: WireMessage) -> None:
+        """Publish a message that is not a task (a chord's growth record, say) to ``queue``, declared
+        first, and wait for the broker's confirm; never through the spool, so it is in the queue
+        before this returns.
+
+        Raises:
+            PublishError: the broker did not confirm it.
+        """
+        pending = PendingPublish(message, exchange="", routing_key=queue.name, declare=(queue,))
+        self._ensure_producer().publisher.submit([pending], wait=True)
 
     def batch(self) -> Batch:
         """``with app.batch() as batch:``: the tasks this thread sends in the block go out together

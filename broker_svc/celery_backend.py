@@ -17,6 +17,8 @@ It is Celery's rpc backend with three differences:
   part in the join queue of the app's namespace (its ``app_namespace`` setting, as a Clockwork
   app's: docs/guide.md, "Many apps on one broker"), as a Clockwork worker does, so a mixed fleet
   joins too.
+- ``add_to_chord`` (a header task's ``self.add_to_chord`` on a Celery worker) tells the joiner of
+  the added task, as a Clockwork worker does.
 - ``ensure_chords_allowed`` allows them.
 
 Importable only where Celery is installed (``pip install clockwork[celery]``).
@@ -89,6 +91,25 @@ class ChordBackend(RPCBackend):  # type: ignore[misc]  # Celery is untyped
             return None  # through another exchange: the worker says it cannot send it there
         return name
 
+    def add_to_chord(self, group_id: str, result: Any) -> None:
+        """A header task on a Celery worker added ``result``'s task to its chord (``self.add_to_chord``):
+        tell the joiner before the task is sent, as a Clockwork worker does (``wire/chord_part.py``)."""
+        task = self.app.current_worker_task
+        body = getattr(getattr(task, "request", None), "chord", None) or {}
+        size = body.get("chord_size")
+        if not isinstance(size, int):
+            raise NotImplementedError("add_to_chord: this chord was not sent through ChordBackend")
+        self._publish_join_record(body, {"group_id": group_id, "size": size, "added": [result.id]})
+
+    def _publish_join_record(self, body: Any, record: dict[str, Any]) -> None:
+        spec = chord_join_queue(join_namespace(body, self._namespace()))
+        queue = Queue(spec.name, durable=True, queue_arguments=spec.arguments)  # type: ignore[no-untyped-call]
+        with self.app.producer_or_acquire() as producer:
+            producer.publish(
+                record, exchange="", routing_key=spec.name, serializer="json", delivery_mode=2,
+                declare=[queue], retry=True,
+            )  # fmt: skip
+
     def on_chord_part_return(self, request: Any, state: str, result: Any, **kwargs: Any) -> None:
         """A Celery worker finished a header task: leave its part where Clockwork's joiner reads it."""
         body = request.chord
@@ -99,8 +120,6 @@ class ChordBackend(RPCBackend):  # type: ignore[misc]  # Celery is untyped
             return  # not sent through this backend: nothing here can join it
         final = state if state in (states.SUCCESS, states.REVOKED) else states.FAILURE
         value = self.encode_result(result, final) if final != states.SUCCESS else result
-        spec = chord_join_queue(join_namespace(body, self._namespace()))
-        queue = Queue(spec.name, durable=True, queue_arguments=spec.arguments)  # type: ignore[no-untyped-call]
         part = {
             "group_id": request.group,
             "index": request.group_index,
@@ -112,13 +131,4 @@ class ChordBackend(RPCBackend):  # type: ignore[misc]  # Celery is untyped
             "reply_to": request.reply_to,
             "root_id": request.root_id,
         }
-        with self.app.producer_or_acquire() as producer:
-            producer.publish(
-                part,
-                exchange="",
-                routing_key=spec.name,
-                serializer="json",
-                delivery_mode=2,
-                declare=[queue],
-                retry=True,
-            )
+        self._publish_join_record(body, part)

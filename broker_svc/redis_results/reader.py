@@ -130,6 +130,15 @@ class RedisResults:
         key = self._keys.group(group_id)
         with_retries(lambda: self._client.delete(key), what=f"delete group {group_id}")
 
+    def add_to_chord(self, group_id: str) -> None:
+        """Count one more task in a Redis-counted chord (Celery's ``add_to_chord``: ``<group>.t`` + 1).
+
+        Raises:
+            ResultBackendUnavailable: Redis could not be reached.
+        """
+        key = self._keys.group(group_id, ".t")
+        with_retries(lambda: self._client.incr(key), what=f"add to chord {group_id}")
+
     def store(self, meta: dict[str, Any]) -> None:
         """Store and publish a task's state from this process (``app.backend.store_result``).
 

@@ -71,6 +71,16 @@ class ResultBackend:
         """
         self._required("delete a group").delete_group(group_id)
 
+    def add_to_chord(self, group_id: str, result: AsyncResult) -> None:
+        """Count ``result``'s task in the Redis-counted chord ``group_id`` (Celery's ``add_to_chord``;
+        ``Task.add_to_chord`` calls it). A chord joined on RabbitMQ grows through its join queue.
+
+        Raises:
+            NotImplementedError: on ``rpc://``.
+            ResultBackendUnavailable: Redis could not be reached.
+        """
+        self._required("add a task to a chord counted in Redis").add_to_chord(group_id)
+
     def store_result(
         self,
         task_id: str,

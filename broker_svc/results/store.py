@@ -54,6 +54,9 @@ class ResultSource(Protocol):
     def delete_group(self, group_id: str) -> None:
         """Delete a stored group."""
 
+    def add_to_chord(self, group_id: str) -> None:
+        """Count one more task in a chord counted in Redis."""
+
     def store(self, meta: dict[str, Any]) -> None:
         """Store and publish a task's state."""
 

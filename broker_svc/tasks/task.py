@@ -17,6 +17,7 @@ from broker_svc.logging import get_logger
 from broker_svc.tasks.arguments import check_call_arguments, retry_arguments
 from broker_svc.tasks.pydantic_args import call_with_models
 from broker_svc.tasks.request import SEND_OPTIONS, ExceptionInfo, Request, current_request, executing
+from broker_svc.tasks.running.add_to_chord import add_to_chord
 from broker_svc.tasks.running.eager import EagerResult, apply
 from broker_svc.tasks.running.replace import replace
 
@@ -119,6 +120,16 @@ class Task(Generic[P, R]):
             ValueError: ``sig`` is part of a chord of its own, or an empty chain.
         """
         return replace(self.app, self.request, sig)
+
+    def add_to_chord(self, sig: Signature, lazy: bool = False) -> Any:
+        """Add ``sig`` to the chord this task is a header task of, as Celery's does: the body waits
+        for it too and gets its value right after this task's (``broker_svc/tasks/running/add_to_chord.py``).
+        Returns its result, or (``lazy``) ``sig``, already counted, to send yourself.
+
+        Raises:
+            ValueError: this task is not a chord's header task.
+        """
+        return add_to_chord(self.app, self.request, sig, lazy=lazy)
 
     def retry(
         self,

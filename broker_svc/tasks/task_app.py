@@ -19,8 +19,11 @@ from broker_svc.errors import ConfigurationError
 if TYPE_CHECKING:
     from broker_svc.conf import Config
     from broker_svc.control_plane import ControlPlane
+    from broker_svc.results.backend import ResultBackend
     from broker_svc.results.result import AsyncResult as ResultHandle
     from broker_svc.settings import Settings
+    from broker_svc.topology import QueueSpec
+    from broker_svc.wire.task_message import WireMessage
 
 __all__ = ["TaskApp", "current_app", "set_current_app"]
 
@@ -65,6 +68,13 @@ class TaskApp(Protocol):
         ...
 
     def AsyncResult(self, task_id: str) -> ResultHandle: ...
+
+    @property
+    def backend(self) -> ResultBackend: ...
+
+    def publish_confirmed(self, queue: QueueSpec, message: WireMessage) -> None:
+        """Publish a message that is not a task to ``queue`` and wait for its confirm."""
+        ...
 
 
 # The last app made with ``set_as_current=True`` (Celery's default); weak, so a dropped app goes.

@@ -22,7 +22,16 @@ from broker_svc.errors import MessageError
 from broker_svc.topology import app_namespace
 from broker_svc.wire import codec
 
-__all__ = ["NAMESPACE_KEY", "PART_CONTENT_TYPES", "ChordPart", "decode_part", "encode_part", "join_namespace"]
+__all__ = [
+    "NAMESPACE_KEY",
+    "PART_CONTENT_TYPES",
+    "ChordGrowth",
+    "ChordPart",
+    "decode_part",
+    "encode_growth",
+    "encode_part",
+    "join_namespace",
+]
 
 PART_CONTENT_TYPES: Final = frozenset({codec.JSON, codec.MSGPACK})
 
@@ -74,6 +83,31 @@ class ChordPart:
         return (self.group_id, self.index)
 
 
+@dataclass(frozen=True, slots=True)
+class ChordGrowth:
+    """Tasks a header task added to its chord (Celery's ``self.add_to_chord``), told to the joiner.
+
+    Published, confirmed, before the added tasks are sent, so it is in the join queue ahead of
+    their parts and of its adder's part: the chord waits for them too. An added task carries its
+    adder's ``group_index``; its part is told apart by its task id.
+
+    Attributes:
+        group_id: the chord's id.
+        size: the chord's size as sent (the body's ``chord_size``).
+        added: the ids of the tasks added.
+    """
+
+    group_id: str
+    size: int
+    added: tuple[str, ...]
+
+
+def encode_growth(growth: ChordGrowth, content_type: str) -> tuple[bytes, str, str]:
+    """``(body, content_type, content_encoding)`` of a growth record in ``content_type``."""
+    value = {"group_id": growth.group_id, "size": growth.size, "added": list(growth.added)}
+    return codec.encode(value, content_type)
+
+
 def encode_part(part: ChordPart, content_type: str) -> tuple[bytes, str, str]:
     """``(body, content_type, content_encoding)`` of a part in ``content_type``.
 
@@ -94,8 +128,8 @@ def encode_part(part: ChordPart, content_type: str) -> tuple[bytes, str, str]:
     return codec.encode(value, content_type)
 
 
-def decode_part(body: bytes, content_type: str | None, *, max_bytes: int) -> ChordPart:
-    """The part in a join-queue message.
+def decode_part(body: bytes, content_type: str | None, *, max_bytes: int) -> ChordPart | ChordGrowth:
+    """The part (or growth record) in a join-queue message.
 
     Raises:
         ValueError: the message is not a well-formed part, cannot be decoded or is too large.
@@ -106,6 +140,8 @@ def decode_part(body: bytes, content_type: str | None, *, max_bytes: int) -> Cho
         raise ValueError(str(exc)) from exc
     if not isinstance(value, Mapping):
         raise ValueError("a chord part must be a map")
+    if "added" in value and "state" not in value:
+        return _growth(value)
     group_id, index, size = value.get("group_id"), value.get("index"), value.get("size")
     task_id, state, sig = value.get("task_id"), value.get("state"), value.get("body")
     if not isinstance(group_id, str) or not group_id:
@@ -128,6 +164,21 @@ def decode_part(body: bytes, content_type: str | None, *, max_bytes: int) -> Cho
         reply_to=reply_to if isinstance(reply_to, str) else None,
         root_id=root_id if isinstance(root_id, str) else None,
     )
+
+
+def _growth(value: Mapping[str, Any]) -> ChordGrowth:
+    group_id, size, added = value.get("group_id"), value.get("size"), value.get("added")
+    if (
+        not isinstance(group_id, str)
+        or not group_id
+        or not isinstance(size, int)
+        or not _is_int(size)
+        or size < 1
+    ):
+        raise ValueError("a chord growth record needs its chord's id and size")
+    if not isinstance(added, list) or not added or not all(isinstance(i, str) and i for i in added):
+        raise ValueError("a chord growth record needs the added tasks' ids")
+    return ChordGrowth(group_id=group_id, size=size, added=tuple(added))
 
 
 def _is_int(value: Any) -> bool:

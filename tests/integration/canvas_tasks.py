@@ -102,3 +102,15 @@ def replace_with(self: Any, x: int, kind: str) -> Any:
 @app.task(name="canvas.nesting", bind=True)
 def nesting(self: Any) -> int:
     return int(self.request.replaced_task_nesting)
+
+
+@app.task(name="canvas.grow", bind=True)
+def grow(self: Any, x: int, extra: list[int], lazy: bool = False) -> int:
+    """A chord header task that adds ``add(x, e)`` for each ``e`` to its chord (Celery's
+    ``self.add_to_chord``), sent to the queue it runs on; returns ``x``."""
+    queue = self.request.delivery_info.get("routing_key")
+    for e in extra:
+        added = self.add_to_chord(add.si(x, e).set(queue=queue), lazy=lazy)
+        if lazy:
+            added.delay()
+    return x

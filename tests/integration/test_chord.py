@@ -157,6 +157,21 @@ def test_a_failure_inside_a_nested_chord_fails_the_outer_body_with_a_chord_error
         failed_in_chain.get(timeout=30)
 
 
+def test_a_header_task_adds_tasks_to_its_chord_and_the_body_waits_for_them(client: App, queue: str):
+    s = lambda *a, **o: _sig(client, queue, *a, **o)  # noqa: E731
+    # Each added task's value comes right after its adder's, in the order added.
+    result = chord([s("grow", 1, [100, 200]), s("add", 2, 0), s("grow", 3, [300])])(s("collect"))
+    assert result.get(timeout=30) == [1, 101, 201, 2, 3, 303]
+    lazy = chord([s("grow", 5, [10], True), s("add", 6, 0)])(s("collect"))
+    assert lazy.get(timeout=30) == [5, 15, 6]
+    # An added task that fails fails the chord, as a header task does.
+    failing = chord([s("grow", 1, ["not a number"])])(s("collect"))
+    with pytest.raises(ChordError, match=r"raised TypeError"):
+        failing.get(timeout=30)
+    with pytest.raises(ValueError, match="not member of any chord"):
+        client.send_task("canvas.grow", (1, [2]), queue=queue).get(timeout=30)
+
+
 def test_a_failed_header_task_fails_the_body_with_a_chord_error_and_never_runs_it(
     client: App, worker: WorkerProcess, queue: str, notes_path: Path
 ):

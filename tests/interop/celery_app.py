@@ -78,6 +78,16 @@ def canvas_collect(results: list, label: str = "") -> list:
     return results
 
 
+@app.task(name="canvas.grow", bind=True)
+def canvas_grow(self, x: int, extra: list, lazy: bool = False) -> int:
+    queue = self.request.delivery_info.get("routing_key")
+    for e in extra:
+        added = self.add_to_chord(canvas_add.si(x, e).set(queue=queue), lazy=lazy)
+        if lazy:
+            added.delay()
+    return x
+
+
 @app.task(name="canvas.slow_add")
 def canvas_slow_add(x: int, y: int, seconds: float = 0.5) -> int:
     import time

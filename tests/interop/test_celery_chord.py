@@ -91,6 +91,22 @@ def test_celery_chords_with_nested_headers_give_our_worker_what_celerys_workers_
         assert canvas.apply_async().get(timeout=30) == expected, name
 
 
+def test_add_to_chord_on_our_worker_and_on_a_celery_worker_grows_the_chord(
+    client: Celery, ours: str, start_celery_worker, test_vhost_url: str, monkeypatch: pytest.MonkeyPatch
+):
+    header = [s(client, "grow", 1, [100, 200], queue=ours), s(client, "add", 2, 0, queue=ours)]
+    assert chord(header)(s(client, "collect", queue=ours)).get(timeout=30) == [1, 101, 201, 2]
+    # A Celery worker's header task adds through ChordBackend, and our joiner waits for it too.
+    queue = unique_queue("celery-grow")
+    monkeypatch.setenv("INTEROP_RESULT_BACKEND", BACKEND)
+    start_celery_worker(queue)
+    try:
+        header = [s(client, "grow", 3, [30], queue=queue), s(client, "add", 4, 0, queue=ours)]
+        assert chord(header)(s(client, "collect", queue=ours)).get(timeout=30) == [3, 33, 4]
+    finally:
+        delete_queues(test_vhost_url, queue)
+
+
 def test_a_celery_worker_in_the_header_leaves_its_parts_for_our_joiner(
     client: Celery, ours: str, start_celery_worker, test_vhost_url: str, notes_path: Path,
     monkeypatch: pytest.MonkeyPatch,

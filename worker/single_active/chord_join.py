@@ -50,7 +50,7 @@ from broker_svc.canvas.follow_ups import FollowUp, as_list, follow_ups
 from broker_svc.clock import LamportClock
 from broker_svc.topology import chord_join_queue, dead_letter_queue
 from broker_svc.wire import codec
-from broker_svc.wire.chord_part import ChordPart, decode_part, encode_part, join_namespace
+from broker_svc.wire.chord_part import ChordGrowth, ChordPart, decode_part, encode_part, join_namespace
 from broker_svc.wire.results.message import Outcome, wire_exception
 from broker_svc.wire.results.meta import is_redis_url, result_meta
 from broker_svc.wire.states import State
@@ -80,10 +80,23 @@ STALE_AFTER_S: Final = 3600.0
 class _Chord:
     size: int
     parts: dict[int, ChordPart] = field(default_factory=dict)
+    # Tasks added by its header tasks (add_to_chord), in the order told, and their parts by id.
+    added: list[str] = field(default_factory=list)
+    added_parts: dict[str, ChordPart] = field(default_factory=dict)
     held: list[aio_pika.abc.AbstractIncomingMessage] = field(default_factory=list)
     failed: bool = False
     content_type: str = codec.JSON
     last_part_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.parts) >= self.size and all(task_id in self.added_parts for task_id in self.added)
+
+    def ordered(self) -> list[ChordPart]:
+        """Every part in header order; an added task's right after its adder's, in the order added."""
+        rank = {task_id: n for n, task_id in enumerate(self.added, start=1)}
+        every = [*self.parts.values(), *(self.added_parts[task_id] for task_id in self.added)]
+        return sorted(every, key=lambda part: (part.index, rank.get(part.task_id, 0)))
 
 
 class ChordJoiner:
@@ -203,7 +216,12 @@ class ChordJoiner:
             await self._dead_letter(channel, message, str(exc))
             return
         if part.group_id in self._settled:
-            log.info("chord_part_late", group_id=part.group_id, index=part.index, task_id=part.task_id)
+            late = (
+                {"added": len(part.added)}
+                if isinstance(part, ChordGrowth)
+                else {"index": part.index, "task_id": part.task_id}
+            )
+            log.info("chord_part_late", group_id=part.group_id, **late)
             await message.ack()
             await channel.tx_commit()
             return
@@ -214,14 +232,23 @@ class ChordJoiner:
             )
         chord.held.append(message)
         chord.last_part_at = time.monotonic()
-        if part.index in chord.parts:
-            log.info("chord_part_duplicate", group_id=part.group_id, index=part.index, task_id=part.task_id)
+        if isinstance(part, ChordGrowth):
+            chord.added.extend(task_id for task_id in part.added if task_id not in chord.added)
+            log.info("chord_grown", group_id=part.group_id, added=len(part.added), size=chord.size)
         else:
-            chord.parts[part.index] = part
-        if part.state != State.SUCCESS.value and not chord.failed:
-            chord.failed = True
-            await self._fail(channel, chord, part)
-        if len(chord.parts) >= chord.size:
+            # A copy of a part is keyed as the part: by task id for an added task, else by index.
+            if part.task_id in chord.added:
+                fresh = chord.added_parts.setdefault(part.task_id, part) is part
+            else:
+                fresh = chord.parts.setdefault(part.index, part) is part
+            if not fresh:
+                log.info(
+                    "chord_part_duplicate", group_id=part.group_id, index=part.index, task_id=part.task_id
+                )
+            if part.state != State.SUCCESS.value and not chord.failed:
+                chord.failed = True
+                await self._fail(channel, chord, part)
+        if chord.complete:
             if not chord.failed:
                 await self._fire(channel, chord)
             for held in chord.held:
@@ -236,7 +263,7 @@ class ChordJoiner:
             log.info("chord_settled", group_id=part.group_id, size=chord.size, failed=chord.failed)
 
     async def _fire(self, channel: aiormq.abc.AbstractChannel, chord: _Chord) -> None:
-        ordered = [chord.parts[index] for index in range(chord.size)]
+        ordered = chord.ordered()
         last = ordered[-1]
         results = [p.result for p in ordered]
         parent = self._parent(last, chord.content_type)
