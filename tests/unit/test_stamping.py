@@ -249,3 +249,16 @@ def test_revoke_headers_take_celerys_shapes():
 def test_malformed_revoke_headers_are_refused(headers):
     with pytest.raises(ValueError):
         revoke_headers(headers)
+
+
+def test_an_eager_run_sees_its_stamps_as_celerys_eager_request(app):
+    seen: dict[str, Any] = {}
+
+    @app.task(name="t.stamped.eager", bind=True)
+    def look(self: Any) -> None:
+        seen.update(stamped_headers=self.request.stamped_headers, stamps=self.request.stamps)
+
+    sig = look.s()
+    sig.stamp(k="v")
+    sig.apply()
+    assert seen == {"stamped_headers": ["k"], "stamps": {"k": ["v"]}}
