@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from broker_svc.app import App
     from broker_svc.canvas.maps import chunks, xmap, xstarmap
     from broker_svc.canvas.signature import Signature, chain, chord, group, signature
+    from broker_svc.canvas.stamping import StampingVisitor
     from broker_svc.clock import LamportClock
     from broker_svc.errors import (
         BrokerBlocked,
@@ -69,6 +70,7 @@ __all__ = [
     # the canvas
     "GroupResult",
     "ResultSet",
+    "StampingVisitor",
     "chain",
     "chord",
     "chunks",
@@ -142,6 +144,7 @@ _EXPORTS = {
     "SoftTimeLimitExceeded": "broker_svc.errors",
     "SpoolError": "broker_svc.errors",
     "SpoolFull": "broker_svc.errors",
+    "StampingVisitor": "broker_svc.canvas.stamping",
     "State": "broker_svc.wire.states",
     "Task": "broker_svc.tasks.task",
     "TaskDeclined": "broker_svc.errors",

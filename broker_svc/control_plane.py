@@ -9,7 +9,7 @@ entry point, without an import from here. ``tests/unit/test_api_surface.py`` che
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 from broker_svc.errors import ConfigurationError
@@ -74,6 +74,16 @@ class ControlPlane(Protocol):
     def revoke(
         self,
         task_id: str | Sequence[str],
+        destination: Destination = None,
+        terminate: bool = False,
+        signal: str = "SIGTERM",
+        reply: bool = False,
+        timeout: float = 1.0,
+    ) -> Replies: ...
+
+    def revoke_by_stamped_headers(
+        self,
+        headers: Mapping[str, Any] | Sequence[str],
         destination: Destination = None,
         terminate: bool = False,
         signal: str = "SIGTERM",

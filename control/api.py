@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from broker_svc.clock import LamportClock
@@ -154,6 +154,32 @@ class Control:
         """
         result = self.client().revoke(
             task_id,
+            terminate=terminate,
+            signal=signal,
+            reply=reply,
+            destination=destination,
+            timeout_s=timeout,
+        )
+        return _replies(result, reply)
+
+    def revoke_by_stamped_headers(
+        self,
+        headers: Mapping[str, Any] | Sequence[str],
+        destination: Destination = None,
+        terminate: bool = False,
+        signal: str = "SIGTERM",
+        reply: bool = False,
+        timeout: float = 1.0,
+    ) -> list[dict[str, Any]] | None:
+        """Revoke every task stamped with these values (``{"stamp": value or [values]}``), durably:
+        the revoke also holds for workers that start later. With ``terminate``, running ones end.
+
+        Raises:
+            ValueError: ``headers`` is not a map of stamp names to values (or lists of them).
+            BrokerUnavailable: the broker cannot be reached.
+        """
+        result = self.client().revoke_by_stamped_headers(
+            headers,
             terminate=terminate,
             signal=signal,
             reply=reply,

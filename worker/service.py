@@ -173,6 +173,8 @@ class WorkerService:
             state_path=config.state_path,
             on_new=feeding.send_revoked,
             known=feeding.revokes_known,
+            on_new_stamps=feeding.send_revoked_stamps,
+            running_stamps=feeding.running_stamps,
         )
         revocation_log = RevocationLog(
             revoker, clock=self._clock, hostname=config.hostname, namespace=config.settings.namespace
@@ -234,7 +236,9 @@ class WorkerService:
         if await self._may_consume(consuming, expired):
             await queues.declare(expired, listed=False)
             feeding.set_queues(queues.consumed())
-        feeding.start(lambda: list(self._revoked))  # each child consumes for itself
+        feeding.start(
+            lambda: list(self._revoked), revoker.revoked_stamps.to_wire
+        )  # each child consumes for itself
         background.spawn(
             run_shared_queue_check(publishing, config=config, app=self._app, clock=self._clock),
             name="shared-queues",

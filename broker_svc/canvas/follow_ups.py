@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from broker_svc.canvas.chord_header import as_joined, group_as_chord, unrolled
 from broker_svc.wire.ids import uuid4_str
+from broker_svc.wire.stamps import message_stamps
 from broker_svc.wire.task_message import TaskMessage, parse_iso_datetime
 
 __all__ = [
@@ -131,6 +132,10 @@ def _unhonoured_signature(sig: Any, depth: int = 0) -> str | None:
     options = sig.get("options") or {}
     if not isinstance(options, Mapping):
         return "a signature's options must be a map"
+    try:
+        message_stamps(options)
+    except TypeError as exc:
+        return str(exc)
     exchange = options.get("exchange")
     if exchange not in (None, "", options.get("queue"), options.get("routing_key")):
         # The worker sends follow-ups to a queue by name; a routing through another exchange would
@@ -274,6 +279,8 @@ def _follow_up(
     raw_expires = options.get("expires")
     numeric = isinstance(raw_expires, int | float) and not isinstance(raw_expires, bool)
     expires = _when(None if numeric else raw_expires, raw_expires if numeric else None)
+    # It keeps the stamps its signature was given, as Celery's worker sends it.
+    stamped_headers, stamps = message_stamps(options)
     message = TaskMessage(
         id=task_id,
         task=str(sig["task"]),
@@ -300,6 +307,8 @@ def _follow_up(
         content_type=parent.content_type,
         extra_headers=dict(options.get("headers") or {}),
         replaced_task_nesting=int(options.get("replaced_task_nesting") or 0),
+        stamped_headers=stamped_headers,
+        stamps=stamps,
     )
     queue = options.get("queue") or options.get("routing_key")
     return FollowUp(message, queue if isinstance(queue, str) and queue else None)

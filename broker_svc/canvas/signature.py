@@ -29,8 +29,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from broker_svc.canvas import stamping
 from broker_svc.canvas.chord_header import as_joined, unrolled
-from broker_svc.canvas.follow_ups import chord_members
+from broker_svc.canvas.follow_ups import as_list, chord_members
+from broker_svc.canvas.stamping import StampingVisitor
 from broker_svc.results.result import GroupResult
 from broker_svc.sending.routes import queue_for
 from broker_svc.tasks.task_app import current_app
@@ -188,6 +190,34 @@ class Signature(dict[str, Any]):
         if not isinstance(other, Signature):
             return NotImplemented
         return chain(self, other, app=self._app)
+
+    # -- stamping (Celery's; broker_svc/canvas/stamping.py) ------------------------------------------
+
+    def stamp(
+        self, visitor: StampingVisitor | None = None, append_stamps: bool = False, **headers: Any
+    ) -> Signature:
+        """Stamp it, and every task it holds, with ``headers`` and the stamps ``visitor`` returns.
+
+        Each stamp is sent in the task's ``stamped_headers``/``stamps`` headers, kept on what the
+        worker sends after it, and revocable with ``app.control.revoke_by_stamped_headers``.
+        ``append_stamps``: a stamp given again keeps its old values too, in a list. Returns this
+        signature (Celery's chain, group and chord return None).
+        """
+        stamping.stamp(self, visitor, append_stamps, headers)
+        return self
+
+    def stamp_links(
+        self, visitor: StampingVisitor | None = None, append_stamps: bool = False, **headers: Any
+    ) -> None:
+        """Stamp its callbacks and errbacks (not it) with ``headers`` and the visitor's stamps."""
+        found = []
+        for key in ("link", "link_error"):
+            # As signatures, kept in place: a callback given as a map keeps its stamps too.
+            links = [maybe_signature(link, self._app) for link in as_list(self.options.get(key))]
+            if links:
+                self.options[key] = links
+            found.append(links)
+        stamping.stamp_links(self, found[0], found[1], visitor, append_stamps, headers)
 
     # -- sending ----------------------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ from broker_svc.wire.dedup import (
     TIMEOUT_HEADER,
     dedup_headers,
 )
+from broker_svc.wire.stamps import message_stamps
 from broker_svc.wire.task_message import TaskMessage
 from broker_svc.wire.task_state import CONTENT_TYPE as STATE_CONTENT_TYPE
 from broker_svc.wire.task_state import JobState, StateRecord
@@ -66,12 +67,15 @@ def build_message(
     gate's headers (``broker_svc/wire/dedup.py``), the destination queue among them.
 
     Raises:
-        TypeError: an unknown send option, kwargs that are not a map, an eta or expires of the
-            wrong type, an exchange that is not a name, or a dedup key with a named exchange.
+        TypeError: an unknown send option, kwargs that are not a map, ``stamped_headers`` that is
+            not a list of names, an eta or expires of the wrong type, an exchange that is not a
+            name, or a dedup key with a named exchange.
         ValueError: a dedup key or timeout out of range.
     """
     options = sig.options
-    unknown = set(options) - SEND_OPTIONS
+    # Stamps are send options of their own names (Celery's ``Signature.stamp``).
+    stamped_headers, stamps = message_stamps(options)
+    unknown = set(options) - SEND_OPTIONS - set(stamped_headers or ())
     if unknown:
         raise TypeError(f"unknown send option(s) {sorted(unknown)}; known: {sorted(SEND_OPTIONS)}")
     if not isinstance(sig.kwargs, Mapping):
@@ -149,6 +153,8 @@ def build_message(
         group=options.get("group_id"),
         group_index=options.get("group_index"),
         replaced_task_nesting=int(options.get("replaced_task_nesting") or 0),
+        stamped_headers=stamped_headers,
+        stamps=stamps,
     )
     return message, destination, options.get("serializer")
 

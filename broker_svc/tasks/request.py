@@ -30,6 +30,8 @@ SEND_OPTIONS: Final = frozenset(
         "routing_key", "exchange", "retry", "retry_policy",
         # keyed deduplication (broker_svc/sending/dedup_keys.py)
         "dedup_key", "dedup_timeout",
+        # Celery's stamps: the names of the options that are stamps (broker_svc/wire/stamps.py)
+        "stamped_headers",
     }
 )  # fmt: skip
 
@@ -78,6 +80,9 @@ class Request:
     # The message's own headers (``apply_async(headers=...)``), also readable as attributes, as
     # Celery shows them: ``self.request.headers["tenant"]`` or ``self.request.tenant``.
     headers: dict[str, Any] | None = None
+    # Celery's stamps (``Signature.stamp``) as the message carried them: the names, and their values.
+    stamped_headers: list[str] | None = None
+    stamps: dict[str, Any] | None = None
     # The ids of the tasks this run has sent (Celery's ``request.children``; ``result.children``).
     children: list[str] = field(default_factory=list)
     # Set by the worker: sends a state update ({"state", "meta"}) to the task's client.
@@ -143,6 +148,8 @@ class Request:
             group_index=context.get("group_index"),
             replaced_task_nesting=int(context.get("replaced_task_nesting") or 0),
             headers=context.get("headers"),
+            stamped_headers=context.get("stamped_headers"),
+            stamps=context.get("stamps"),
             called_directly=False,
             send_update=send_update,
         )

@@ -98,6 +98,9 @@ class TaskMessage:
     extra_headers: dict[str, Any] = field(default_factory=dict)
     # How many ``Task.replace`` calls led here (Celery's header; 0 for a task sent as itself).
     replaced_task_nesting: int = 0
+    # Celery's stamps (``Signature.stamp``): the names stamped, and their values (wire/stamps.py).
+    stamped_headers: list[str] | None = None
+    stamps: dict[str, Any] = field(default_factory=dict)
 
     @staticmethod
     def new_id() -> str:
@@ -142,8 +145,8 @@ def encode_task(message: TaskMessage, *, serializer: str) -> WireMessage:
         "origin": message.origin or _ORIGIN,
         "ignore_result": message.ignore_result,
         "replaced_task_nesting": message.replaced_task_nesting,
-        "stamped_headers": None,
-        "stamps": {},
+        "stamped_headers": message.stamped_headers,
+        "stamps": message.stamps,
     }
     headers.update(message.extra_headers)
     if message.clock is not None:
@@ -256,6 +259,8 @@ def decode_task(
         content_type=content_type or codec.JSON,
         extra_headers={k: v for k, v in headers.items() if k not in known},
         replaced_task_nesting=_optional_int(headers, "replaced_task_nesting") or 0,
+        stamped_headers=_stamped_headers(headers.get("stamped_headers")),
+        stamps=_stamps(headers.get("stamps")),
     )
 
 
@@ -281,6 +286,22 @@ def _split_body(payload: Any) -> tuple[list[Any], dict[str, Any], dict[str, Any]
     if not isinstance(embed, dict):
         raise InvalidTaskMessage(f"embed must be a map, got {type(embed).__name__}")
     return list(args), kwargs, embed
+
+
+def _stamped_headers(value: Any) -> list[str] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple) or not all(isinstance(name, str) for name in value):
+        raise InvalidTaskMessage("header 'stamped_headers' must be a list of names")
+    return list(value)
+
+
+def _stamps(value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise InvalidTaskMessage(f"header 'stamps' must be a map, got {type(value).__name__}")
+    return dict(value)
 
 
 def _optional_str(headers: Mapping[str, Any], key: str) -> str | None:

@@ -258,6 +258,37 @@ class AsyncControl:
             result.replies, result.answered, result.missing, result.expected, result.elapsed_s, logged
         )
 
+    async def revoke_by_stamped_headers(
+        self,
+        headers: Mapping[str, Any] | Sequence[str],
+        *,
+        terminate: bool = False,
+        signal: str = "SIGTERM",
+        reply: bool = False,
+        destination: Destination = None,
+        timeout_s: float = 1.0,
+    ) -> RevokeResult:
+        """Revoke the tasks stamped with these values, durably as ``revoke`` (the blocking client's).
+
+        Raises:
+            ValueError: ``headers`` is not a map of stamp names to values (or lists of them).
+            BrokerUnavailable: the broker cannot be reached, or the connection was lost.
+        """
+        entry = RevokeEntry.stamped(headers, terminate=terminate, signal=signal, hostname=self.hostname)
+        await self.connect()
+        logged = await self._log_revoke(entry)
+        result = await self.broadcast(
+            "revoke_by_stamped_headers",
+            {"headers": dict(entry.stamps or {}), "terminate": terminate, "signal": signal},
+            destination=destination,
+            reply=reply,
+            timeout_s=timeout_s,
+            headers={LOGGED_HEADER: True} if logged else None,
+        )
+        return RevokeResult(
+            result.replies, result.answered, result.missing, result.expected, result.elapsed_s, logged
+        )
+
     async def _log_revoke(self, entry: RevokeEntry) -> bool:
         connection = self._connection
         assert connection is not None

@@ -242,6 +242,37 @@ class ControlClient:
             result.replies, result.answered, result.missing, result.expected, result.elapsed_s, logged
         )
 
+    def revoke_by_stamped_headers(
+        self,
+        headers: Mapping[str, Any] | Sequence[str],
+        *,
+        terminate: bool = False,
+        signal: str = "SIGTERM",
+        reply: bool = False,
+        destination: str | Sequence[str] | None = None,
+        timeout_s: float = 1.0,
+    ) -> RevokeResult:
+        """Revoke the tasks stamped with these values (Celery's command), durably as ``revoke``:
+        the revocation log first (confirmed), then the broadcast.
+
+        Raises:
+            ValueError: ``headers`` is not a map of stamp names to values (or lists of them).
+            BrokerUnavailable: the broker cannot be reached, or the connection was lost.
+        """
+        entry = RevokeEntry.stamped(headers, terminate=terminate, signal=signal, hostname=self.hostname)
+        logged = self._connection.log_revoke(entry)
+        result = self.broadcast(
+            "revoke_by_stamped_headers",
+            {"headers": dict(entry.stamps or {}), "terminate": terminate, "signal": signal},
+            destination=destination,
+            reply=reply,
+            timeout_s=timeout_s,
+            headers={LOGGED_HEADER: True} if logged else None,
+        )
+        return RevokeResult(
+            result.replies, result.answered, result.missing, result.expected, result.elapsed_s, logged
+        )
+
     def iter_events(self, *, routing_key: str = "#", tick_s: float = 0.1) -> Iterator[list[dict[str, Any]]]:
         """Follow live events (Celery's ``celeryev``) on an exclusive queue.
 

@@ -1,7 +1,9 @@
 """Entries of the durable revocation log (a RabbitMQ stream; ``topology.revocation_log``).
 
 A revoke written here holds even when no worker is running: every worker reads the log from its
-start when it connects, and follows it while it runs. The control client writes an entry (with a
+start when it connects, and follows it while it runs. An entry revokes task ids, or stamps
+(``revoke_by_stamped_headers``): then its ``task_ids`` is empty, which a worker that knows no
+stamps reads as a revoke of nothing. The control client writes an entry (with a
 publisher confirm) before it broadcasts the revoke; a worker journals the revokes it receives by
 broadcast only, such as ``celery control revoke``, unless the request says it was logged already.
 """
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from broker_svc.errors import MessageError
+from broker_svc.wire.stamps import revoke_headers
 
 __all__ = ["LOGGED_HEADER", "MAX_ENTRY_BYTES", "MAX_IDS_PER_ENTRY", "RevokeEntry"]
 
@@ -28,13 +31,15 @@ CONTENT_TYPE: Final = "application/json"
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RevokeEntry:
-    """One revoke: which ids, whether running ones are killed (and with what), and when."""
+    """One revoke: which ids (or stamps), whether running ones are killed (and with what), and when."""
 
     task_ids: tuple[str, ...]
     terminate: bool = False
     signal: str = "SIGTERM"
     timestamp: float = 0.0
     hostname: str = ""
+    # Stamp name -> the values revoked (``broker_svc.wire.stamps.revoke_headers``); None: ids only.
+    stamps: Mapping[str, list[Any]] | None = None
 
     @classmethod
     def new(
@@ -60,18 +65,35 @@ class RevokeEntry:
                 )
         return cls(task_ids=ids, terminate=terminate, signal=signal, timestamp=time.time(), hostname=hostname)
 
+    @classmethod
+    def stamped(
+        cls, headers: Any, *, terminate: bool = False, signal: str = "SIGTERM", hostname: str = ""
+    ) -> RevokeEntry:
+        """An entry revoking stamps (Celery's ``revoke_by_stamped_headers`` ``headers``), stamped now.
+
+        Raises:
+            ValueError: ``headers`` names no stamp, or is not what ``revoke_headers`` takes.
+        """
+        stamps = revoke_headers(headers)
+        if not stamps:
+            raise ValueError("a revoke by stamps needs at least one stamp")
+        return cls(
+            task_ids=(), terminate=terminate, signal=signal, timestamp=time.time(), hostname=hostname,
+            stamps=stamps,
+        )  # fmt: skip
+
     def encode(self) -> bytes:
         """The JSON body of the log message."""
-        return json.dumps(
-            {
-                "task_ids": list(self.task_ids),
-                "terminate": self.terminate,
-                "signal": self.signal,
-                "timestamp": self.timestamp,
-                "hostname": self.hostname,
-            },
-            separators=(",", ":"),
-        ).encode()
+        body: dict[str, Any] = {
+            "task_ids": list(self.task_ids),
+            "terminate": self.terminate,
+            "signal": self.signal,
+            "timestamp": self.timestamp,
+            "hostname": self.hostname,
+        }
+        if self.stamps is not None:
+            body["stamps"] = dict(self.stamps)
+        return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
     def decode(cls, body: bytes) -> RevokeEntry:
@@ -92,6 +114,12 @@ class RevokeEntry:
         timestamp = data.get("timestamp")
         signal = data.get("signal")
         hostname = data.get("hostname")
+        stamps = None
+        if data.get("stamps") is not None:
+            try:
+                stamps = revoke_headers(data["stamps"])
+            except ValueError as exc:
+                raise MessageError(f"revocation entry's stamps: {exc}") from exc
         return cls(
             task_ids=ids[:MAX_IDS_PER_ENTRY],
             terminate=data.get("terminate") is True,
@@ -100,6 +128,7 @@ class RevokeEntry:
             if isinstance(timestamp, int | float) and not isinstance(timestamp, bool)
             else 0.0,
             hostname=hostname if isinstance(hostname, str) else "",
+            stamps=stamps,
         )
 
 

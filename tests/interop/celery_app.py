@@ -179,3 +179,23 @@ def shrink(self, foo: int, bar: int = 0) -> list:
     if self.request.retries == 0:
         raise self.retry(args=(foo - 1,))
     return [foo, bar, list(self.request.args), dict(self.request.kwargs)]
+
+
+# Stamping: the names tests/integration/stamping_tasks.py defines for our worker.
+
+
+@app.task(name="stamps.look", bind=True, shared=False)
+def stamps_look(self, *parents) -> dict:
+    return {
+        "stamped_headers": sorted(self.request.stamped_headers or []),
+        "stamps": self.request.stamps,
+        "parents": list(parents),
+    }
+
+
+@app.task(name="stamps.sleep", shared=False)
+def stamps_sleep(seconds: float) -> str:
+    import time
+
+    time.sleep(seconds)
+    return "slept"

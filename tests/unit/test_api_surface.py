@@ -17,6 +17,7 @@ def test_broker_svc_exports_exactly_its_public_names():
             "App", "AsyncResult", "Signature", "State", "Task", "current_app", "shared_task", "LamportClock",
             "Job", "JobState",
             "GroupResult", "ResultSet", "chain", "chord", "chunks", "group", "signature", "xmap", "xstarmap",
+            "StampingVisitor",
             "Publisher", "Settings",
             "TaskMessage", "BrokerBlocked", "BrokerSvcError", "BrokerUnavailable", "ChordError",
             "ConfigurationError",

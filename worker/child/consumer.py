@@ -38,6 +38,7 @@ from worker.consume.updates import FeedUpdates
 from worker.ipc import Job
 from worker.rules.disposition import ACK, HAND_BACK, Fate
 from worker.rules.recycling import worn_out
+from worker.rules.revoked_stamps import RevokedStamps
 from worker.shared.board import Board, BoardSlot
 
 __all__ = ["STOP_CHECK_S", "Consumer", "Shared"]
@@ -58,6 +59,7 @@ class Shared:
 
     def __init__(self, *, revoked: set[str], wanted: list[str]) -> None:
         self.revoked = revoked
+        self.revoked_stamps = RevokedStamps()  # revoke_by_stamped_headers, as the worker tells them
         self.wanted = wanted  # the queues to consume; add_consumer/cancel_consumer change it
         self.time_limits: dict[str, tuple[float | None, float | None]] = {}  # the time_limit command's
         self.stopping = threading.Event()
@@ -112,6 +114,7 @@ class Consumer:
         self.task_loop = task_loop = TaskLoop()  # this thread's, for async def tasks
         self.handler = handler = FeedHandler(
             app=app, spec=spec, replies=replies, revoked=shared.revoked, terminated=shared.terminated,
+            revoked_stamps=shared.revoked_stamps,
             clock=clock, events=self.events, timed_out=shared.timed_out,
             run=lambda job: run_limited(
                 app, job, updates, soft_limit, watchdog, connection, shown, alarm, task_loop

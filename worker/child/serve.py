@@ -174,6 +174,8 @@ def _follow_worker(channel: ChildChannel, shared: Shared, consumers: list[Consum
                 shared.revoked.add(str(frame.get("id")))
             elif op == "revoke":
                 shared.revoked.update(str(task_id) for task_id in frame.get("ids") or ())
+                if isinstance(stamps := frame.get("stamps"), dict):
+                    shared.revoked_stamps.add(stamps)
                 # Applied: the worker may now answer the revoke command that sent it.
                 channel.send(ipc.encode_frame({"op": "revoke_applied", "seq": frame.get("seq", 0)}))
             elif op == "cancel":  # terminate of an async def task under --threads: in its thread

@@ -27,6 +27,7 @@ from broker_svc.topology import DELAY_HOLD_WINDOW_S, delay_bucket_ms, expired_qu
 from broker_svc.wire import codec
 from broker_svc.wire.results.message import CELERY_EXCEPTIONS_MODULE, Outcome, wire_exception
 from broker_svc.wire.results.meta import is_redis_url
+from broker_svc.wire.stamps import task_stamps
 from broker_svc.wire.states import State
 from broker_svc.wire.task_message import TaskMessage, decode_task, eta_and_expires, safe_repr
 from worker.child.spec import FeedSpec
@@ -58,6 +59,7 @@ from worker.rules.job_request import (
     time_limits,
 )
 from worker.rules.rate_limits import RATE_RESERVED_HEADER
+from worker.rules.revoked_stamps import RevokedStamps
 from worker.shared.rates import SharedRates
 
 __all__ = ["FeedHandler", "Handled"]
@@ -73,6 +75,7 @@ class FeedHandler:
         spec: the child's start-up order (settings, hostname, default time limits).
         replies: publishes results, confirmed.
         revoked: ids revoked so far (the child's socket adds to it).
+        revoked_stamps: stamp values revoked so far (``revoke_by_stamped_headers``), likewise.
         clock: the child's Lamport clock.
         run: runs one job in this process and returns the child's done frame.
         events: sends task events.
@@ -87,6 +90,7 @@ class FeedHandler:
         revoked: Set[str],
         terminated: Mapping[str, int] | None = None,
         timed_out: Mapping[str, float] | None = None,
+        revoked_stamps: RevokedStamps | None = None,
         clock: LamportClock,
         run: Callable[[Job], dict[str, Any]],
         events: FeedEvents,
@@ -97,6 +101,7 @@ class FeedHandler:
         self._accept = codec.accept_set(spec.settings.accept_content)
         self._expired_queue = expired_queue(spec.settings.namespace)
         self._revoked = revoked
+        self._revoked_stamps = revoked_stamps
         self._unknown: set[str] = set()  # names logged with the hint once already
         self._clock = clock
         self.ledger = FeedLedger.for_child(spec)  # --dedupe-window, and the counts for stats and metrics
@@ -227,7 +232,7 @@ class FeedHandler:
             # this task still brings it nearer the limit (the copy runs; this delivery is acked).
             log.info("task_redelivery_counted", deliveries=count)
             return recount(count), None
-        if request.id in self._revoked:
+        if request.id in self._revoked or self._stamp_revoked(request):
             return self._answers.skip_revoked(request, expired=False), None
         if past_dedup_deadline(request):
             return self._answers.skip_revoked(request, expired=True), None  # evicted from its key
@@ -245,6 +250,15 @@ class FeedHandler:
         if (parked := self._rate_limited(delivery, request, in_place=ordered)) is not None:
             return parked, None  # parked until its turn under the task's rate limit
         return self._execute(delivery, request)
+
+    def _stamp_revoked(self, request: TaskMessage) -> bool:
+        # Celery's rule: one of the stamps its stamped_headers lists has a revoked value.
+        if not self._revoked_stamps or not request.stamped_headers:
+            return False
+        hit = self._revoked_stamps.matching(task_stamps(request.stamped_headers, request.stamps))
+        if hit is not None:
+            log.info("task_revoked_by_stamp", stamp=hit[0], value=hit[1])
+        return hit is not None
 
     def _rate_limited(
         self, delivery: TaskDelivery, request: TaskMessage, *, in_place: bool

@@ -81,6 +81,7 @@ class Feeding:
             done_path=str(self.done.path),
         )
         self._revoked: Callable[[], Iterable[str]] | None = None  # set by start()
+        self._revoked_stamps: Callable[[], dict[str, list[Any]]] | None = None  # set by start()
         self.task_events = spec.task_events  # what each child is told (-E, enable_events)
         self._time_limits: dict[str, tuple[float | None, float | None]] = {}  # the time_limit command's
         self._queues: list[str] | None = None  # add_consumer/cancel_consumer; None: the spec's
@@ -123,9 +124,15 @@ class Feeding:
             self.board.clear(shown)
         return lost
 
-    def start(self, revoked: Callable[[], Iterable[str]]) -> None:
-        """Let every child consume, now and each new one, knowing ``revoked()`` first."""
+    def start(
+        self,
+        revoked: Callable[[], Iterable[str]],
+        revoked_stamps: Callable[[], dict[str, list[Any]]] | None = None,
+    ) -> None:
+        """Let every child consume, now and each new one, knowing ``revoked()`` (and the revoked
+        stamps) first."""
         self._revoked = revoked
+        self._revoked_stamps = revoked_stamps
         self.hard_limits.start()
         for writer in self._writers.values():
             self._let_consume(writer)
@@ -147,6 +154,15 @@ class Feeding:
         self._revoke_seq += 1
         frame = ipc.encode_frame({"op": "revoke", "ids": list(task_ids), "seq": self._revoke_seq})
         self._broadcast(frame)
+
+    def send_revoked_stamps(self, stamps: dict[str, list[Any]]) -> None:
+        """Tell every child of newly revoked stamp values; they skip the tasks stamped with them."""
+        if not stamps:
+            return
+        self._revoke_seq += 1
+        self._broadcast(
+            ipc.encode_frame({"op": "revoke", "ids": [], "stamps": stamps, "seq": self._revoke_seq})
+        )
 
     def revoke_applied(self, slot: int, frame: dict[str, Any]) -> None:
         """The child of ``slot`` has applied the revoke frames numbered up to ``frame["seq"]``."""
@@ -292,6 +308,15 @@ class Feeding:
         """What every child runs now."""
         return self.board.running()
 
+    def running_stamps(self) -> list[tuple[str, dict[str, Any]]]:
+        """The id and stamps of every stamped task running now (a revoke by stamps may end them)."""
+        found = []
+        for entry in self.board.running():
+            task_id, stamps = entry.info.get("id"), entry.info.get("stamps")
+            if isinstance(task_id, str) and isinstance(stamps, dict) and stamps:
+                found.append((task_id, stamps))
+        return found
+
     @property
     def processed(self) -> int:
         """Tasks the children have ended since the worker started (the heartbeat's ``processed``)."""
@@ -357,7 +382,9 @@ class Feeding:
     def _let_consume(self, writer: asyncio.StreamWriter) -> None:
         if self._revoked is None or writer.is_closing():
             return
-        revoked = {"op": "revoke", "ids": list(self._revoked()), "seq": self._revoke_seq}
+        revoked: dict[str, Any] = {"op": "revoke", "ids": list(self._revoked()), "seq": self._revoke_seq}
+        if self._revoked_stamps is not None:
+            revoked["stamps"] = self._revoked_stamps()
         writer.write(ipc.encode_frame(revoked))
         for task_id, signum in self._terminated.items():  # a child started since (the one replaced)
             writer.write(ipc.encode_frame({"op": "terminated", "id": task_id, "signum": signum}))

@@ -14,6 +14,7 @@ import structlog
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
 from broker_svc.topology import task_queue
+from broker_svc.wire.stamps import revoke_headers
 from control.aio.node import request_headers
 from control.protocol.commands import CommandRegistry
 from control.protocol.request import nok, ok
@@ -41,7 +42,8 @@ log = structlog.get_logger(__name__)
 # Every command a worker answers; each is the name of a WorkerCommands method.
 COMMAND_NAMES: Final = (
     "active", "stats", "ping", "clock", "registered", "revoked", "hello", "reserved", "scheduled",
-    "query_task", "active_queues", "conf", "revoke", "terminate", "time_limit", "rate_limit",
+    "query_task", "active_queues", "conf", "revoke", "revoke_by_stamped_headers", "terminate", "time_limit",
+    "rate_limit",
     "add_consumer", "cancel_consumer", "enable_events", "disable_events", "heartbeat", "shutdown",
     "pool_grow", "pool_shrink", "autoscale", "dedup", "report",
 )  # fmt: skip
@@ -250,6 +252,23 @@ class WorkerCommands:
                 ids, terminate=terminate, signal_name=str(signal) if signal else None
             )
         return await self._revoker.revoke(ids, terminate=terminate, signal_name=signal)
+
+    async def revoke_by_stamped_headers(
+        self, headers: dict[str, Any] | list[Any], terminate: bool, signal: str | int | None
+    ) -> dict[str, Any]:
+        try:
+            stamps = revoke_headers(headers)
+        except ValueError as exc:
+            return nok(str(exc))
+        log.info("revoke_by_stamps_received", stamps=sorted(stamps), terminate=terminate)
+        if stamps and not (request_headers.get() or {}).get(LOGGED_HEADER):
+            # As a revoke by ids: one that did not come through our client is journaled here.
+            await self._revocation_log.journal_stamps(
+                stamps, terminate=terminate, signal_name=str(signal) if signal else None
+            )
+        # Celery's reply shows the headers as a map, a list of name=value made one first.
+        shown = dict(str(item).split("=", 1) for item in headers) if isinstance(headers, list) else headers
+        return await self._revoker.revoke_stamps(stamps, terminate=terminate, signal_name=signal, shown=shown)
 
     async def terminate(self, task_id: str | list[str], signal: str | int | None) -> dict[str, Any]:
         return await self.revoke(task_id, True, signal)

@@ -12,7 +12,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Final
+from typing import Any, Final
 
 import aio_pika
 import aio_pika.abc
@@ -23,7 +23,7 @@ from broker_svc.errors import MessageError
 from broker_svc.topology import revocation_log
 from control.protocol.request import CLOCK_HEADER, MARKER_HEADER
 from control.protocol.revoke_log import CONTENT_TYPE, RevokeEntry
-from worker.remote.revoker import Revoker
+from worker.remote.revoker import Revoker, parse_signal
 
 __all__ = ["RevocationLog"]
 
@@ -129,13 +129,31 @@ class RevocationLog:
 
     async def journal(self, task_ids: list[str], *, terminate: bool, signal_name: str | None) -> None:
         """Append a broadcast revoke (one that did not come through our client) to the log."""
-        channel = self._publish_channel
-        if channel is None or not self.available:
-            return
         try:
             entry = RevokeEntry.new(
                 task_ids, terminate=terminate, signal=signal_name or "SIGTERM", hostname=self._hostname
             )
+        except ValueError as exc:
+            log.warning("revoke_not_journaled", error=str(exc))
+            return
+        await self._append(entry)
+
+    async def journal_stamps(self, headers: Any, *, terminate: bool, signal_name: str | None) -> None:
+        """Append a broadcast revoke by stamps (``celery control revoke_by_stamped_headers``)."""
+        try:
+            entry = RevokeEntry.stamped(
+                headers, terminate=terminate, signal=signal_name or "SIGTERM", hostname=self._hostname
+            )
+        except ValueError as exc:
+            log.warning("revoke_not_journaled", error=str(exc))
+            return
+        await self._append(entry)
+
+    async def _append(self, entry: RevokeEntry) -> None:
+        channel = self._publish_channel
+        if channel is None or not self.available:
+            return
+        try:
             await channel.default_exchange.publish(
                 aio_pika.Message(
                     entry.encode(),
@@ -145,7 +163,7 @@ class RevocationLog:
                 ),
                 routing_key=self._log_spec.name,
             )
-        except (ValueError, aio_pika.exceptions.AMQPError) as exc:
+        except aio_pika.exceptions.AMQPError as exc:
             log.warning("revoke_not_journaled", error=str(exc))
 
     async def _on_entry(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
@@ -166,10 +184,24 @@ class RevocationLog:
             age = time.time() - entry.timestamp if entry.timestamp else 0.0
             if age < self._revoker.revoked.expires_s:
                 self._revoker.add(entry.task_ids, age_s=age)
-                if entry.terminate:
+                if entry.terminate and entry.task_ids:
                     await self._revoker.revoke(list(entry.task_ids), terminate=True, signal_name=entry.signal)
+                if entry.stamps:
+                    await self._stamps_read(entry)
         finally:
             await _ack(message)
+
+    async def _stamps_read(self, entry: RevokeEntry) -> None:
+        # Entries as old as a revoked id may be (the log keeps no older ones); a running worker
+        # keeps them for its life, as Celery's keeps its revoked stamps.
+        assert entry.stamps is not None
+        self._revoker.add_stamps(entry.stamps)
+        if entry.terminate:
+            try:
+                sig = parse_signal(entry.signal)
+            except ValueError:
+                sig = parse_signal(None)
+            await self._revoker.terminate_stamped(entry.stamps, sig)
 
 
 async def _ack(message: aio_pika.abc.AbstractIncomingMessage) -> None:

@@ -4,6 +4,10 @@ A revoke reaches a worker three ways, and each one ends in ``Revoker``: the ``re
 command (broadcast), the revocation log on the broker (worker.remote.revocation_log), and Mingle
 (peers' revoked sets at start-up). The set is saved to a state file shortly after it changes and
 when the worker stops, so a restarted worker remembers even without the broker's log.
+
+Stamps revoked by ``revoke_by_stamped_headers`` are kept beside the ids, as Celery keeps them: for
+the worker's life, in memory; a worker that starts later learns them from the revocation log
+(neither Celery's Mingle nor its state file carries them).
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -19,6 +23,7 @@ import structlog
 
 from control.protocol.request import ok
 from worker.remote.revoked_set import RevokedSet
+from worker.rules.revoked_stamps import RevokedStamps
 
 __all__ = ["Revoker", "parse_signal"]
 
@@ -63,6 +68,8 @@ class Revoker:
         on_new: called with ids that were not revoked before (consuming children learn them).
         known: waits, bounded, until the consuming children have applied what ``on_new`` told
             them; a revoke command replies after it.
+        on_new_stamps: called with stamp values not revoked before (the children learn them).
+        running_stamps: each running task's id and stamps (to terminate those a revoke matches).
     """
 
     def __init__(
@@ -73,8 +80,13 @@ class Revoker:
         state_path: Path | None,
         on_new: Callable[[list[str]], None] | None = None,
         known: Callable[[], Awaitable[object]] | None = None,
+        on_new_stamps: Callable[[dict[str, list[Any]]], None] | None = None,
+        running_stamps: Callable[[], Sequence[tuple[str, Mapping[str, Any]]]] | None = None,
     ) -> None:
         self._revoked = revoked
+        self._stamps = RevokedStamps()
+        self._on_new_stamps = on_new_stamps
+        self._running_stamps = running_stamps
         self._on_new = on_new
         self._known = known
         self._terminate = terminate
@@ -86,6 +98,11 @@ class Revoker:
     def revoked(self) -> RevokedSet:
         """The revoked set."""
         return self._revoked
+
+    @property
+    def revoked_stamps(self) -> RevokedStamps:
+        """The stamp values revoked so far."""
+        return self._stamps
 
     def load(self) -> int:
         """Read the state file (before consuming): how many unexpired ids it held."""
@@ -155,6 +172,48 @@ class Revoker:
         if terminated:
             return ok(f"terminate: {', '.join(terminated)}")
         return ok("terminate: tasks unknown")
+
+    def add_stamps(self, headers: Mapping[str, list[Any]]) -> int:
+        """Revoke stamp values without terminating; how many were not revoked before."""
+        new = self._stamps.add(headers)
+        if new and self._on_new_stamps is not None:
+            self._on_new_stamps(new)
+        return sum(len(values) for values in new.values())
+
+    async def revoke_stamps(
+        self, headers: Mapping[str, list[Any]], *, terminate: bool, signal_name: str | int | None, shown: Any
+    ) -> dict[str, Any]:
+        """Revoke stamp values, and with ``terminate`` signal the children running tasks they match.
+
+        Celery's replies, ``shown`` being the ``headers`` the command was given.
+        """
+        sig = parse_signal(signal_name) if terminate else None
+        self.add_stamps(headers)
+        if self._known is not None:
+            await self._known()  # the children skip matching tasks before anyone learns of the revoke
+        if sig is None:
+            return ok(f"headers {shown!r} flagged as revoked, but not terminated")
+        ended = await self.terminate_stamped(headers, sig)
+        if not ended:
+            return ok(f"headers {shown!r} were not terminated")
+        return ok(f"headers {ended!r} revoked")
+
+    async def terminate_stamped(
+        self, headers: Mapping[str, list[Any]], sig: signal.Signals
+    ) -> dict[str, set[Any]]:
+        """Signal the children running tasks that ``headers`` (only) matches; the matched values.
+
+        As Celery's: the running tasks are matched by this revoke's stamps, not by every stamp
+        revoked before.
+        """
+        wanted = RevokedStamps.of(headers)
+        matched: dict[str, set[Any]] = {}
+        for task_id, stamps in self._running_stamps() if self._running_stamps is not None else ():
+            hits = wanted.all_matching(stamps)
+            if hits and await self._terminated_here(task_id, sig):
+                for name, value in hits:
+                    matched.setdefault(name, set()).add(value)
+        return matched
 
     async def _terminated_here(self, task_id: str, sig: signal.Signals) -> bool:
         # Signal the child running it; or it was already, by the other copy of the same revoke.

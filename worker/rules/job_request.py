@@ -138,6 +138,9 @@ def request_context(
         **({"group_index": request.group_index} if request.group_index is not None else {}),
         **({"replaced_task_nesting": n} if (n := request.replaced_task_nesting) else {}),
         **({"headers": headers} if (headers := custom_headers(request)) else {}),
+        # Celery's task sees both headers as sent: None and {} on a task nobody stamped.
+        "stamped_headers": request.stamped_headers,
+        "stamps": request.stamps,
     }
 
 

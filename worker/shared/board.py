@@ -26,6 +26,7 @@ import msgpack
 
 from broker_svc.errors import DecodeError
 from broker_svc.wire.codec import refuse_ext
+from broker_svc.wire.stamps import task_stamps
 from broker_svc.wire.task_message import safe_repr
 from worker.ipc import Job
 from worker.shared.shared_file import SharedFile
@@ -187,6 +188,9 @@ class BoardSlot:
             info = {"id": job.task_id, "name": job.task_name, "type": job.task_name, "args": job.args,
                     "kwargs": job.kwargs, "delivery_info": job.request.get("delivery_info"),
                     "time_limit": job.hard_time_limit_s}  # fmt: skip
+            stamps = task_stamps(job.request.get("stamped_headers"), job.request.get("stamps"))
+            if stamps:  # a revoke by stamps with terminate finds it by them
+                info["stamps"] = stamps
             self._board.start(self._slot, info)
             self._showing = True
 

@@ -123,7 +123,7 @@ def apply(
     while True:
         request = Request(
             id=task_id, task=task.name, args=call_args, kwargs=call_kwargs, retries=retries,
-            hostname="eager", called_directly=False, is_eager=True,
+            hostname="eager", called_directly=False, is_eager=True, **_eager_stamps(options),
         )  # fmt: skip
         with executing(request):
             traced = trace(task, request, call_args, call_kwargs)
@@ -139,3 +139,17 @@ def apply(
     if throw and traced.state in (FAILURE, REJECTED) and traced.exception is not None:
         raise traced.exception
     return EagerResult(task_id, traced, task_name=task.name)
+
+
+def _eager_stamps(options: Mapping[str, Any]) -> dict[str, Any]:
+    # Celery's eager request: each stamp's value as a list (a run here sends no message).
+    names = options.get("stamped_headers")
+    if names is None:
+        return {}
+    listed = list(names) if isinstance(names, list | tuple) else [names]
+    stamps = {name: _maybe_list(options.get(name, [])) for name in listed}
+    return {"stamped_headers": listed, "stamps": stamps}
+
+
+def _maybe_list(value: Any) -> Any:
+    return value if value is None or isinstance(value, list | tuple) else [value]
