@@ -26,6 +26,7 @@ a success, the errbacks after a failure.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -305,6 +306,17 @@ class chain(Signature):
             copy.tasks[0] = copy.tasks[0].clone(args)
         return copy
 
+    def freeze(self, _id: str | None = None, **fields: Any) -> AsyncResult | GroupResult:  # type: ignore[override]
+        """Give every step its id (the last one ``_id``); the last step's result, ``parent`` linked."""
+        steps = self.tasks
+        results = [
+            step.freeze(_id if i == len(steps) - 1 else None, **fields) for i, step in enumerate(steps)
+        ]
+        for before, after in itertools.pairwise(results):
+            if not isinstance(after, GroupResult):
+                after.parent = before
+        return results[-1]
+
     def __call__(self, *args: Any, **kwargs: Any) -> AsyncResult | GroupResult:
         """Send it (Celery's ``chain(...)()``, in a task body too): ``apply_async(args, kwargs)``."""
         return self.apply_async(args, kwargs)
@@ -314,16 +326,17 @@ class chain(Signature):
     ) -> AsyncResult | GroupResult:
         """Send the first step, carrying the rest; the last step's result (``.parent``: the one before).
 
+        A group as the last step runs once the step before it has, each member with that step's
+        result; the call returns its ``GroupResult``, as Celery's does.
+
         Raises:
-            ValueError: an empty chain, or a group as its last step.
+            ValueError: an empty chain.
         """
         steps = _upgrade_to_chords([step.clone() for step in self.tasks])
         if not steps:
             raise ValueError("an empty chain has nothing to send")
         if len(steps) == 1:
             return steps[0].apply_async(args, kwargs, **{**self.options, **options})
-        if steps[-1].subtask_type == "group":
-            raise ValueError("a group as the last step of a chain is not supported yet; link it instead")
         app = self._app or steps[0].app
         for step in steps:
             step._app = step._app or app
@@ -335,14 +348,15 @@ class chain(Signature):
         else:
             root_id = first.options.get("task_id") or uuid4_str()
             first.options["task_id"] = root_id
-        results: list[AsyncResult] = []
+        results: list[AsyncResult | GroupResult] = []
         # Results are registered before anything is sent: a fast step's result finds its waiter.
         for index, step in enumerate(steps[1:], start=1):
             results.append(step.freeze(last_id if index == len(steps) - 1 else None, root_id=root_id))
         rest = [step.as_wire() for step in reversed(steps[1:])]
         previous: Any = first.apply_async(chain=rest, **options)
         for result in results:
-            result.parent = previous
+            if not isinstance(result, GroupResult):  # a closing group's members follow its members
+                result.parent = previous
             previous = result
         return results[-1]
 
@@ -379,6 +393,14 @@ class group(Signature):
     def tasks(self) -> list[Signature]:
         members: list[Signature] = self.kwargs["tasks"]
         return members
+
+    def freeze(self, _id: str | None = None, **fields: Any) -> GroupResult:  # type: ignore[override]
+        """Give the group its id (``_id``) and each member its own; the ``GroupResult`` it will have
+        (Celery's: a group's ``freeze`` returns its group result)."""
+        group_id = self.options.setdefault("task_id", _id or uuid4_str())
+        fields = {k: v for k, v in fields.items() if k not in ("group_id", "group_index")}
+        members = [member.freeze(**fields) for member in self.tasks]
+        return GroupResult(group_id, members, app=self._app or (self.tasks[0].app if self.tasks else None))
 
     def __or__(self, other: Signature) -> Signature:  # type: ignore[override]  # Celery's chord operator
         if not isinstance(other, Signature):

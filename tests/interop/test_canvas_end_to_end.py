@@ -50,6 +50,9 @@ def _run_canvas(client: App, queue: str, notes_path: Path) -> dict[str, object]:
     fixed = client.signature("canvas.add", (7, 7), queue=queue, immutable=True)
     got["pipe"] = (s("add", 2, 2) | s("mul", 3) | fixed).apply_async().get(timeout=30)
     got["group"] = group(s("add", i, i) for i in range(4)).apply_async().get(timeout=30)
+    # A group closing a chain: each member gets the step before's value; the call is its GroupResult.
+    closing = chain(s("add", 1, 1), group(s("add", 10), s("mul", 10))).apply_async()
+    got["chain_to_group"] = closing.get(timeout=30)
     callback = s("mul", 5)
     callback_result = callback.freeze()  # its id and our reply queue, before it is sent
     client.send_task("canvas.add", (2, 2), queue=queue, link=callback).get(timeout=30)
@@ -69,7 +72,8 @@ def _run_canvas(client: App, queue: str, notes_path: Path) -> dict[str, object]:
 
 
 EXPECTED = {
-    "chain": 60, "pipe": 14, "group": [0, 2, 4, 6], "link": 20, "failed_chain": "raised", "errback": "ran",
+    "chain": 60, "pipe": 14, "group": [0, 2, 4, 6], "chain_to_group": [12, 20], "link": 20,
+    "failed_chain": "raised", "errback": "ran",
 }  # fmt: skip
 
 
