@@ -1,9 +1,11 @@
-"""The record of an ETA task a worker parked in a delay queue (``topology.scheduled_stream``).
+"""The record of an ETA task parked in a delay queue (``topology.scheduled_stream``).
 
-A child that parks a task not yet due writes one, confirmed before the ack; the worker's main
-process reads them all (``worker/remote/scheduled.py``) and lists, in ``inspect scheduled``, the
-tasks whose latest park was its own and whose ETA has not passed: Celery's ``scheduled`` reply,
-``{"eta", "priority", "request": TASK_INFO}``. Pure: encoding and decoding, no I/O.
+Two writers: a worker's child that parks a task not yet due (confirmed before the ack, with its
+worker's node name), and our client that sends a task straight to a delay queue (no node name:
+no worker holds it yet). Every worker's main process reads them all (``worker/remote/scheduled.py``)
+and lists, in ``inspect scheduled``, the tasks whose latest park was its own, or unattributed and
+its to list (``worker/rules/listers.py``), and whose ETA has not passed: Celery's ``scheduled``
+reply, ``{"eta", "priority", "request": TASK_INFO}``. Pure: encoding and decoding, no I/O.
 """
 
 from __future__ import annotations
@@ -24,18 +26,23 @@ CONTENT_TYPE: Final = "application/x-clockwork-parked+json"
 
 @dataclass(frozen=True, slots=True)
 class Parked:
-    """One park: which task, until when, by which worker, and its TASK_INFO."""
+    """One park: which task, until when, by which worker (None: by a client), and its TASK_INFO."""
 
     task_id: str
     eta: float  # epoch seconds
-    hostname: str
+    hostname: str | None
     info: dict[str, Any]
     priority: int | None = None
+    queue: str | None = None  # the task queue it goes back to
 
-    def reply(self) -> dict[str, Any]:
-        """Celery's ``scheduled`` entry for it."""
+    def reply(self, hostname: str) -> dict[str, Any]:
+        """Celery's ``scheduled`` entry for it, as listed by the worker ``hostname``."""
         eta = dt.datetime.fromtimestamp(self.eta, dt.UTC).isoformat()
-        return {"eta": eta, "priority": self.priority, "request": self.info}
+        return {"eta": eta, "priority": self.priority, "request": self.request(hostname)}
+
+    def request(self, hostname: str) -> dict[str, Any]:
+        """Its TASK_INFO as listed by ``hostname`` (a client's record names no worker)."""
+        return self.info if self.info.get("hostname") == hostname else {**self.info, "hostname": hostname}
 
     @classmethod
     def decode(cls, body: bytes) -> Parked:
@@ -48,20 +55,27 @@ class Parked:
             data = json.loads(body)
             if not isinstance(data, Mapping) or not isinstance(data.get("info"), Mapping):
                 raise ValueError("not a map with an info map")
-            priority = data.get("priority")
+            hostname, priority, queue = data["hostname"], data.get("priority"), data.get("queue")
             return cls(
                 task_id=str(data["id"]),
                 eta=float(data["eta"]),
-                hostname=str(data["hostname"]),
+                hostname=None if hostname is None else str(hostname),
                 info=dict(data["info"]),
                 priority=priority if isinstance(priority, int) else None,
+                queue=queue if isinstance(queue, str) else None,
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise MessageError(f"not a park record: {exc}") from exc
 
 
-def parked_record(request: TaskMessage, *, hostname: str, delivery_info: dict[str, Any]) -> bytes:
-    """The record of ``request`` parked by ``hostname`` (its ETA must be set)."""
+def parked_record(
+    request: TaskMessage, *, hostname: str | None, delivery_info: dict[str, Any], queue: str | None = None
+) -> bytes:
+    """The record of ``request`` (its ETA must be set) parked by ``hostname`` (None: a client).
+
+    ``queue``: the task queue it goes back to; a client's record needs it, as only a worker that
+    consumes that queue lists it.
+    """
     assert request.eta is not None
     info = {
         "id": request.id,
@@ -82,5 +96,7 @@ def parked_record(request: TaskMessage, *, hostname: str, delivery_info: dict[st
         "priority": request.priority,
         "info": info,
     }
+    if queue is not None:
+        record["queue"] = queue
     # default=repr: arguments the task's own serializer carried but JSON cannot are shown as reprs.
     return json.dumps(record, default=repr).encode()
