@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any, Final
@@ -67,6 +68,7 @@ class ScheduledLog:
         self._spec = scheduled_stream(namespace)
         self._latest: dict[str, Parked] = {}
         self._members = QueueMembership()
+        self._generation = 0  # of the subscription: records of an older one are not acked
         self.records_read = 0
 
     def listed(self, *, now: float | None = None) -> list[dict[str, Any]]:
@@ -106,16 +108,19 @@ class ScheduledLog:
         while True:
             opened: list[aio_pika.abc.AbstractChannel] = []
             try:
+                # The members first: once the records flow, a declare's answer waits behind them.
+                members = await self._follow_members(await channel())
+                if members is not None:
+                    opened.append(members)
                 records = await channel()
                 opened.append(records)
                 await records.set_qos(prefetch_count=_PREFETCH)
                 spec = self._spec
                 queue = await records.declare_queue(spec.name, durable=spec.durable, arguments=spec.arguments)
                 self._latest.clear()  # read again from the start
-                await queue.consume(self._on_record, arguments={"x-stream-offset": "first"})
-                members = await self._follow_members(await channel())
-                if members is not None:
-                    opened.append(members)
+                on_record = functools.partial(self._on_record, generation=self._generation)
+                await queue.consume(on_record, arguments={"x-stream-offset": "first"})
+                log.info("scheduled_log_subscribed", queue=spec.name, members=members is not None)
                 attempt = 0
                 # Until either channel (or their connection) ends, however it ends: subscribe again.
                 # The channels' own futures: waited on, never cancelled (their connection owns them).
@@ -134,7 +139,10 @@ class ScheduledLog:
                 )
                 await asyncio.sleep(pause_s)
             finally:
-                for each in opened:
+                # No ack starts on these channels from now on: one written after the close would be
+                # a frame on a closed channel, which the broker answers by closing the connection.
+                self._generation += 1
+                for each in reversed(opened):  # the records first: they flood at the start
                     if not each.is_closed:
                         with contextlib.suppress(
                             aio_pika.exceptions.AMQPError, ConnectionError, RuntimeError
@@ -159,7 +167,9 @@ class ScheduledLog:
         namespace = event.get("app_namespace", LEGACY_NAMESPACE)
         return event.get("sw_ident") == SW_IDENT and namespace == self._namespace
 
-    async def _on_record(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
+    async def _on_record(self, message: aio_pika.abc.AbstractIncomingMessage, *, generation: int) -> None:
+        if generation != self._generation:
+            return  # its channel is closing, and a new subscription reads from the start
         try:
             parked = Parked.decode(message.body)
         except MessageError as exc:
@@ -170,5 +180,6 @@ class ScheduledLog:
                 self._latest[parked.task_id] = parked
             else:
                 self._latest.pop(parked.task_id, None)
-        with contextlib.suppress(aio_pika.exceptions.AMQPError):
-            await message.ack()  # a stream hands out more records only as earlier ones are acked
+        # A stream hands out more records only as earlier ones are acked.
+        with contextlib.suppress(aio_pika.exceptions.AMQPError, ConnectionError, RuntimeError):
+            await message.ack()  # its channel was lost: the next subscription reads from the start
