@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Final
 
@@ -21,6 +21,7 @@ import structlog
 from broker_svc.clock import LamportClock
 from broker_svc.topology import event_exchange
 from broker_svc.wire.event_fields import encode_event, event_body, routing_key, utcoffset
+from worker.rules.listers import QUEUES_FIELD
 
 __all__ = ["HEARTBEAT_FREQ_S", "EventDispatcher", "Heart", "software_version", "utcoffset"]
 
@@ -113,6 +114,9 @@ class Heart:
         freq_s: the heartbeat interval, sent as ``freq`` so receivers know when we are late.
         app_namespace: the worker's app namespace, sent as ``app_namespace`` (a field Celery
             ignores) so peers know which app's shared state the worker keeps (the dedup gate).
+        task_queues: the task queues the worker consumes now, sent as ``task_queues`` (a field
+            Celery ignores) so peers know who lists a task a client parked
+            (``worker/rules/listers.py``).
     """
 
     def __init__(
@@ -122,11 +126,13 @@ class Heart:
         *,
         freq_s: float = HEARTBEAT_FREQ_S,
         app_namespace: str | None = None,
+        task_queues: Callable[[], Sequence[str]] | None = None,
     ) -> None:
         self._events = events
         self._stats = stats
         self._freq_s = freq_s
         self._app_namespace = app_namespace
+        self._task_queues = task_queues
 
     def _fields(self) -> dict[str, Any]:
         active, processed = self._stats()
@@ -134,7 +140,9 @@ class Heart:
             loadavg = [round(x, 2) for x in os.getloadavg()]
         except OSError:
             loadavg = [0.0, 0.0, 0.0]
-        app = {} if self._app_namespace is None else {"app_namespace": self._app_namespace}
+        app: dict[str, Any] = {} if self._app_namespace is None else {"app_namespace": self._app_namespace}
+        if self._task_queues is not None:
+            app[QUEUES_FIELD] = list(self._task_queues())
         return {
             **app,
             "freq": self._freq_s,

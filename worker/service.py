@@ -186,15 +186,19 @@ class WorkerService:
         await revocation_log.follow(lambda: revocations.channel(publisher_confirms=False), publish_channel)
         heart = Heart(
             events, lambda: (len(feeding.running()), feeding.processed), freq_s=config.event_heartbeat_s,
-            app_namespace=config.settings.namespace,
+            app_namespace=config.settings.namespace, task_queues=queues.consumed,
         )  # fmt: skip
         # Keyed dedup: the gate shards spread over the live workers (worker/single_active/gatekeeper.py).
         gate = Gatekeeper(
             settings=config.settings, clock=self._clock, hostname=config.hostname,
             namespace=config.namespace, events=events, metrics=metrics,
         )  # fmt: skip
-        # inspect scheduled: the ETA tasks this worker parked, from their records (remote/scheduled.py).
-        parked = ScheduledLog(hostname=config.hostname, namespace=config.settings.namespace)
+        # inspect scheduled: the ETA tasks this worker parked, and its share of those clients parked,
+        # from their records (remote/scheduled.py).
+        parked = ScheduledLog(
+            hostname=config.hostname, namespace=config.settings.namespace,
+            control_namespace=config.namespace, task_queues=queues.consumed,
+        )  # fmt: skip
         background.spawn(
             subscriptions.serve(
                 "scheduled", lambda conn: parked.follow(lambda: conn.channel(publisher_confirms=False))

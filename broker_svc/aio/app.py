@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, overload
@@ -30,11 +31,13 @@ from broker_svc.errors import BrokerUnavailable, ConfigurationError
 from broker_svc.results.result import AsyncResult, ResultSet
 from broker_svc.sending.capture import capturing
 from broker_svc.sending.message import after_publish, before_publish, build_message
+from broker_svc.sending.park_records import park_records
 from broker_svc.tasks.shared import SharedTask
 from broker_svc.tasks.task import Task
 from broker_svc.topology import new_reply_queue_name, result_queue
 from broker_svc.wire import codec
 from broker_svc.wire.results.meta import is_redis_url
+from broker_svc.wire.task_message import TaskMessage
 
 if TYPE_CHECKING:
     from broker_svc.app import App
@@ -256,6 +259,7 @@ class AsyncApp:
         result = self._convert(returned, {})  # futures exist before anything is sent
         app = self.app
         prepared: list[PendingPublish] = []
+        messages: list[TaskMessage] = []
         announce = signals.before_task_publish.has_receivers or signals.after_task_publish.has_receivers
         for sig in capture.kept:
             message, (queue, exchange), serializer = build_message(
@@ -274,11 +278,19 @@ class AsyncApp:
                     exchange=exchange,
                 )  # fmt: skip
             )
-        if len(prepared) == 1:
+            messages.append(message)
+        # inspect scheduled: what goes straight to a delay queue is recorded beside it, never
+        # waited on past its task's own confirm (broker_svc/sending/park_records.py).
+        records = park_records(
+            list(zip(prepared, messages, strict=True)), namespace=app.settings.namespace, now=time.time()
+        )
+        if len(prepared) == 1 and not records:
             await connection.publish(prepared[0])
         else:
             outcomes = await asyncio.gather(
-                *(connection.publish(p) for p in prepared), return_exceptions=True
+                *(connection.publish(p) for p in prepared),
+                *(connection.publish_side(r) for r in records),
+                return_exceptions=True,
             )
             error = next((o for o in outcomes if isinstance(o, BaseException)), None)
             if error is not None:

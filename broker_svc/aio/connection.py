@@ -157,6 +157,23 @@ class AioConnection:
                 raise PublishNacked(f"the broker refused the task for {pending.routing_key!r}")
             return
 
+    async def publish_side(self, record: PendingPublish) -> None:
+        """Send a side record (``best_effort``: a park record) once, beside the tasks it belongs
+        to; never raises: how it ended is its ``settle`` (its ``on_settle`` logs a failure).
+
+        One attempt with no declaration: a lost connection or a refusal costs the record, never
+        a wait for a reconnect nor a task's channel.
+        """
+        error: PublishError | None = None
+        try:
+            confirm = await self._basic_publish(record, EncodedProperties(record))
+        except (*_LOST, *_REFUSED, TimeoutError) as exc:
+            error = PublishError(f"not written to {record.routing_key!r}: {exc!r}")
+        else:
+            if isinstance(confirm, pamqp.commands.Basic.Nack):
+                error = PublishNacked(f"the broker refused the record for {record.routing_key!r}")
+        record.settle(error)
+
     async def _reopen_channel(self) -> None:
         channel, connection = self._channel, self._connection
         if channel is not None and channel.is_closed and connection is not None and not connection.is_closed:

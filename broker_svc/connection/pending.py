@@ -112,6 +112,8 @@ class PendingPublish:
             exchange: until it is nearly due, it goes to the delay queue of ``routing_key`` that
             matches the time left *as it is sent* (it may wait in the outbox for seconds), and
             that delay queue is declared after the ``declare`` queues.
+        best_effort: a side record (a park record for ``inspect scheduled``), not a task: the
+            publisher never waits for it nor reports its failure, which ``on_settle`` may log.
     """
 
     __slots__ = (
@@ -120,6 +122,7 @@ class PendingPublish:
         "_done",
         "_event",
         "attempts",
+        "best_effort",
         "declare",
         "error",
         "eta_s",
@@ -142,6 +145,7 @@ class PendingPublish:
         declare: Sequence[QueueSpec] = (),
         mandatory: bool = True,
         eta_s: float | None = None,
+        best_effort: bool = False,
     ) -> None:
         self.message = message
         self.exchange = exchange
@@ -151,6 +155,7 @@ class PendingPublish:
         self.declare = self._declare
         self.mandatory = mandatory
         self.eta_s = eta_s
+        self.best_effort = best_effort
         self.attempts = 0
         self.sent_at = 0.0
         self.first_sent_at = 0.0
@@ -178,6 +183,7 @@ class PendingPublish:
             declare=self._declare,
             mandatory=self.mandatory,
             eta_s=self.eta_s,
+            best_effort=self.best_effort,
         )
 
     @property

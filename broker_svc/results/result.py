@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Final, Generic, Literal, overload
+from typing import Any, Final, Generic, Literal, Protocol, overload
 
 from typing_extensions import TypeVar
 
+from broker_svc import open_apps
 from broker_svc.connection.pending import PendingPublish
-from broker_svc.errors import ResultTimeout, TaskDeclined, TaskError
+from broker_svc.errors import ConfigurationError, ResultTimeout, TaskDeclined, TaskError
 from broker_svc.results.store import OnMessage, ResultStore
 from broker_svc.wire.results.message import Outcome, exception_from_wire
 from broker_svc.wire.results.view import OutcomeView, ResultsView
@@ -55,26 +56,54 @@ def outcome_error(outcome: Outcome) -> TaskError:
     return error
 
 
+class _HandleMaker(Protocol):
+    """What ``AsyncResult(task_id, app=app)`` needs of an app (an ``App``)."""
+
+    def AsyncResult(self, task_id: str) -> AsyncResult[Any]: ...
+
+
 class AsyncResult(OutcomeView, Generic[R]):
     """A handle on one task's result, as in Celery.
 
+    ``AsyncResult(task_id)`` alone, as in Celery, reads the results of the current app (``app``
+    if given): the last one made, or made current (``broker_svc/open_apps.py``). It is then
+    ``app.AsyncResult(task_id)``: results of the tasks that app sent, or of any task with a Redis
+    result backend.
+
     Args:
         task_id: the task id.
-        store: the client's result store.
+        store: the client's result store (None: the app's).
         publish: the pending publish of the task, when this client sent it.
+        app: whose results, without ``store`` (None: the current app).
+
+    Raises:
+        ConfigurationError: neither ``store`` nor ``app``, and no app has been made.
     """
 
-    def __init__(self, task_id: str, *, store: ResultStore, publish: PendingPublish | None = None) -> None:
+    def __init__(
+        self,
+        task_id: str,
+        *,
+        store: ResultStore | None = None,
+        publish: PendingPublish | None = None,
+        app: _HandleMaker | None = None,
+    ) -> None:
+        if store is None:
+            # The app's own handle says which store (its result queue's; a capture's in AsyncApp).
+            handle = (app if app is not None else _current_app("AsyncResult(task_id)")).AsyncResult(task_id)
+            store, publish = handle._store, publish or handle._publish
         self.id = task_id
         # The step before this one in a chain, or a chord's header (Celery's ``result.parent``).
         self.parent: AsyncResult | GroupResult | None = None
-        self._store = store
-        self._publish = publish
+        self._store: ResultStore = store
+        self._publish: PendingPublish | None = publish
         store.register(task_id)
         self._finalizer = _Release(store, task_id)
 
     def __del__(self) -> None:
-        self._finalizer()
+        finalizer = getattr(self, "_finalizer", None)  # None: __init__ raised (no app to read)
+        if finalizer is not None:
+            finalizer()
 
     def __repr__(self) -> str:
         return f"<AsyncResult: {self.id}>"
@@ -309,35 +338,38 @@ class GroupResult(ResultSet):
         return ((self.id, None), members)
 
     def save(self, backend: Any = None) -> GroupResult:
-        """Save it in the app's result backend, so ``GroupResult.restore(id)`` in any process gets it
-        back (Celery's; Redis results: ``celery-taskset-meta-<id>``).
+        """Save it in the app's result backend (without an app, the current app's), so
+        ``GroupResult.restore(id)`` in any process gets it back (Celery's; Redis results:
+        ``celery-taskset-meta-<id>``).
 
         Raises:
             NotImplementedError: the app's results are ``rpc://``.
+            ConfigurationError: no ``backend``, no app, and no app has been made.
         """
-        saved: GroupResult = (backend or _backend_of(self.app)).save_group(self.id, self)
+        saved: GroupResult = (backend or _backend_of(self.app, call="save()")).save_group(self.id, self)
         return saved
 
     def delete(self, backend: Any = None) -> None:
-        """Delete it from the app's result backend (Celery's).
+        """Delete it from the app's result backend (Celery's; without an app, the current app's).
 
         Raises:
             NotImplementedError: the app's results are ``rpc://``.
+            ConfigurationError: no ``backend``, no app, and no app has been made.
         """
-        (backend or _backend_of(self.app)).delete_group(self.id)
+        (backend or _backend_of(self.app, call="delete()")).delete_group(self.id)
 
     @classmethod
     def restore(cls, id: str, backend: Any = None, app: object | None = None) -> GroupResult | None:
         """The group saved under ``id`` (by this process or any other, Celery's client included),
-        or None. Pass the ``app`` whose results it reads (or its ``backend``).
+        or None. It reads the ``backend`` given, else ``app``'s, else, as Celery does, the current
+        app's: the last one made, or made current (``broker_svc/open_apps.py``).
 
         Raises:
             NotImplementedError: the app's results are ``rpc://``.
-            TypeError: neither ``app`` nor ``backend``.
+            ConfigurationError: neither ``backend`` nor ``app``, and no app has been made.
         """
-        if backend is None and app is None:
-            raise TypeError("GroupResult.restore(id, app=app): name the app whose results to read")
-        restored: GroupResult | None = (backend or _backend_of(app)).restore_group(id)
+        backend = backend or _backend_of(app, call="GroupResult.restore(id)")
+        restored: GroupResult | None = backend.restore_group(id)
         return restored
 
     @property
@@ -360,9 +392,22 @@ class _Release:
             self._store.release(self._task_id)
 
 
-def _backend_of(app: object) -> Any:
-    # ``app.backend`` (``broker_svc/results/backend.py``, which imports this module).
-    backend = getattr(app, "backend", None)
+def _current_app(call: str) -> Any:
+    # An ``App``: typed as one by ``task_app.current_app``, which this module cannot import (the
+    # task app's Protocol names this module's ``AsyncResult``).
+    app = open_apps.current()
+    if app is None:
+        raise ConfigurationError(
+            f"{call}: no App has been created in this process to read results with; "
+            "create one (app = App('proj', backend=...)) or pass app="
+        )
+    return app
+
+
+def _backend_of(app: object | None, *, call: str) -> Any:
+    # ``app.backend`` (``broker_svc/results/backend.py``, which imports this module); no app: the
+    # current one, as Celery's ``self.app`` defaults to ``current_app``.
+    backend = getattr(app if app is not None else _current_app(call), "backend", None)
     if backend is None:
         raise TypeError(f"{app!r} has no result backend (app.backend): pass backend= or app=")
     return backend

@@ -21,6 +21,7 @@ from broker_svc.canvas.signature import Signature
 from broker_svc.clock import LamportClock
 from broker_svc.results.result import AsyncResult
 from broker_svc.sending.dedup_keys import dedup_call
+from broker_svc.sending.park_records import park_records
 from broker_svc.sending.routes import route_for
 from broker_svc.settings import Settings
 from broker_svc.tasks.request import SEND_OPTIONS, countdown_to_eta, current_request
@@ -195,6 +196,7 @@ def send_signatures(
     """
     publisher = producer.publisher
     prepared: list[tuple[PendingPublish, str]] = []
+    messages: list[TaskMessage] = []
     queues: list[str] = []  # where each goes: a dedup send's target queue, not its gate shard
     announce = signals.before_task_publish.has_receivers or signals.after_task_publish.has_receivers
     for sig in signatures:
@@ -211,6 +213,7 @@ def send_signatures(
             exchange=exchange,
         )
         prepared.append((pending, message.id))
+        messages.append(message)
         queues.append(queue)
     # Results register before the publish, so even an instant reply finds its waiter.
     handles = [AsyncResult(task_id, store=results, publish=p) for p, task_id in prepared]
@@ -229,6 +232,11 @@ def send_signatures(
             queued = state_publish(record, stream)
             results.note_queued(task_id, queued)  # app.jobs waits for it: read-your-writes
             sent.append(queued)
+    if settings.spool_dir is None:
+        # inspect scheduled: what goes straight to a delay queue, recorded after it (park_records.py).
+        # (Not through a spool either: its drain routes a task only when it sends it.)
+        pairs = [(pending, message) for (pending, _), message in zip(prepared, messages, strict=True)]
+        sent.extend(park_records(pairs, namespace=settings.namespace, now=time.time()))
     if batch is not None:
         batch.keep(sent, handles)  # sent at the end of the ``with app.batch()`` block
     else:
@@ -253,6 +261,8 @@ def state_publish(record: StateRecord, stream: QueueSpec) -> PendingPublish:
 def after_publish(sent: Sequence[PendingPublish]) -> None:
     # Celery's after_task_publish, once a task is handed over (to the connection, or the spool).
     for pending in sent:
+        if pending.best_effort:
+            continue  # a park record, not a task
         if pending.message.content_type == STATE_CONTENT_TYPE and "task" not in pending.message.headers:
             continue
         headers = pending.message.headers

@@ -96,29 +96,32 @@ class Publisher:
     def submit(self, items: Sequence[PendingPublish], *, wait: bool | None = None) -> None:
         """Hand prepared messages to the connection; in ``each`` mode wait for their confirms.
 
-        ``wait``: wait for their confirms (one wait for all of them) whatever the mode.
+        ``wait``: wait for their confirms (one wait for all of them) whatever the mode. A side
+        record among them (``best_effort``) is sent in its place but never waited on or reported.
 
         Raises:
             PublishError: (``each`` mode or ``wait``) a message was not confirmed.
             BrokerUnavailable: the publisher is closed or the broker unreachable.
         """
         each = self._settings.confirm == "each" if wait is None else wait
+        # Side records (``best_effort``) go out with the tasks, but nobody waits on them.
+        tasks = [p for p in items if not p.best_effort]
         with self._lock:
             self._prune()
             if not each:
-                self._inflight.extend(items)
+                self._inflight.extend(tasks)
         self._connection.publish_many(items)
         if each:
             # Failures raise here, once; only what is still unsettled is left for ``flush``.
             deadline = time.monotonic() + self._settings.confirm_timeout_s + self._settings.reconnect_window_s
-            for pending in items:
+            for pending in tasks:
                 pending.wait(max(0.0, deadline - time.monotonic()))
-            unsettled = [p for p in items if not p.done]
+            unsettled = [p for p in tasks if not p.done]
             if unsettled:
                 with self._lock:
                     self._inflight.extend(unsettled)
                 raise PublishError(f"no confirm within {self._settings.confirm_timeout_s} s")
-            error = next((p.error for p in items if p.error is not None), None)
+            error = next((p.error for p in tasks if p.error is not None), None)
             if error is not None:
                 raise error
 

@@ -10,10 +10,10 @@ them (``App.tasks`` is a ``dict[str, Task]``).
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
+from broker_svc import open_apps
 from broker_svc.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -77,24 +77,19 @@ class TaskApp(Protocol):
         ...
 
 
-# The last app made with ``set_as_current=True`` (Celery's default); weak, so a dropped app goes.
-_current: weakref.ReferenceType[TaskApp] | None = None
-
-
 def current_app() -> TaskApp:
     """The app ``shared_task`` proxies and app-less signatures use: the last one made with
-    ``set_as_current=True`` (or ``app.set_current()``).
+    ``set_as_current=True`` (or ``app.set_current()``; ``broker_svc/open_apps.py``).
 
     Raises:
         ConfigurationError: no app has been made.
     """
-    app = _current() if _current is not None else None
+    app = open_apps.current()
     if app is None:
         raise ConfigurationError("no App has been created: shared tasks need one (app = App('proj'))")
-    return app
+    return cast("TaskApp", app)  # only set_current_app makes an app current: it takes a TaskApp
 
 
 def set_current_app(app: TaskApp) -> None:
     """Make ``app`` the current app (``App.__init__`` and ``App.set_current`` call this)."""
-    global _current
-    _current = weakref.ref(app)
+    open_apps.set_current(app)

@@ -125,12 +125,15 @@ def test_celery_inspect_reserved_lists_the_task_waiting_behind_it(busy_node: Nod
     assert task["delivery_info"]["routing_key"] == busy_node.queue, task
 
 
-def test_celery_inspect_scheduled_answers_without_the_parked_eta_task(busy_node: Node):
-    # Unlike Celery, our worker holds in memory only tasks due within DELAY_HOLD_WINDOW_S; one due in
-    # ten minutes waits in the broker (parked in a delay queue once delivered, worker/consume/eta.py), so
-    # `scheduled` is an empty list, not the [{eta, priority, request}] Celery would show.
-    assert "- empty -" in busy_node.cli("inspect", "scheduled")
-    assert busy_node.cli_json("inspect", "scheduled") == []
+def test_celery_inspect_scheduled_lists_the_eta_task_our_client_parked(busy_node: Node):
+    # Our client sent it straight to a delay queue with a park record; the node is the only live
+    # worker on its queue, so it lists it (worker/remote/scheduled.py), as Celery's worker would.
+    assert busy_node.later in busy_node.cli("inspect", "scheduled")
+    scheduled = busy_node.cli_json("inspect", "scheduled")
+    [entry] = [e for e in scheduled if e["request"]["id"] == busy_node.later]
+    assert set(entry) == {"eta", "priority", "request"}, entry
+    request = entry["request"]
+    assert request["name"] == ADD and request["args"] == [3, 4] and request["hostname"] == busy_node.name
 
 
 def test_celery_inspect_active_queues_lists_the_queue(busy_node: Node):

@@ -2,7 +2,8 @@
 
 A group saved by one side is restored by the other (Celery's ``celery-taskset-meta-<id>``), and a
 state stored for any task id (Celery's ``backend.store_result``) is read by either client. On
-``rpc://`` results there is nowhere to keep them, and the calls say so.
+``rpc://`` results there is nowhere to keep them, and the calls say so. Without an app, the calls
+read the current app's backend, as Celery's do.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from celery import Celery
 from celery.result import AsyncResult as CeleryAsyncResult
 from celery.result import GroupResult as CeleryGroupResult
 
-from broker_svc import App, GroupResult, Settings
+from broker_svc import App, AsyncResult, GroupResult, Settings, open_apps
 from broker_svc.errors import TaskError
 
 pytestmark = pytest.mark.interop
@@ -59,6 +60,24 @@ def test_a_group_saved_by_our_client_is_restored_by_celerys_and_back(ours: App, 
     back.delete()
     assert GroupResult.restore("g-theirs", app=ours) is None
     assert ours.backend.restore_group("never-saved") is None
+
+
+def test_restore_and_a_result_without_an_app_read_the_current_apps_backend(
+    theirs: Celery, redis_url: str, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setattr(open_apps, "_current", open_apps._current)  # put back afterwards
+    current = App("backend-current", settings=Settings(), backend=redis_url)  # the current app
+    try:
+        CeleryGroupResult("g-current", [CeleryAsyncResult("c-9", app=theirs)], app=theirs).save()
+        theirs.backend.store_result("c-9", {"total": 9}, "SUCCESS")
+        restored = GroupResult.restore("g-current")  # as Celery's: current_app's backend
+        assert restored is not None and ids(restored) == ["g-current", ["c-9"]]
+        assert restored.get(timeout=10) == [{"total": 9}]
+        assert AsyncResult("c-9").get(timeout=10) == {"total": 9}
+        GroupResult("g-current", restored.results).delete()  # no app: the current one's too
+        assert GroupResult.restore("g-current") is None
+    finally:
+        current.close()
 
 
 def test_a_state_stored_for_any_task_id_is_read_by_both_clients(ours: App, theirs: Celery, redis_url: str):

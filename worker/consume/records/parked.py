@@ -8,9 +8,9 @@ import structlog
 
 from broker_svc.errors import BrokerSvcError, BrokerUnavailable
 from broker_svc.topology import scheduled_stream
+from broker_svc.wire.parked import CONTENT_TYPE, parked_record
 from broker_svc.wire.task_message import TaskMessage
 from worker.consume.replies import FeedReplies
-from worker.rules.parked import CONTENT_TYPE, parked_record
 
 __all__ = ["FeedParked"]
 
