@@ -25,6 +25,7 @@ from worker.config import (
 )
 from worker.loader import AppNotFound, BadAppSpec, NotAnApp, load_app, use_current_directory
 from worker.process_files import redirect_output, write_pidfile
+from worker.rules.prefetch_budget import DEFAULT_BUDGET_S
 from worker.service import WorkerService
 
 
@@ -55,6 +56,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=int,
         default=None,
         help="unacked deliveries per child and queue, running ones included (1: take only what can start)",
+    )
+    parser.add_argument(
+        "--prefetch-budget",
+        type=_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="each child holds about this much work, by its recent task times: short tasks get a deep "
+        f"prefetch, long ones 1 ('10ms' or 0.01; {DEFAULT_BUDGET_S * 1000:g}ms drains no-op tasks at "
+        "full speed); off by default: a prefetch of 1 per child",
     )
     parser.add_argument(
         "--autoscale",
@@ -198,6 +208,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _seconds(value: str) -> float:
+    text = value.strip().lower()
+    scale = 0.001 if text.endswith("ms") else 1.0
+    try:
+        seconds = float(text.removesuffix("ms").removesuffix("s")) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, as 0.01 or 10ms; got {value!r}") from None
+    if seconds < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 (off) or a positive time, got {value!r}")
+    return seconds
+
+
 def _autoscale(value: str) -> tuple[int, int]:
     try:
         return parse_autoscale(value)
@@ -246,6 +268,10 @@ def _start(args: argparse.Namespace) -> int:
     if args.delivery_limit is not None:
         settings = settings.with_options(delivery_limit=args.delivery_limit)
     conf = app.conf
+    if args.prefetch_multiplier is not None and args.prefetch_budget is not None:
+        return _say("give --prefetch-multiplier (a fixed prefetch) or --prefetch-budget, not both", status=2)
+    fixed = args.prefetch_multiplier or conf.get("worker_prefetch_multiplier")
+    budget = args.prefetch_budget if args.prefetch_budget is not None else conf.get("worker_prefetch_budget")
     concurrency = args.concurrency or conf.get("worker_concurrency") or os.cpu_count() or 1
     queues = tuple(q.strip() for q in (args.queues or settings.default_queue).split(",") if q.strip())
     hostname = expand_hostname(args.hostname)
@@ -260,7 +286,9 @@ def _start(args: argparse.Namespace) -> int:
         queues=queues,
         # As Celery, an autoscaled pool starts at its minimum (here at least one child).
         concurrency=max(args.autoscale[1], 1) if args.autoscale else concurrency,
-        prefetch_multiplier=args.prefetch_multiplier or conf.get("worker_prefetch_multiplier") or 1,
+        prefetch_multiplier=fixed or 1,
+        # A multiplier given (here or as Celery's worker_prefetch_multiplier) fixes the prefetch.
+        prefetch_budget_s=None if fixed else budget or None,
         shutdown_timeout_s=args.shutdown_timeout,
         time_limit_s=args.time_limit if args.time_limit is not None else conf.get("task_time_limit"),
         soft_time_limit_s=(

@@ -50,6 +50,7 @@ def feed_spec(config: WorkerConfig, app: App) -> FeedSpec:
             )
         ),
         prefetch=config.prefetch_multiplier,
+        prefetch_budget_s=config.prefetch_budget_s,
         hostname=config.hostname,
         default_time_limits=(config.time_limit_s, config.soft_time_limit_s),
         task_events=config.task_events,

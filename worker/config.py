@@ -93,6 +93,10 @@ class WorkerConfig:
         prefetch_multiplier: unacked deliveries per child (per thread under ``threads``), the
             per-consumer QoS of its connection. Tasks are acked after they ran, so running ones
             count: with 1, a child holds no task it cannot start now, and a busy worker hoards nothing.
+            With ``prefetch_budget_s``, where each child starts.
+        prefetch_budget_s: each child's prefetch follows its task times, so it holds about this
+            many seconds of work (``worker/rules/prefetch_budget.py``); None: fixed at
+            ``prefetch_multiplier``.
         shutdown_timeout_s: how long running tasks may finish after SIGTERM.
         dedupe_window_s: skip a task id this worker finished within this many seconds (opt-in
             dedupe, per worker: one window shared by the children, ``worker.shared.dedupe``). None:
@@ -132,6 +136,7 @@ class WorkerConfig:
     queues: tuple[str, ...] = ("celery",)
     concurrency: int = field(default_factory=lambda: os.cpu_count() or 1)
     prefetch_multiplier: int = 1
+    prefetch_budget_s: float | None = None
     shutdown_timeout_s: float = 30.0
     dedupe_window_s: float | None = None
     time_limit_s: float | None = None
@@ -158,6 +163,8 @@ class WorkerConfig:
             raise ConfigurationError(
                 f"prefetch_multiplier must be at least 1, got {self.prefetch_multiplier}"
             )
+        if self.prefetch_budget_s is not None and not self.prefetch_budget_s > 0:
+            raise ConfigurationError(f"prefetch_budget_s must be positive, got {self.prefetch_budget_s}")
         if not self.queues or not all(self.queues):
             raise ConfigurationError("give at least one non-empty queue name (-Q a,b)")
         if self.dedupe_window_s is not None and not self.dedupe_window_s > 0:

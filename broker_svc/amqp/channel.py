@@ -44,6 +44,9 @@ _BLOCKED: Final = (10, 60)
 _UNBLOCKED: Final = (10, 61)
 _U64_BIT: Final = struct.Struct(">QB")
 _QOS: Final = struct.Struct(">IHB")
+# Cancelled consumers remembered (a prefetch change makes one per queue): a delivery on its way
+# when its consumer was cancelled comes at once, so a few are plenty.
+_RETIRED_KEPT: Final = 64
 
 
 class Channel(FrameSocket):
@@ -63,6 +66,8 @@ class Channel(FrameSocket):
     def __init__(self, settings: Settings, *, name: str) -> None:
         super().__init__(settings, name=name)
         self._tags: dict[str, str] = {}  # consumer tag -> queue
+        # Cancelled consumers' tags -> queue: deliveries sent before the cancel still name them.
+        self._retired: dict[str, str] = {}
         self._declared: set[str] = set()  # queues declared on this connection
         self._published = 0  # publish sequence number of this channel (confirm mode)
         self._pending: dict[int, PendingPublish] = {}  # sequence number -> publish awaiting its confirm
@@ -83,6 +88,7 @@ class Channel(FrameSocket):
     def _open_channel(self, *, confirms: bool) -> None:
         """channel.open (and confirm.select) on a connection just opened: a fresh channel's state."""
         self._tags.clear()
+        self._retired.clear()
         self._declared.clear()
         self._published = 0  # confirm numbers start again (publishes of an older one fail apart)
         self.blocked = None
@@ -109,7 +115,9 @@ class Channel(FrameSocket):
     def _unsubscribe(self, tag: str) -> None:
         """basic.cancel of one of our consumers, once the broker's cancel-ok came."""
         self._expect((60, 31), send=frames.method(CHANNEL, 60, 30, frames.short_string(tag) + b"\x00"))
-        del self._tags[tag]
+        self._retired[tag] = self._tags.pop(tag)
+        if len(self._retired) > _RETIRED_KEPT:
+            del self._retired[next(iter(self._retired))]
 
     # -- settling --------------------------------------------------------------------------------
 

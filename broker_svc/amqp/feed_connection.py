@@ -132,7 +132,8 @@ class FeedConnection(Channel):
 
     def _holding(self, *, peek: bool) -> list[TaskDelivery]:
         sock, unparsed = self._sock if peek else None, bytes(self._buffer)
-        peeked = [] if sock is None else peeked_deliveries(sock, unparsed, self._tags, self.generation)
+        tags = {**self._retired, **self._tags}
+        peeked = [] if sock is None else peeked_deliveries(sock, unparsed, tags, self.generation)
         return [] if peeked is None else [*self._deliveries, *peeked]  # None: the broker took them back
 
     def check(self, delivery: TaskDelivery | None = None) -> None:
@@ -154,7 +155,35 @@ class FeedConnection(Channel):
         """
         if generation == self.generation:
             self._held += delta
-            self._qos(self._prefetch + self._held)
+            self._resubscribe()
+
+    @property
+    def prefetch(self) -> int:
+        """Unacked deliveries the broker may send this connection at once (parked copies aside)."""
+        return self._prefetch
+
+    def set_prefetch(self, prefetch: int) -> None:
+        """Let the broker send up to ``prefetch`` unacked deliveries from now on.
+
+        Raises:
+            ConnectionLost: the connection failed meanwhile (a reconnect uses ``prefetch``).
+        """
+        if prefetch != self._prefetch:
+            self._prefetch = prefetch
+            self._resubscribe()
+
+    def _resubscribe(self) -> None:
+        # basic.qos binds only the consumers made after it (RabbitMQ keeps each consumer's own
+        # limit), so each queue gets a new consumer with the new limit, then the old one is
+        # cancelled: nothing is requeued, what it delivered stays with us. An ordered queue keeps
+        # its one consumer (its prefetch is 1 whatever this says): a new one would lose its turn.
+        if self._sock is None:
+            return
+        self._qos(self._prefetch + self._held)
+        for tag, queue in list(self._tags.items()):
+            if queue not in self._ordered:
+                self._subscribe(queue)
+                self._unsubscribe(tag)
 
     def ack(self, delivery: TaskDelivery) -> None:
         """Ack ``delivery``; not sent if its connection is gone (the broker requeued it).
@@ -243,7 +272,8 @@ class FeedConnection(Channel):
     def _on_deliver(self, payload: bytes) -> None:
         deliver = methods.parse_deliver(payload)
         properties, body = self._content()
-        queue = self._tags.get(deliver.consumer_tag, deliver.routing_key)
+        tag = deliver.consumer_tag
+        queue = self._tags.get(tag) or self._retired.get(tag) or deliver.routing_key
         self._deliveries.append(task_delivery(deliver, properties, body, queue, self.generation))
 
     # -- publishing ------------------------------------------------------------------------------

@@ -271,6 +271,12 @@ class SharedFeedConnection(FeedConnection):
         with self._role():
             super().hold(delta, generation)
 
+    def set_prefetch(self, prefetch: int) -> None:
+        """``FeedConnection.set_prefetch``, with the role held (a thread that sees no change waits not)."""
+        if prefetch != self._prefetch:
+            with self._role():
+                super().set_prefetch(prefetch)
+
     def set_queues(self, queues: Sequence[str]) -> None:
         """``FeedConnection.set_queues``, made once by the first thread to see the change."""
         with self._role():

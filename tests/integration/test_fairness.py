@@ -73,3 +73,23 @@ def test_a_small_queue_is_served_while_a_big_one_waits(test_vhost_url: str):
             delete_queues(test_vhost_url, big, f"{big}.dead", small, f"{small}.dead")
     # Served in turn with the 10,000 waiting in the big queue, not after it drained (~8 s).
     assert max(starts) < 1.0, starts
+
+
+def test_a_prefetch_budget_deepens_for_short_tasks_and_falls_to_one_after_a_long_one(
+    test_vhost_url: str, queue: str, client: App
+):
+    with WorkerProcess(
+        test_vhost_url, queues=[queue], concurrency=1, extra_args=["--prefetch-budget", "10ms"]
+    ) as worker:
+        worker.wait_ready()
+        shorts = [client.send_task(NOOP, queue=queue) for _ in range(300)]
+        for result in shorts:
+            result.get(timeout=60)
+
+        def prefetches() -> list[int]:
+            return [int(e["prefetch"]) for e in worker.events() if e.get("event") == "feed_prefetch_changed"]
+
+        wait_for(lambda: any(p > 1 for p in prefetches()), timeout_s=10, message="the prefetch never grew")
+        assert max(prefetches()) <= 64
+        client.send_task(TIMED, args=(0.3,), queue=queue).get(timeout=30)
+        wait_for(lambda: prefetches()[-1] == 1, timeout_s=10, message="a long task left the prefetch deep")

@@ -80,6 +80,33 @@ def test_prefetch_bounds_what_is_delivered_unacked(test_vhost_url: str, queue: s
         connection.close()
 
 
+def test_a_new_prefetch_binds_at_once_and_keeps_what_was_delivered(test_vhost_url: str, queue: str):
+    # basic.qos alone binds only later consumers: set_prefetch makes each queue's consumer anew.
+    for i in range(8):
+        publish_raw(test_vhost_url, queue, b"{}", headers={"id": f"t{i}"})
+    connection = _connection(test_vhost_url, queue, prefetch=1)
+    try:
+        first = connection.next_delivery(5.0)
+        assert first is not None and connection.next_delivery(0.3) is None  # one unacked at prefetch 1
+        connection.set_prefetch(4)
+        more = [connection.next_delivery(5.0) for _ in range(4)]
+        assert all(more) and connection.next_delivery(0.3) is None  # 1 of the old consumer + 4 of the new
+        assert connection.prefetch == 4
+        connection.set_prefetch(1)
+        fifth = connection.next_delivery(5.0)  # the newest consumer's one
+        assert fifth is not None and connection.next_delivery(0.3) is None
+        for delivery in [first, *more, fifth]:
+            assert delivery is not None and delivery.queue == queue
+            connection.ack(delivery)  # the cancelled consumers' deliveries are acked as any other
+        for _ in range(2):  # then one at a time
+            delivery = connection.next_delivery(5.0)
+            assert delivery is not None and connection.next_delivery(0.3) is None
+            connection.ack(delivery)
+    finally:
+        connection.close()
+    assert queue_depth(test_vhost_url, queue) == 0  # all 8 acked: nothing lost or requeued
+
+
 def test_a_nack_with_requeue_comes_back_redelivered(test_vhost_url: str, queue: str):
     publish_raw(test_vhost_url, queue, b"{}", headers={"id": "again"})
     connection = _connection(test_vhost_url, queue)

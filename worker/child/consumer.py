@@ -37,6 +37,7 @@ from worker.consume.settle import CopiesInFlight, FeedSettler
 from worker.consume.updates import FeedUpdates
 from worker.ipc import Job
 from worker.rules.disposition import ACK, HAND_BACK, Fate
+from worker.rules.prefetch_budget import PrefetchBudget
 from worker.rules.recycling import worn_out
 from worker.rules.revoked_stamps import RevokedStamps
 from worker.shared.board import Board, BoardSlot
@@ -57,7 +58,7 @@ _BACKOFF_S: Final = (0.2, 5.0)
 class Shared:
     """What the threads of one child share: the worker's orders, as its control thread hears them."""
 
-    def __init__(self, *, revoked: set[str], wanted: list[str]) -> None:
+    def __init__(self, *, revoked: set[str], wanted: list[str], budget: PrefetchBudget | None = None) -> None:
         self.revoked = revoked
         self.revoked_stamps = RevokedStamps()  # revoke_by_stamped_headers, as the worker tells them
         self.wanted = wanted  # the queues to consume; add_consumer/cancel_consumer change it
@@ -67,6 +68,16 @@ class Shared:
         self.terminated: dict[str, int] = {}  # task id -> the signal that ended its child (terminate)
         self.timed_out: dict[str, float] = {}  # task id -> the hard limit past which the worker ended it
         self.processed: list[int] = []  # one count per thread, summed for --max-tasks-per-child
+        # The connection's prefetch from its task times (--prefetch-budget); None: fixed.
+        self.budget = budget
+        self._budget_lock = threading.Lock()
+
+    def task_took(self, seconds: float) -> int | None:
+        """A task of this child took ``seconds``: the connection's new prefetch, if it must change."""
+        if self.budget is None:
+            return None
+        with self._budget_lock:
+            return self.budget.observe(seconds)
 
 
 class Consumer:
@@ -210,12 +221,17 @@ class Consumer:
     def _connect(self) -> None:
         self.connection.connect()
         self.redeliveries.forget()  # what it parked went back with the old connection
-        log.info(
-            "feed_child_consuming", queues=list(self._spec.queues), prefetch=self._spec.connection_prefetch
-        )
+        log.info("feed_child_consuming", queues=list(self._spec.queues), prefetch=self.connection.prefetch)
 
     def _take(self, delivery: TaskDelivery) -> None:
         # One delivery from read to settle; it shows on the board from its run's start until then.
+        started = time.monotonic()
+        self._settle(delivery)
+        if (prefetch := self._shared.task_took(time.monotonic() - started)) is not None:
+            self.connection.set_prefetch(prefetch)
+            log.info("feed_prefetch_changed", prefetch=prefetch)
+
+    def _settle(self, delivery: TaskDelivery) -> None:
         handler, settled = self.handler, None
         if self.settler.copies is not None:  # a copy a sibling published: its original is acked first
             self.settler.copies.wait_for_original(delivery)

@@ -55,6 +55,7 @@ from worker.child.redeliveries import RecentRuns
 from worker.child.soft_limits import SoftLimit, ThreadSoftLimits
 from worker.child.spec import FeedSpec
 from worker.consume.settle import CopiesInFlight
+from worker.rules.prefetch_budget import PrefetchBudget
 from worker.shared.board import Board
 
 __all__ = ["build_consumers", "serve"]
@@ -68,7 +69,12 @@ _RECENT_RUNS_PER_THREAD = 32
 
 def serve(app: App, spec: FeedSpec, channel: ChildChannel, soft_limit: SoftLimit) -> None:
     """Consume ``spec.queues`` and run their tasks here until the worker closes the socket."""
-    shared = Shared(revoked=set(spec.revoked), wanted=list(spec.queues))
+    budget = None
+    if spec.prefetch_budget_s is not None:
+        budget = PrefetchBudget(
+            spec.prefetch_budget_s, threads=spec.threads, current=spec.connection_prefetch
+        )
+    shared = Shared(revoked=set(spec.revoked), wanted=list(spec.queues), budget=budget)
     clock = LamportClock()
     board = Board.attach(spec.board_path, spec.board_slots) if spec.board_path else None
     if spec.threads == 1:

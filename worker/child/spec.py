@@ -24,7 +24,9 @@ class FeedSpec:
             binding); a child declares them again on each connect before it consumes, so a task
             queue deleted under it is back, exactly as before, when it consumes again.
         prefetch: unacked deliveries per child, or per thread under ``threads`` (1: a busy child
-            holds nothing back).
+            holds nothing back); with ``prefetch_budget_s``, where the connection starts.
+        prefetch_budget_s: the work a child's connection may hold, in seconds of its recent
+            tasks (``worker/rules/prefetch_budget.py``); None: ``prefetch`` is fixed.
         hostname: the worker's node name, for ``task.request.hostname`` and the connection name.
         default_time_limits: the worker's ``(hard, soft)`` time limits, None for none.
         revoked: the ids revoked when the child starts; later ones come over its socket.
@@ -68,6 +70,7 @@ class FeedSpec:
     dedupe_window_s: float | None = None
     dedupe_path: str | None = None
     done_path: str | None = None
+    prefetch_budget_s: float | None = None
 
     @property
     def connection_prefetch(self) -> int:
