@@ -22,8 +22,9 @@ consumer (the broker's basic.cancel) is there again, declared as before, when it
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from broker_svc.amqp import methods
 from broker_svc.amqp.channel import Channel
@@ -76,6 +77,7 @@ class FeedConnection(Channel):
         self._ordered = frozenset(spec.name for spec in declare if spec.single_active)
         self._deliveries: collections.deque[TaskDelivery] = collections.deque()
         self._checked = False  # check() was the last call: nothing to read before the next delivery
+        self.paused = False  # no consumer, by pause_running(): resume() consumes again
 
     # -- connecting ------------------------------------------------------------------------------
 
@@ -93,6 +95,7 @@ class FeedConnection(Channel):
         # A new generation before the socket: what the consumes below deliver is this connection's.
         self.generation += 1
         self._held = 0
+        self.paused = False
         tls = self._handshake(url)
         self._deliveries.clear()
         self._checked = False
@@ -172,6 +175,40 @@ class FeedConnection(Channel):
             self._prefetch = prefetch
             self._resubscribe()
 
+    @contextlib.contextmanager
+    def paused_while_running(self, still: Callable[[], bool]) -> Iterator[list[TaskDelivery] | None]:
+        """From another thread while a task runs: stop consuming; yields what was delivered and not
+        taken, for the caller to settle inside the block.
+
+        Yields None (nothing done) if no task runs now or ``still()`` says the moment has passed.
+        The socket lock is held for the whole block, and the running thread takes it to leave its
+        task, so it cannot read or write meanwhile. An ordered queue's consumer is never paused:
+        the next one would become active with this connection's task unacked.
+
+        Raises:
+            ConnectionLost: the connection failed meanwhile (the running thread finds it gone).
+        """
+        with self._lock:
+            if not self._busy or self._sock is None or self.ordered or self.paused or not still():
+                yield None
+                return
+            for tag in list(self._tags):
+                self._unsubscribe(tag)
+            self.paused = True
+            yield self._take_all()
+
+    def resume(self) -> None:
+        """Consume again after ``pause_running``, at the prefetch set meanwhile.
+
+        Raises:
+            ConnectionLost: the connection failed meanwhile (a reconnect consumes anyway).
+        """
+        if self.paused and self._sock is not None:
+            self._qos(self._prefetch + self._held)
+            for queue in self._queues:
+                self._consume(queue)
+        self.paused = False
+
     def _resubscribe(self) -> None:
         # basic.qos binds only the consumers made after it (RabbitMQ keeps each consumer's own
         # limit), so each queue gets a new consumer with the new limit, then the old one is
@@ -227,7 +264,7 @@ class FeedConnection(Channel):
         """
         wanted = tuple(dict.fromkeys(queues))
         self._queues, before = wanted, set(self._tags.values())
-        if self._sock is None:
+        if self._sock is None or self.paused:  # resume() consumes them
             return
         for tag, queue in list(self._tags.items()):
             if queue not in wanted:

@@ -6,7 +6,7 @@ import time
 
 from broker_svc import App, Settings
 from broker_svc.tasks.task import Signature
-from tests.support.amqp import delete_queues
+from tests.support.amqp import delete_queues, queue_depth
 from tests.support.pidbox import call
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerProcess, unique_queue
@@ -93,3 +93,29 @@ def test_a_prefetch_budget_deepens_for_short_tasks_and_falls_to_one_after_a_long
         assert max(prefetches()) <= 64
         client.send_task(TIMED, args=(0.3,), queue=queue).get(timeout=30)
         wait_for(lambda: prefetches()[-1] == 1, timeout_s=10, message="a long task left the prefetch deep")
+
+
+def test_what_a_child_holds_behind_a_task_that_outlives_the_budget_goes_back_uncounted(
+    test_vhost_url: str, queue: str, client: App
+):
+    # --delivery-limit 0: a hand-back counted as a failed delivery would dead-letter the task.
+    args = ["--prefetch-budget", "10ms", "--delivery-limit", "0"]
+    with WorkerProcess(test_vhost_url, queues=[queue], concurrency=2, extra_args=args) as worker:
+        worker.wait_ready()
+        for result in [client.send_task(NOOP, queue=queue) for _ in range(300)]:
+            result.get(timeout=60)
+        wait_for(
+            lambda: any(e.get("event") == "feed_prefetch_changed" for e in worker.events()),
+            timeout_s=10, message="the prefetch never grew",
+        )  # fmt: skip
+        long = client.send_task(TIMED, args=(5.0,), queue=queue)
+        sent = time.time()
+        shorts = [client.send_task(TIMED, args=(0.01,), queue=queue) for _ in range(100)]
+        ends = [r.get(timeout=30)[1] for r in shorts]
+        # 100 x 10 ms is 1 s of work for the free child: none waited for the long task's end.
+        assert max(ends) - sent < 3.0, max(ends) - sent
+        assert not long.ready()
+        handed = [e for e in worker.events() if e.get("event") == "tasks_handed_back_behind_long_task"]
+        assert handed and sum(int(e["count"]) for e in handed) > 0
+        assert long.get(timeout=15)[1] - sent > 4.0
+    assert queue_depth(test_vhost_url, f"{queue}.dead") == 0

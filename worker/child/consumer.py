@@ -29,6 +29,7 @@ from worker.child.redeliveries import FeedRedeliveries, RecentRuns, Verdict, tas
 from worker.child.run import run_limited
 from worker.child.soft_limits import SoftLimit
 from worker.child.spec import FeedSpec
+from worker.child.stall import StallWatch
 from worker.child.task_loop import TaskLoop
 from worker.consume.handle import FeedHandler
 from worker.consume.records.events import FeedEvents
@@ -141,6 +142,11 @@ class Consumer:
         watchdog.answer = answer
         watchdog.settled = shown.end
         shared.processed.append(0)
+        # With a prefetch budget, what a child holds behind a task that outlives it goes back
+        # (worker/child/stall.py); a --threads child's other threads take what one holds.
+        self.stall: StallWatch | None = None
+        if spec.prefetch_budget_s is not None and spec.threads == 1:
+            self.stall = StallWatch(connection, self.settler, updates.lock, spec.prefetch_budget_s)
 
     def run(self, retiring: Callable[[], None]) -> None:
         try:
@@ -225,11 +231,19 @@ class Consumer:
 
     def _take(self, delivery: TaskDelivery) -> None:
         # One delivery from read to settle; it shows on the board from its run's start until then.
-        started = time.monotonic()
-        self._settle(delivery)
+        started, stall = time.monotonic(), self.stall
+        if stall is not None:
+            stall.arm(delivery)
+        try:
+            self._settle(delivery)
+        finally:
+            if stall is not None:
+                stall.disarm()
         if (prefetch := self._shared.task_took(time.monotonic() - started)) is not None:
             self.connection.set_prefetch(prefetch)
             log.info("feed_prefetch_changed", prefetch=prefetch)
+        if self.connection.paused:  # what it held went back while the task ran: consume again
+            self.connection.resume()
 
     def _settle(self, delivery: TaskDelivery) -> None:
         handler, settled = self.handler, None
