@@ -7,7 +7,12 @@ Three levels (issue "Load balancing"):
 - worker: two workers with 2 children each; the first runs two 4 s tasks (so it is busy) when
   the second starts, then 60 x 10 ms tasks are sent: how long they wait to start (p50, max);
 - queue: 10,000 no-op tasks waiting in queue ``a``, then 10 tasks sent to ``b``, one worker
-  reading ``-Q a,b``: how long ``b``'s tasks wait to start.
+  reading ``-Q a,b``: how long ``b``'s tasks wait to start;
+- warm child: the child level after 400 no-op tasks, when a prefetch budget has made the
+  children's prefetch deep: how long short tasks queued behind the long one take.
+
+Ours runs with its defaults, at a fixed prefetch of 1, with a 10 ms prefetch budget and with a
+fixed multiplier of 4.
 
 Celery 5 runs prefork ``-c 2`` with its defaults, and again with ``-O fair``. Our client sends
 to both (Celery workers read our messages). Usage: ``python -m bench.fairness [--broker URL]``.
@@ -38,10 +43,13 @@ TIMED, NOOP = "bench.tasks.timed", "bench.tasks.noop"
 Starter = Callable[[str, Sequence[str], str], contextlib.AbstractContextManager[object]]
 
 
-@contextlib.contextmanager
-def ours(url: str, queues: Sequence[str], name: str) -> Iterator[object]:
-    with worker(url, ",".join(queues), 2, name=f"{name}@bench") as proc:
-        yield proc
+def ours(*options: str) -> Starter:
+    @contextlib.contextmanager
+    def start(url: str, queues: Sequence[str], name: str) -> Iterator[object]:
+        with worker(url, ",".join(queues), 2, name=f"{name}@bench", extra=options) as proc:
+            yield proc
+
+    return start
 
 
 def celery(*options: str) -> Starter:
@@ -87,6 +95,22 @@ def child_level(url: str, start: Starter) -> dict[str, float]:
     return {"last_short_done_s": round(last_end - sent, 3)}
 
 
+def warm_child_level(url: str, start: Starter) -> dict[str, float]:
+    """As ``child_level``, after 400 no-op tasks: a prefetch budget has made the children deep."""
+    queue = f"fair-warm-{uuid.uuid4().hex[:6]}"
+    with App("bench-fair", settings=Settings(broker_url=url)) as app, start(url, [queue], f"c-{queue}"):
+        _ready(app, queue)
+        for result in [app.send_task(NOOP, queue=queue) for _ in range(400)]:
+            result.get(timeout=60)
+        long = app.send_task(TIMED, args=(5.0,), queue=queue)
+        sent = time.time()
+        shorts = [app.send_task(TIMED, args=(0.01,), queue=queue) for _ in range(100)]
+        ends = sorted(r.get(timeout=60)[1] - sent for r in shorts)
+        long.get(timeout=60)
+    drop_queue(url, queue)
+    return {"short_done_p50_s": round(statistics.median(ends), 3), "last_short_done_s": round(ends[-1], 3)}
+
+
 def worker_level(url: str, start: Starter) -> dict[str, float]:
     queue = f"fair-worker-{uuid.uuid4().hex[:6]}"
     with App("bench-fair", settings=Settings(broker_url=url)) as app, start(url, [queue], f"w1-{queue}"):
@@ -127,12 +151,15 @@ def queue_level(url: str, start: Starter) -> dict[str, float]:
 def main() -> int:
     args = parse_args()
     systems: dict[str, Starter] = {
-        "clockwork": ours,
+        "clockwork": ours(),
+        "clockwork_prefetch_1": ours("--prefetch-multiplier", "1"),
+        "clockwork_budget_10ms": ours("--prefetch-budget", "10ms"),
+        "clockwork_multiplier_4": ours("--prefetch-multiplier", "4"),
         "celery": celery(),
         "celery_O_fair": celery("-O", "fair"),
     }
     with vhost(args.broker) as url:
-        for level in (child_level, worker_level, queue_level):
+        for level in (child_level, warm_child_level, worker_level, queue_level):
             for name, start in systems.items():
                 print(json.dumps({"figure": level.__name__, "system": name, **level(url, start)}), flush=True)
     return 0

@@ -39,16 +39,22 @@ def worker_command(
 
 @contextmanager
 def worker(
-    url: str, queue: str, concurrency: int = 2, *, name: str | None = None, lines: list[bytes] | None = None
+    url: str,
+    queue: str,
+    concurrency: int = 2,
+    *,
+    name: str | None = None,
+    lines: list[bytes] | None = None,
+    extra: Sequence[str] = (),
 ) -> Iterator[subprocess.Popen[bytes]]:
     """A ``python -m worker`` on ``queue``; yields once it logged ``worker_ready``.
 
-    ``lines`` collects what it logged up to then (for figures the worker logs itself).
+    ``lines`` collects what it logged up to then (for figures the worker logs itself); ``extra``
+    options follow ``$BENCH_WORKER_ARGS``.
     """
+    options = [*os.environ.get("BENCH_WORKER_ARGS", "").split(), *extra]
     proc = subprocess.Popen(
-        worker_command(
-            url, queue, concurrency, name=name, extra=os.environ.get("BENCH_WORKER_ARGS", "").split()
-        ),
+        worker_command(url, queue, concurrency, name=name, extra=options),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},

@@ -189,13 +189,24 @@ class FeedConnection(Channel):
             ConnectionLost: the connection failed meanwhile (the running thread finds it gone).
         """
         with self._lock:
-            if not self._busy or self._sock is None or self.ordered or self.paused or not still():
+            if not self._busy or not still():
                 yield None
                 return
-            for tag in list(self._tags):
-                self._unsubscribe(tag)
-            self.paused = True
-            yield self._take_all()
+            yield self.pause()
+
+    def pause(self) -> list[TaskDelivery] | None:
+        """Stop consuming until ``resume()``; what was delivered and not taken (the caller settles
+        it), or None if nothing was done (not connected, paused already, or an ordered queue's).
+
+        Raises:
+            ConnectionLost: the connection failed meanwhile.
+        """
+        if self._sock is None or self.ordered or self.paused:
+            return None
+        for tag in list(self._tags):
+            self._unsubscribe(tag)
+        self.paused = True
+        return self._take_all()
 
     def resume(self) -> None:
         """Consume again after ``pause_running``, at the prefetch set meanwhile.

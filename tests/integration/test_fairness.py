@@ -13,6 +13,7 @@ from tests.support.workers import WorkerProcess, unique_queue
 
 TIMED = "tests.integration.e2e_tasks.timed"
 NOOP = "tests.integration.e2e_tasks.noop"
+KILL_CHILD = "tests.integration.e2e_tasks.kill_child"
 
 
 def test_short_tasks_never_wait_behind_a_long_one_in_the_same_worker(
@@ -119,3 +120,20 @@ def test_what_a_child_holds_behind_a_task_that_outlives_the_budget_goes_back_unc
         assert handed and sum(int(e["count"]) for e in handed) > 0
         assert long.get(timeout=15)[1] - sent > 4.0
     assert queue_depth(test_vhost_url, f"{queue}.dead") == 0
+
+
+def test_a_task_that_crashes_child_after_child_takes_no_prefetched_task_down_with_it(
+    test_vhost_url: str, queue: str, client: App
+):
+    args = ["--prefetch-budget", "10ms", "--delivery-limit", "1"]
+    with WorkerProcess(test_vhost_url, queues=[queue], concurrency=2, extra_args=args) as worker:
+        worker.wait_ready()
+        for result in [client.send_task(NOOP, queue=queue) for _ in range(300)]:
+            result.get(timeout=60)
+        poison = client.send_task(KILL_CHILD, queue=queue)
+        innocents = [client.send_task(NOOP, queue=queue) for _ in range(200)]
+        for result in innocents:
+            result.get(timeout=60)  # each ran: none was dead-lettered beside the poison task
+        wait_for(lambda: queue_depth(test_vhost_url, f"{queue}.dead") == 1, timeout_s=30,
+                 message="the task that crashes its child was not dead-lettered")  # fmt: skip
+        assert not poison.ready() or poison.state == "FAILURE"

@@ -29,7 +29,7 @@ from worker.child.redeliveries import FeedRedeliveries, RecentRuns, Verdict, tas
 from worker.child.run import run_limited
 from worker.child.soft_limits import SoftLimit
 from worker.child.spec import FeedSpec
-from worker.child.stall import StallWatch
+from worker.child.stall import StallWatch, hand_back
 from worker.child.task_loop import TaskLoop
 from worker.consume.handle import FeedHandler
 from worker.consume.records.events import FeedEvents
@@ -37,6 +37,7 @@ from worker.consume.replies import FeedReplies
 from worker.consume.settle import CopiesInFlight, FeedSettler
 from worker.consume.updates import FeedUpdates
 from worker.ipc import Job
+from worker.rules.deliveries import delivery_count
 from worker.rules.disposition import ACK, HAND_BACK, Fate
 from worker.rules.prefetch_budget import PrefetchBudget
 from worker.rules.recycling import worn_out
@@ -232,6 +233,12 @@ class Consumer:
     def _take(self, delivery: TaskDelivery) -> None:
         # One delivery from read to settle; it shows on the board from its run's start until then.
         started, stall = time.monotonic(), self.stall
+        if stall is not None and delivery_count(delivery.headers, redelivered=delivery.redelivered):
+            # Maybe the task that crashed its last child: nothing of ours waits behind it.
+            held = self.connection.pause()
+            if held:
+                hand_back(self.settler, held)
+                log.info("tasks_handed_back_behind_redelivery", count=len(held))
         if stall is not None:
             stall.arm(delivery)
         try:

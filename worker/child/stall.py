@@ -11,6 +11,11 @@ without ever running. So each is published again with the count it arrived with 
 ``recount`` disposition), confirmed, then acked. It goes to the back of its queue, which an
 ordered queue could not allow: a child consuming one never pauses (its prefetch is 1 anyway).
 
+A redelivered task may be the one that crashed its last child: before it runs, a child with a
+prefetch budget hands back what it holds the same way, so a task that crashes child after child
+counts against its own delivery limit only, never (after its first crash) against the tasks that
+happened to be prefetched behind it.
+
 The watcher holds the running task's update lock and the socket lock while it works, and the task's
 thread takes the socket lock to leave the task, so the two never use the socket at once.
 """
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import structlog
@@ -31,9 +37,19 @@ if TYPE_CHECKING:
     from broker_svc.amqp.feed_connection import FeedConnection, TaskDelivery
     from worker.consume.settle import FeedSettler
 
-__all__ = ["StallWatch"]
+__all__ = ["StallWatch", "hand_back"]
 
 log = structlog.get_logger(__name__)
+
+
+def hand_back(settler: FeedSettler, held: Iterable[TaskDelivery]) -> None:
+    """Each of ``held`` (never started) back on its queue with the delivery count it came with.
+
+    Raises:
+        BrokerSvcError: a copy was not confirmed (its original is not acked: the broker has it).
+    """
+    for delivery in held:
+        settler.settle(delivery, recount(delivery_count(delivery.headers, redelivered=delivery.redelivered)))
 
 
 class StallWatch:
@@ -94,9 +110,7 @@ class StallWatch:
                 self._updates_lock,
                 self._connection.paused_while_running(lambda: self._still(behind)) as held,
             ):
-                for delivery in held or ():
-                    count = delivery_count(delivery.headers, redelivered=delivery.redelivered)
-                    self._settler.settle(delivery, recount(count))
+                hand_back(self._settler, held or ())
         except BrokerSvcError as exc:  # the connection is gone: the task's thread finds out, connects again
             log.warning("task_hand_back_failed", error=str(exc))
             return
