@@ -236,7 +236,7 @@ class Signature(dict[str, Any]):
             PublishError: (``confirm="each"``) the broker did not confirm it.
         """
         new_args, new_kwargs = self._partial(args, kwargs)
-        return self.app.send_task(self.task, new_args, new_kwargs, **{**self.options, **options})
+        return self.app.send_task(self.task, new_args, new_kwargs, **self._merged(options))
 
     def apply(
         self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None, **options: Any
@@ -247,7 +247,16 @@ class Signature(dict[str, Any]):
             NotRegistered: the app has no task of this name.
         """
         new_args, new_kwargs = self._partial(args, kwargs)
-        return self.app.get_task(self.task).apply(new_args, new_kwargs, **{**self.options, **options})
+        return self.app.get_task(self.task).apply(new_args, new_kwargs, **self._merged(options))
+
+    def _merged(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        # Celery's rule: a call's options override the signature's, except its group id and its
+        # stamps (changing them would strand the task's chord or revoke), kept once set.
+        kept = {"group_id", "stamped_headers", *(self.options.get("stamped_headers") or ())}
+        return {
+            **self.options,
+            **{k: v for k, v in options.items() if k not in kept or k not in self.options},
+        }
 
     def as_wire(self) -> dict[str, Any]:
         """A plain map for a task message: nested signatures as maps, args as a list."""

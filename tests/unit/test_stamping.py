@@ -262,3 +262,17 @@ def test_an_eager_run_sees_its_stamps_as_celerys_eager_request(app):
     sig.stamp(k="v")
     sig.apply()
     assert seen == {"stamped_headers": ["k"], "stamps": {"k": ["v"]}}
+
+
+def test_a_calls_options_do_not_override_stamps_or_the_group_id_as_celerys_merge(celery_app, app):
+    ours = Signature("t.x", app=app)
+    ours.stamp(tenant="acme")
+    ours.set(group_id="g1", queue="q1")
+    theirs = celery_canvas.signature("t.x", app=celery_app)
+    theirs.stamp(tenant="acme")
+    theirs.set(group_id="g1", queue="q1")
+    given = {"tenant": "other", "group_id": "g2", "queue": "q2", "priority": 3}
+    merged = ours._merged(given)
+    expected = theirs._merge(options=given)[2]
+    assert {k: merged[k] for k in given} == {k: expected[k] for k in given}
+    assert (merged["tenant"], merged["group_id"], merged["queue"]) == ("acme", "g1", "q2")
