@@ -9,6 +9,10 @@ any other; until then it goes to the standard library's logger of the same name,
 handler of ours. The host's ``logging`` configuration then decides: nothing below WARNING by
 default, and warnings on stderr through Python's last-resort handler, as for any well-behaved
 library.
+
+structlog is imported only to configure it or to write through it: with the asyncio it imports,
+it is about 35 ms to load, more than ``ctl inspect ping`` takes on the wire, and a short command
+configured with ``defer=True`` loads it only if it writes a line.
 """
 
 from __future__ import annotations
@@ -18,24 +22,48 @@ import json
 import logging
 import sys
 import time
-from typing import Any, Final, TextIO
+from typing import TYPE_CHECKING, Any, Final, TextIO
 
-import structlog
+if TYPE_CHECKING:
+    import structlog
 
 __all__ = ["LibraryLogger", "configure_logging", "get_logger"]
 
 
-def configure_logging(level: str | int = "INFO", *, json: bool | None = None, cache: bool = True) -> None:
+def configure_logging(
+    level: str | int = "INFO", *, json: bool | None = None, cache: bool = True, defer: bool = False
+) -> None:
     """Route structlog and the stdlib (pika, aio-pika, aiormq) through one renderer.
 
     Args:
         level: minimum level, a name (``"info"``) or a number.
         json: JSON lines (default when stderr is not a terminal) or the console renderer.
         cache: cache loggers on first use (turn off in tests, so ``capture_logs`` works).
+        defer: set the levels now, but structlog and the renderer up only when the first line at
+            ``level`` or above is written (through ``get_logger`` or the stdlib), which then goes
+            out as it would have; for short commands that mostly write none (``ctl``).
+
+    Raises:
+        ValueError: an unknown level name.
     """
     numeric = logging.getLevelName(level.upper()) if isinstance(level, str) else level
     if not isinstance(numeric, int):
         raise ValueError(f"unknown log level {level!r}; use debug, info, warning or error")
+    root = logging.getLogger()
+    if defer:
+        root.handlers[:] = [_SetUpOnFirstRecord(numeric, json=json, cache=cache)]
+    else:
+        root.handlers[:] = [_set_up(numeric, json=json, cache=cache)]
+    root.setLevel(numeric)
+    # The AMQP clients log every reconnect attempt at INFO with tracebacks; ours say it once.
+    for noisy in ("pika", "aio_pika", "aiormq"):
+        logging.getLogger(noisy).setLevel(max(numeric, logging.WARNING))
+
+
+def _set_up(level: int, *, json: bool | None, cache: bool) -> logging.Handler:
+    # structlog configured; returns the root logger's handler, which renders the stdlib's records.
+    import structlog
+
     use_json = (not sys.stderr.isatty()) if json is None else json
     shared: list[structlog.types.Processor] = [
         structlog.contextvars.merge_contextvars,
@@ -67,15 +95,44 @@ def configure_logging(level: str | int = "INFO", *, json: bool | None = None, ca
     structlog.configure(
         processors=[*shared, render_exception, renderer],
         logger_factory=_HandlerLoggerFactory(handler),
-        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        wrapper_class=structlog.make_filtering_bound_logger(level),
         cache_logger_on_first_use=cache,
     )
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(numeric)
-    # The AMQP clients log every reconnect attempt at INFO with tracebacks; ours say it once.
-    for noisy in ("pika", "aio_pika", "aiormq"):
-        logging.getLogger(noisy).setLevel(max(numeric, logging.WARNING))
+    return handler
+
+
+class _SetUpOnFirstRecord(logging.Handler):
+    """The root logger's handler until the first line is written (``configure_logging(defer=True)``).
+
+    ``set_up`` puts the real handler in its place and configures structlog; a stdlib record that
+    arrives here is handed on to it. ``LibraryLogger`` calls ``set_up`` itself before its first
+    line, so that line goes through structlog as it would have, not as a stdlib record.
+    """
+
+    def __init__(self, level: int, *, json: bool | None, cache: bool) -> None:
+        super().__init__()
+        self._settings = (level, json, cache)
+
+    def set_up(self) -> None:
+        level, json, cache = self._settings
+        root = logging.getLogger()
+        handler = _set_up(level, json=json, cache=cache)
+        root.handlers[:] = [handler if h is self else h for h in root.handlers]
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.set_up()
+        for handler in logging.getLogger().handlers:
+            if record.levelno >= handler.level:
+                handler.handle(record)
+
+
+def _set_up_deferred() -> bool:
+    # Whether a deferred set-up was pending (it is done now).
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, _SetUpOnFirstRecord):
+            handler.set_up()
+            return True
+    return False
 
 
 class _UtcStamper:
@@ -148,6 +205,8 @@ class _HandlerLogger:
 
 class _HandlerLoggerFactory:
     def __init__(self, handler: logging.StreamHandler[TextIO]) -> None:
+        import structlog
+
         self._handler = handler
         self._find_name = structlog.stdlib.LoggerFactory(ignore_frame_names=[__name__])
 
@@ -171,22 +230,29 @@ _LEVELS: Final = {
 class LibraryLogger:
     """structlog's call style (``log.info("event", key=value)``), routed as the module docstring says."""
 
-    __slots__ = ("_stdlib", "_structlog")
+    __slots__ = ("_name", "_stdlib", "_structlog")
 
     def __init__(self, name: str) -> None:
-        self._structlog = structlog.get_logger(name)
+        self._name = name
+        self._structlog: Any = None  # structlog's logger, made on the first line through structlog
         self._stdlib = logging.getLogger(name)
 
     def _emit(self, method: str, event: str, fields: dict[str, Any]) -> None:
-        if structlog.is_configured():
-            getattr(self._structlog, method)(event, **fields)
-            return
-        level = _LEVELS[method]
-        if not self._stdlib.isEnabledFor(level):
-            return
-        exc_info = fields.pop("exc_info", method == "exception")
-        text = " ".join([event, *(f"{key}={value!r}" for key, value in fields.items())])
-        self._stdlib.log(level, "%s", text, exc_info=exc_info)
+        # Not imported means not configured: structlog is loaded only by whoever configures it.
+        structlog = sys.modules.get("structlog")
+        if structlog is None or not structlog.is_configured():
+            level = _LEVELS[method]
+            if not self._stdlib.isEnabledFor(level):
+                return
+            if not _set_up_deferred():
+                exc_info = fields.pop("exc_info", method == "exception")
+                text = " ".join([event, *(f"{key}={value!r}" for key, value in fields.items())])
+                self._stdlib.log(level, "%s", text, exc_info=exc_info)
+                return
+            structlog = sys.modules["structlog"]
+        if self._structlog is None:
+            self._structlog = structlog.get_logger(self._name)
+        getattr(self._structlog, method)(event, **fields)
 
     def debug(self, event: str, **fields: Any) -> None:
         self._emit("debug", event, fields)

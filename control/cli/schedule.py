@@ -1,7 +1,8 @@
 """``ctl schedule list|add|remove|pause|resume|run-now``: the periodic schedule, changed at runtime.
 
 Changes are written to the scheduler's journal on the broker (``broker_svc/schedules/client.py``):
-durable, and applied by whichever ``clockwork-beat`` or ``worker -B`` leads, within a second.
+durable, and applied by whichever ``clockwork-beat`` or ``worker -B`` leads, within a second. Its
+arguments are in ``control/cli/parser.py``.
 """
 
 from __future__ import annotations
@@ -16,57 +17,7 @@ from broker_svc.schedules.client import ScheduleClient, ScheduledEntry
 from control.blocking.client import ControlClient
 from control.cli.exit_codes import EX_FAILURE, EX_OK
 
-__all__ = ["add_schedule_parser", "describe_schedule", "schedule_command"]
-
-
-def add_schedule_parser(commands: Any, common: argparse.ArgumentParser) -> None:
-    """Add ``ctl schedule`` and its operations to the ``ctl`` sub-parsers ``commands``."""
-    # On ``schedule`` and on each operation: a default only on the first, so ``--scheduler`` may
-    # come before or after the operation.
-    # (Two parsers: a parent's actions are shared by reference, defaults included.)
-    which, which_first = argparse.ArgumentParser(add_help=False), argparse.ArgumentParser(add_help=False)
-    for parser, default in ((which, argparse.SUPPRESS), (which_first, "default")):
-        parser.add_argument(
-            "--scheduler",
-            default=default,
-            metavar="NAME",
-            help="the scheduler (--scheduler-name), default: default",
-        )
-    schedule = commands.add_parser(
-        "schedule",
-        parents=[common, which_first],
-        help="list and change the periodic schedule (clockwork-beat, worker -B)",
-        description="The entries of a scheduler, and changes to them that last: written to its journal on "
-        "the broker, applied by whichever scheduler instance leads.",
-    )
-    ops = schedule.add_subparsers(dest="op", required=True, metavar="OP")
-    ops.add_parser("list", parents=[common, which], help="the entries in force, their next and last fires")
-    add = ops.add_parser("add", parents=[common, which], help="add an entry (or replace the one of its name)")
-    add.add_argument("name", help="the entry's name")
-    add.add_argument("task", help="the task's name")
-    when = add.add_mutually_exclusive_group(required=True)
-    when.add_argument(
-        "--every", type=float, metavar="SECONDS", help="fire every SECONDS (anchored at the epoch)"
-    )
-    when.add_argument(
-        "--cron", metavar="'M H DOM MON DOW'", help="fire at a crontab's times (Celery's fields)"
-    )
-    add.add_argument("--timezone", default=None, help="the crontab's zone, e.g. Europe/Berlin (default UTC)")
-    add.add_argument("--args", default="[]", metavar="JSON", help="positional arguments, a JSON list")
-    add.add_argument("--kwargs", default="{}", metavar="JSON", help="keyword arguments, a JSON object")
-    add.add_argument("--queue", default=None, help="the queue to send to (default: the task's route)")
-    add.add_argument(
-        "--catch-up", choices=("skip", "once", "all"), default="once", help="missed times (once)"
-    )
-    add.add_argument("--overlap", choices=("allow", "skip"), default="allow", help="while a run runs (allow)")
-    add.add_argument("--paused", action="store_true", help="add it paused")
-    for op, text in (
-        ("remove", "remove an entry (a configured one stays removed until added again)"),
-        ("pause", "stop firing an entry until resumed"),
-        ("resume", "fire a paused entry again"),
-        ("run-now", "fire an entry once now, besides its schedule"),
-    ):
-        ops.add_parser(op, parents=[common, which], help=text).add_argument("name", help="the entry's name")
+__all__ = ["describe_schedule", "format_entries", "schedule_command"]
 
 
 def schedule_command(
