@@ -10,9 +10,20 @@ from worker.rules.prefetch_budget import MAX_PER_THREAD, PrefetchBudget
 def test_short_tasks_deepen_the_prefetch_after_a_few_and_long_ones_bring_it_to_one_at_once():
     budget = PrefetchBudget(0.01, current=1)
     assert [budget.observe(0.001) for _ in range(3)] == [None, None, 10]  # 10 ms of 1 ms tasks
-    assert budget.observe(0.5) == 1  # one long task: careful at once
-    changes = [budget.observe(0.001) for _ in range(40)]  # falls back slowly, doubling
-    assert changes[0] is None and [c for c in changes if c] == [2, 4, 8] and budget.current == 8
+    assert budget.observe(0.5, long=True) == 1  # one task that ran past the budget: careful at once
+    assert budget.observe(0.001) is None  # one short task after it: the long one still counts
+    assert budget.observe(0.001) == 10  # short ones are the majority again
+
+
+def test_shallower_only_at_a_quarter_and_once_per_window():
+    budget = PrefetchBudget(0.01, current=1)
+    for _ in range(16):
+        budget.observe(0.0002)
+    assert budget.current == 50
+    # Tasks three times longer (the machine busy): 16 asked, not a quarter of 50: no change.
+    assert all(budget.observe(0.0006) is None for _ in range(16))
+    changes = [budget.observe(0.002) for _ in range(16)]  # 5 asked once they are the median
+    assert len([c for c in changes if c]) == 1 and budget.current <= 12
 
 
 def test_it_is_capped_per_thread_and_scaled_by_threads():
@@ -21,7 +32,7 @@ def test_it_is_capped_per_thread_and_scaled_by_threads():
         change = budget.observe(1e-6)
     assert change == MAX_PER_THREAD * 4
     slow = PrefetchBudget(0.01, threads=4, current=4)
-    assert [slow.observe(1.0) for _ in range(3)] == [None, None, None]  # 1 per thread: no change
+    assert [slow.observe(1.0, long=True) for _ in range(3)] == [None, None, None]  # 1 per thread
 
 
 def test_small_moves_are_not_made():

@@ -74,12 +74,13 @@ class Shared:
         self.budget = budget
         self._budget_lock = threading.Lock()
 
-    def task_took(self, seconds: float) -> int | None:
-        """A task of this child took ``seconds``: the connection's new prefetch, if it must change."""
+    def task_took(self, seconds: float, *, long: bool) -> int | None:
+        """A task of this child took ``seconds`` (``long``: past the budget, what it held went back):
+        the connection's new prefetch, if it must change."""
         if self.budget is None:
             return None
         with self._budget_lock:
-            return self.budget.observe(seconds)
+            return self.budget.observe(seconds, long=long)
 
 
 class Consumer:
@@ -246,7 +247,8 @@ class Consumer:
         finally:
             if stall is not None:
                 stall.disarm()
-        if (prefetch := self._shared.task_took(time.monotonic() - started)) is not None:
+        long = self.connection.paused  # the stall watcher handed back what waited behind it
+        if (prefetch := self._shared.task_took(time.monotonic() - started, long=long)) is not None:
             self.connection.set_prefetch(prefetch)
             log.info("feed_prefetch_changed", prefetch=prefetch)
         if self.connection.paused:  # what it held went back while the task ran: consume again

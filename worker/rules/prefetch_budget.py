@@ -6,14 +6,22 @@ budget, a connection's prefetch is about ``budget`` ÷ its recent task time, per
 get a deep prefetch, tasks slower than the budget get 1. Pure: the consumer reports each task's
 time and applies what this returns (``FeedConnection.set_prefetch``).
 
-Task time is an average that rises at once and falls slowly: one long task makes the connection
-careful, only a run of short ones makes it deep again. A change is made only when the prefetch is
-at least twice or at most half what the connection has, so it is not moved for every task.
+Task time is the median of the last 16 tasks, except that a task that ran past the budget (its
+child handed back what it held, ``worker/child/stall.py``) counts at once: one long task makes the
+connection careful until short ones are the majority again, and a child descheduled for a moment
+on a busy machine moves nothing. The prefetch deepens once the time asks for twice as much, and
+gets shallower only at a quarter, at most once per 16 tasks (unless a task ran past the budget).
+
+On a busy 2-core machine the wall time of a no-op task still swings several-fold with the CPU the
+broker takes, so the prefetch moves up and down during a drain (BENCHMARKS.md, "Prefetch budget"):
+the budget is opt-in until it is measured to pay.
 """
 
 from __future__ import annotations
 
+import collections
 import math
+import statistics
 from typing import Final
 
 __all__ = ["DEFAULT_BUDGET_S", "MAX_PER_THREAD", "PrefetchBudget"]
@@ -24,7 +32,9 @@ DEFAULT_BUDGET_S: Final = 0.01
 # At most this many unacked deliveries per thread, however short the tasks: bounds the memory
 # held and what `inspect reserved` lists.
 MAX_PER_THREAD: Final = 64
-_FALL: Final = 0.2  # weight of a shorter task in the average (a longer one replaces it at once)
+# The typical task time is the median of the last tasks: a child descheduled for a moment on a busy
+# machine (a no-op task taking 10 ms once) must not halve a deep prefetch and make its consumer anew.
+_WINDOW: Final = 16
 _WARM_UP: Final = 3  # tasks seen before the first change: one odd first task decides nothing
 
 
@@ -43,29 +53,36 @@ class PrefetchBudget:
         self._budget_s = budget_s
         self._threads = threads
         self.current = current
-        self._average_s: float | None = None
-        self._seen = 0
+        self._recent: collections.deque[float] = collections.deque(maxlen=_WINDOW)
+        self._since_change = 0
 
     @property
     def target(self) -> int:
         """The prefetch the recent task time asks for (the current one until tasks were seen)."""
-        if self._average_s is None:
+        if not self._recent:
             return self.current
-        per_thread = self._budget_s / max(self._average_s, 1e-6)
+        typical_s = statistics.median(self._recent)
+        per_thread = self._budget_s / max(typical_s, 1e-6)
         return max(1, min(MAX_PER_THREAD, math.floor(per_thread))) * self._threads
 
-    def observe(self, seconds: float) -> int | None:
-        """A task took ``seconds`` (from its delivery to its settle): the new prefetch, if it must change."""
-        average = self._average_s
-        if average is None or seconds >= average:
-            self._average_s = seconds
-        else:
-            self._average_s = average + _FALL * (seconds - average)
-        self._seen += 1
-        if self._seen < _WARM_UP:
+    def observe(self, seconds: float, *, long: bool = False) -> int | None:
+        """A task took ``seconds`` (from its delivery to its settle): the new prefetch, if it must change.
+
+        ``long``: it ran past the budget (its child handed back what it held): it counts at once.
+        """
+        if long:
+            self._recent.clear()  # careful at once: only a run of short tasks makes it deep again
+        self._recent.append(seconds)
+        self._since_change += 1
+        if len(self._recent) < _WARM_UP and not long:
             return None
         target = self.target
-        if target >= 2 * self.current or 2 * target <= self.current:
-            self.current = target
+        # Deeper as soon as it doubles; shallower only at a quarter, and not within a window of the
+        # last change: a deep prefetch on a busy machine makes every task's wall time longer for a
+        # while, which must not swing it back and forth (each change makes the consumers anew).
+        deeper = target >= 2 * self.current
+        shallower = 4 * target <= self.current and (long or self._since_change >= _WINDOW)
+        if deeper or shallower:
+            self.current, self._since_change = target, 0
             return target
         return None
