@@ -141,7 +141,9 @@ class _JsonLine:
         # structlog's frames are skipped when it looks for the caller's; ours too, as we call it.
         self._stack = structlog.processors.StackInfoRenderer(additional_ignores=[__name__])
         # structlog's JSONRenderer default: what the encoder cannot take, by ``__structlog__`` or repr.
-        self._encoder = json.JSONEncoder(default=structlog.processors._json_fallback_handler)
+        self._encoder = json.JSONEncoder(
+            default=getattr(structlog.processors, "_json_fallback_handler", repr)
+        )
         self._variables: dict[str, Any] | None = getattr(structlog.contextvars, "_CONTEXT_VARS", None)
 
     def __call__(self, logger: Any, method_name: str, event_dict: structlog.types.EventDict) -> str:
