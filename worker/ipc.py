@@ -41,6 +41,7 @@ __all__ = [
     "describe_exit",
     "encode_frame",
     "frame_length",
+    "job_status",
 ]
 
 HEADER: Final = struct.Struct(">I")
@@ -57,6 +58,20 @@ class JobStatus(StrEnum):
     RETRY = "RETRY"  # the task called ``self.retry()``; ``value`` is ``{"eta": ISO-8601}``
     IGNORED = "IGNORED"  # the task raised ``Ignore``: ack, no result
     REJECTED = "REJECTED"  # the task raised ``Reject``; ``value`` is ``{"requeue": bool}``
+
+
+_STATUSES: Final = {str(status): status for status in JobStatus}
+
+
+def job_status(value: str) -> JobStatus:
+    """The ``JobStatus`` a done frame's ``status`` names (``JobStatus(value)``, without its lookup
+    machinery: once per task in the child).
+
+    Raises:
+        ValueError: no status of that name.
+    """
+    status = _STATUSES.get(value)
+    return status if status is not None else JobStatus(value)
 
 
 @dataclass(frozen=True, slots=True)

@@ -178,8 +178,11 @@ def decode_properties(payload: bytes) -> Properties:
             offset += 2
             flags = (flags & ~0x0001) | (flags_more & 0x0001)
         values: dict[str, Any] = {}
+        lowest = flags & -flags  # the fields come highest bit first: none is left below this one
         for bit, name, kind in _PROPERTY_FIELDS:
             if not flags & bit:
+                if bit < lowest:
+                    break
                 continue
             if kind == "s":
                 length = payload[offset]

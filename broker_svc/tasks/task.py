@@ -20,6 +20,7 @@ from broker_svc.tasks.request import SEND_OPTIONS, ExceptionInfo, Request, curre
 from broker_svc.tasks.running.add_to_chord import add_to_chord
 from broker_svc.tasks.running.eager import EagerResult, apply
 from broker_svc.tasks.running.replace import replace
+from broker_svc.tasks.running.trace import empty_hook
 
 if TYPE_CHECKING:
     from broker_svc.results.result import AsyncResult as ResultHandle
@@ -261,6 +262,7 @@ class Task(Generic[P, R]):
 
     # Hooks: override in a base class. Exceptions they raise are logged, never change the outcome.
 
+    @empty_hook
     def on_success(self, retval: Any, task_id: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         """Called after the task succeeded."""
 
@@ -284,6 +286,7 @@ class Task(Generic[P, R]):
     ) -> None:
         """Called when the task is about to be retried."""
 
+    @empty_hook
     def after_return(
         self,
         status: str,

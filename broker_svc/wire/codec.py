@@ -101,7 +101,10 @@ def decode(body: bytes, content_type: str | None, *, accept: frozenset[str], max
                 strict_map_key=False,
                 ext_hook=refuse_ext,
             )
-        return json.loads(body.decode("utf-8"), object_hook=_json_object_hook)
+        text = body.decode("utf-8")
+        if text.startswith("\ufeff"):  # as json.loads says it
+            raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
+        return _JSON_DECODER.decode(text)
     except (ValueError, TypeError, RecursionError, UnicodeDecodeError, msgpack.ExtraData) as exc:
         raise DecodeError(f"cannot decode {content_type} body of {len(body)} bytes: {exc}") from exc
     except Exception as exc:  # msgpack raises a few private error types; none may escape raw
@@ -180,6 +183,10 @@ def _json_object_hook(obj: dict[str, Any]) -> Any:
         if converter is not None:
             return converter(obj["__value__"])
     return obj
+
+
+# json.loads given object_hook builds a new decoder per call, half of a task body's decoding.
+_JSON_DECODER: Final = json.JSONDecoder(object_hook=_json_object_hook)
 
 
 def serializer_of(content_type: str | None) -> str | None:

@@ -23,6 +23,7 @@ from broker_svc.amqp.feed_connection import TaskDelivery
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
 from broker_svc.errors import MessageError
+from broker_svc.logging import HotLogger
 from broker_svc.topology import DELAY_HOLD_WINDOW_S, delay_bucket_ms, expired_queue
 from broker_svc.wire import codec
 from broker_svc.wire.results.message import CELERY_EXCEPTIONS_MODULE, Outcome, wire_exception
@@ -65,6 +66,7 @@ from worker.shared.rates import SharedRates
 __all__ = ["FeedHandler", "Handled"]
 
 log = structlog.get_logger(__name__)
+success_log = HotLogger(__name__)  # task_succeeded: once per task
 
 
 class FeedHandler:
@@ -182,7 +184,7 @@ class FeedHandler:
         """The ``task_succeeded`` line of the delivery just settled, if its task succeeded."""
         outcomes = self._outcomes
         if outcomes.succeeded_ms is not None:
-            log.info("task_succeeded", runtime_ms=outcomes.succeeded_ms)
+            success_log.info("task_succeeded", runtime_ms=outcomes.succeeded_ms)
             outcomes.succeeded_ms = None
 
     def _guarded(self, delivery: TaskDelivery, request: TaskMessage) -> Handled:

@@ -29,7 +29,7 @@ from worker import ipc
 from worker.child.channel import ChildChannel
 from worker.child.spec import FeedSpec
 from worker.consume.tally import Tally
-from worker.ipc import Job, JobStatus
+from worker.ipc import Job, JobStatus, job_status
 from worker.rules.disposition import Disposition, Fate
 from worker.shared.dedupe import Claim, SharedDedupe
 
@@ -228,7 +228,7 @@ class FeedLedger:
                 self._tally.count(event, *labels)
 
     def _ended(self, name: str, queue: str, done: dict[str, Any] | None, runtime_s: float) -> None:
-        status = None if done is None else JobStatus(done["status"])
+        status = None if done is None else job_status(done["status"])
         with self._lock:
             tally = self._tally
             tally.count("total", name)

@@ -21,7 +21,7 @@ from broker_svc.wire.task_message import TaskMessage, safe_repr
 from worker.consume.answers import FeedAnswers, Handled
 from worker.consume.canvas import FeedCanvas
 from worker.consume.records.events import FeedEvents
-from worker.ipc import JobStatus
+from worker.ipc import JobStatus, job_status
 from worker.rules import canvas_plan
 from worker.rules.deliveries import expected_failure
 from worker.rules.disposition import ACK, HAND_BACK, Disposition, retry_copy, retry_eta
@@ -62,12 +62,12 @@ class FeedOutcomes:
 
     def conclude(self, request: TaskMessage, done: dict[str, Any], runtime_ms: float) -> Handled:
         """A run's outcome: to its caller, its chord and its callbacks; the delivery's disposition."""
-        if _terminated_here(done) and request.id in self._terminated:
+        if request.id in self._terminated and _terminated_here(done):
             # An async def task the worker terminated under --threads, cancelled in its thread
             # (worker/child/task_loop.py): answered as a terminated task, as when its child dies.
             return self._answers.skip_revoked(request, expired=False), None
         events = self.events
-        status = JobStatus(done["status"])
+        status = job_status(done["status"])
         if status is JobStatus.SUCCESS:
             self.succeeded_ms = runtime_ms  # logged once acked (``FeedHandler.log_success``)
             canvas = canvas_plan.wants_anything(request)

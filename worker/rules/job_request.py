@@ -116,7 +116,8 @@ def request_context(
         hostname: the worker's node name.
         properties: its AMQP properties as Celery shows them (``message_properties``).
     """
-    return {
+    embed = request.embed
+    context: dict[str, Any] = {
         "properties": properties,
         "id": request.id,
         "retries": request.retries,
@@ -131,17 +132,28 @@ def request_context(
         "ignore_result": request.ignore_result,
         "timelimit": list(request.timelimit),
         "delivery_info": delivery,
-        # The child calls new-style errbacks (request, exc, traceback) itself, as Celery's does.
-        **({"errbacks": request.embed["errbacks"]} if request.embed.get("errbacks") else {}),
-        # What Task.replace hands on to a replacement: the rest of the canvas, the group place.
-        **{key: request.embed[key] for key in ("callbacks", "chain", "chord") if request.embed.get(key)},
-        **({"group_index": request.group_index} if request.group_index is not None else {}),
-        **({"replaced_task_nesting": n} if (n := request.replaced_task_nesting) else {}),
-        **({"headers": headers} if (headers := custom_headers(request)) else {}),
-        # Celery's task sees both headers as sent: None and {} on a task nobody stamped.
-        "stamped_headers": request.stamped_headers,
-        "stamps": request.stamps,
     }
+    # Only what the message carries, in this order (a key per ``if``: this runs once per task).
+    # The child calls new-style errbacks (request, exc, traceback) itself, as Celery's does.
+    if embed.get("errbacks"):
+        context["errbacks"] = embed["errbacks"]
+    # What Task.replace hands on to a replacement: the rest of the canvas, the group place.
+    for key in _CANVAS_KEYS:
+        if embed.get(key):
+            context[key] = embed[key]
+    if request.group_index is not None:
+        context["group_index"] = request.group_index
+    if request.replaced_task_nesting:
+        context["replaced_task_nesting"] = request.replaced_task_nesting
+    if request.extra_headers and (headers := custom_headers(request)):
+        context["headers"] = headers
+    # Celery's task sees both headers as sent: None and {} on a task nobody stamped.
+    context["stamped_headers"] = request.stamped_headers
+    context["stamps"] = request.stamps
+    return context
+
+
+_CANVAS_KEYS: Final = ("callbacks", "chain", "chord")
 
 
 def custom_headers(request: TaskMessage) -> dict[str, Any]:

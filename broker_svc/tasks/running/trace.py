@@ -11,16 +11,28 @@ import traceback
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import Any, Final, Protocol, TypeVar
 
 from broker_svc import signals
 from broker_svc.errors import Ignore, Reject, Retry
 from broker_svc.logging import get_logger
 from broker_svc.tasks.request import ExceptionInfo, Request
 
-__all__ = ["FAILURE", "IGNORED", "REJECTED", "RETRY", "SUCCESS", "TracedTask", "Traced", "trace"]
+__all__ = [
+    "FAILURE",
+    "IGNORED",
+    "REJECTED",
+    "RETRY",
+    "SUCCESS",
+    "Traced",
+    "TracedTask",
+    "empty_hook",
+    "trace",
+]
 
 log = get_logger(__name__)
+
+_Hook = TypeVar("_Hook", bound=Callable[..., None])
 
 # How a run ended, by Celery's state names (and ours for Ignore and Reject).
 SUCCESS: Final = "SUCCESS"
@@ -115,14 +127,17 @@ def trace(
             worker: on its thread's long-lived loop); by default, on a loop of its own (``apply()``).
     """
     task_id = request.id
-    signals.task_prerun.send(sender=task, task_id=task_id, task=task, args=args, kwargs=kwargs)
+    # A signal nobody connected costs a task nothing: its arguments are not even gathered.
+    if signals.task_prerun.has_receivers:
+        signals.task_prerun.send(sender=task, task_id=task_id, task=task, args=args, kwargs=kwargs)
     if started is not None:
         started()
     traced = _run(task, request, args, kwargs, guard or nullcontext(), await_body or _await_alone)
-    signals.task_postrun.send(
-        sender=task, task_id=task_id, task=task, args=args, kwargs=kwargs, state=traced.state,
-        retval=traced.value if traced.state == SUCCESS else (traced.retry or traced.exception),
-    )  # fmt: skip
+    if signals.task_postrun.has_receivers:
+        signals.task_postrun.send(
+            sender=task, task_id=task_id, task=task, args=args, kwargs=kwargs, state=traced.state,
+            retval=traced.value if traced.state == SUCCESS else (traced.retry or traced.exception),
+        )  # fmt: skip
     return traced
 
 
@@ -162,10 +177,33 @@ def _run(
         return Traced(
             FAILURE, exception=exc, traceback=einfo.traceback, retries_exhausted=request.retries_exhausted
         )
-    _hook(task.on_success, value, task_id, args, kwargs)
-    _hook(task.after_return, SUCCESS, value, task_id, args, kwargs, None)
-    signals.task_success.send(sender=task, result=value)
-    return Traced(SUCCESS, value=value)
+    on_success, after_return = _success_hooks(task)
+    if on_success is not None:
+        _hook(on_success, value, task_id, args, kwargs)
+    if after_return is not None:
+        _hook(after_return, SUCCESS, value, task_id, args, kwargs, None)
+    if signals.task_success.has_receivers:
+        signals.task_success.send(sender=task, result=value)
+    return _SUCCEEDED if value is None else Traced(SUCCESS, value=value)
+
+
+# The common run: a success that returned None (Traced is frozen, so one serves every such run).
+_SUCCEEDED: Final = Traced(SUCCESS)
+
+
+def empty_hook(hook: _Hook) -> _Hook:
+    """Mark a base class's hook that does nothing: a run does not call it (``Task``'s own)."""
+    hook.__clockwork_empty_hook__ = True  # type: ignore[attr-defined]
+    return hook
+
+
+def _success_hooks(task: TracedTask) -> tuple[Callable[..., None] | None, Callable[..., None] | None]:
+    # ``on_success`` and ``after_return``, each None where it is an empty hook (nothing to call).
+    on_success, after_return = task.on_success, task.after_return
+    return (
+        None if getattr(on_success, "__clockwork_empty_hook__", False) else on_success,
+        None if getattr(after_return, "__clockwork_empty_hook__", False) else after_return,
+    )
 
 
 def _await_alone(coroutine: Coroutine[Any, Any, Any]) -> Any:
