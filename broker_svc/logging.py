@@ -194,6 +194,8 @@ class _JsonLine:
     """
 
     def __init__(self, stamper: _UtcStamper) -> None:
+        import structlog  # made by _set_up, which imports it
+
         self._stamper = stamper
         # structlog's frames are skipped when it looks for the caller's; ours too, as we call it.
         self._stack = structlog.processors.StackInfoRenderer(additional_ignores=[__name__])
@@ -202,17 +204,21 @@ class _JsonLine:
             default=getattr(structlog.processors, "_json_fallback_handler", repr)
         )
         self._variables: dict[str, Any] | None = getattr(structlog.contextvars, "_CONTEXT_VARS", None)
+        self._prefix_length = len(getattr(structlog.contextvars, "STRUCTLOG_KEY_PREFIX", "structlog_"))
+        self._merge = structlog.contextvars.merge_contextvars
+        self._format_exc_info = structlog.processors.format_exc_info
 
     def __call__(self, logger: Any, method_name: str, event_dict: structlog.types.EventDict) -> str:
         variables = self._variables
         if variables is None:  # a structlog without its table of variables: its own merge
-            structlog.contextvars.merge_contextvars(logger, method_name, event_dict)
+            self._merge(logger, method_name, event_dict)
         else:
             # Copied first: a thread binding a new name adds to it meanwhile.
+            prefix = self._prefix_length
             for name, variable in tuple(variables.items()):
                 value = variable.get()
                 if value is not Ellipsis:
-                    event_dict.setdefault(name[_PREFIX_LENGTH:], value)
+                    event_dict.setdefault(name[prefix:], value)
         event_dict["level"] = _METHOD_LEVELS.get(method_name, method_name)
         record = event_dict.get("_record")
         event_dict["logger"] = logger.name if record is None else record.name
@@ -220,7 +226,7 @@ class _JsonLine:
         if "stack_info" in event_dict:
             event_dict = self._stack(logger, method_name, event_dict)
         if "exc_info" in event_dict:
-            event_dict = structlog.processors.format_exc_info(logger, method_name, event_dict)
+            event_dict = self._format_exc_info(logger, method_name, event_dict)
         return self._render(event_dict)
 
     def _render(self, event_dict: structlog.types.EventDict) -> str:
@@ -249,7 +255,6 @@ class _JsonLine:
         return "{" + ", ".join(parts) + "}"
 
 
-_PREFIX_LENGTH: Final = len(getattr(structlog.contextvars, "STRUCTLOG_KEY_PREFIX", "structlog_"))
 _METHOD_LEVELS: Final = {"warn": "warning", "exception": "error"}  # structlog's add_log_level
 _INFINITIES: Final = (float("inf"), float("-inf"))
 _quote: Final = json.encoder.encode_basestring_ascii
@@ -337,6 +342,8 @@ class HotLogger:
     __slots__ = ("_bound", "_proxy")
 
     def __init__(self, name: str) -> None:
+        import structlog  # a worker's modules make these; a worker configures structlog anyway
+
         self._proxy = structlog.get_logger(name)
         self._bound: Any = None
 
