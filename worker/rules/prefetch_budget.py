@@ -12,9 +12,10 @@ connection careful until short ones are the majority again, and a child deschedu
 on a busy machine moves nothing. The prefetch deepens once the time asks for twice as much, and
 gets shallower only at a quarter, at most once per 16 tasks (unless a task ran past the budget).
 
-On a busy 2-core machine the wall time of a no-op task still swings several-fold with the CPU the
-broker takes, so the prefetch moves up and down during a drain (BENCHMARKS.md, "Prefetch budget"):
-the budget is opt-in until it is measured to pay.
+The consumer reports the task's own run time: on a busy 2-core machine the whole handling of a
+delivery swings several-fold with the CPU the broker takes, which made the prefetch move up and
+down during a drain (BENCHMARKS.md, "Prefetch budget"). The budget is opt-in until a side-by-side
+run shows it pays.
 """
 
 from __future__ import annotations
