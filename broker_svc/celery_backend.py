@@ -33,7 +33,7 @@ from celery.backends.rpc import RPCBackend
 from kombu.entity import Queue
 
 from broker_svc.topology import app_namespace, chord_join_queue
-from broker_svc.wire.chord_part import NAMESPACE_KEY, join_namespace
+from broker_svc.wire.chord_part import NAMESPACE_KEY, ChordGrowth, growth_map, join_namespace
 
 __all__ = ["ChordBackend"]
 
@@ -99,7 +99,8 @@ class ChordBackend(RPCBackend):  # type: ignore[misc]  # Celery is untyped
         size = body.get("chord_size")
         if not isinstance(size, int):
             raise NotImplementedError("add_to_chord: this chord was not sent through ChordBackend")
-        self._publish_join_record(body, {"group_id": group_id, "size": size, "added": [result.id]})
+        growth = ChordGrowth(group_id=group_id, size=size, added=(result.id,))
+        self._publish_join_record(body, growth_map(growth))
 
     def _publish_join_record(self, body: Any, record: dict[str, Any]) -> None:
         spec = chord_join_queue(join_namespace(body, self._namespace()))

@@ -22,10 +22,11 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
-__all__ = ["ACCUMULATE", "as_joined", "group_as_chord", "unrolled"]
+__all__ = ["ACCUMULATE", "MEMBERSHIP", "as_joined", "group_as_chord", "unrolled"]
 
 ACCUMULATE: Final = "celery.accumulate"
-_MEMBERSHIP: Final = ("group_id", "group_index", "chord")
+# The options that make a signature's task leave a part of a chord: its id, the place, the body.
+MEMBERSHIP: Final = ("group_id", "group_index", "chord")
 
 
 def unrolled(members: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -78,7 +79,7 @@ def group_as_chord(sig: Mapping[str, Any]) -> dict[str, Any]:
     (else where the chord's body does).
     """
     options = dict(sig.get("options") or {})
-    membership = {key: options.pop(key) for key in _MEMBERSHIP if key in options}
+    membership = {key: options.pop(key) for key in MEMBERSHIP if key in options}
     members = list((sig.get("kwargs") or {}).get("tasks") or ())
     queue = next((q for m in members if (q := (m.get("options") or {}).get("queue"))), None)
     outer = membership.get("chord")

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from broker_svc.canvas.chord_header import as_joined, group_as_chord, unrolled
+from broker_svc.canvas.chord_header import MEMBERSHIP, as_joined, group_as_chord, unrolled
 from broker_svc.wire.ids import uuid4_str
 from broker_svc.wire.stamps import message_stamps
 from broker_svc.wire.task_message import TaskMessage, parse_iso_datetime
@@ -25,6 +25,7 @@ __all__ = [
     "as_list",
     "chord_header_problem",
     "chord_members",
+    "chords_for_groups",
     "follow_ups",
     "runs_in_process",
     "unhonoured",
@@ -200,7 +201,7 @@ def follow_ups(
             out.extend(follow_ups(fixed, parent=parent, partial=partial))
         return out
     if kind == "chain":
-        steps = _upgraded(list(inner.get("tasks") or ()))
+        steps = chords_for_groups(list(inner.get("tasks") or ()))
         # Stored last step first: the outer chain's rest runs after this chain's own steps.
         rest = [*(chain_rest or ()), *reversed(steps[1:])]
         return follow_ups(steps[0], parent=parent, partial=partial, chain_rest=rest)
@@ -223,7 +224,7 @@ def _chord_follow_ups(
     body_options = {**(body.get("options") or {})}
     if options.get("chord") is not None:
         # The chord is itself a part of an outer chord: its body leaves that part.
-        outer = {key: options.pop(key) for key in ("group_id", "group_index", "chord") if key in options}
+        outer = {key: options.pop(key) for key in MEMBERSHIP if key in options}
         if body_options.get("chord") is None:
             body_options.update(outer)
     header = (sig.get("kwargs") or {}).get("header")
@@ -243,8 +244,9 @@ def _chord_follow_ups(
     return out
 
 
-def _upgraded(steps: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    # Celery's rule: a group followed by another step is a chord with that step as its body.
+def chords_for_groups(steps: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """A chain's steps by Celery's rule: a group followed by another step is a chord with that step
+    as its body (maps in; the client's ``chain`` passes its signatures through it too)."""
     out: list[Mapping[str, Any]] = []
     index = 0
     while index < len(steps):

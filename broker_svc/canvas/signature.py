@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from broker_svc.canvas import stamping
 from broker_svc.canvas.chord_header import as_joined, unrolled
-from broker_svc.canvas.follow_ups import as_list, chord_members
+from broker_svc.canvas.follow_ups import as_list, chord_members, chords_for_groups
 from broker_svc.canvas.stamping import StampingVisitor
 from broker_svc.results.result import GroupResult
 from broker_svc.sending.routes import queue_for
@@ -632,18 +632,10 @@ def maybe_signature(value: Signature | Mapping[str, Any], app: TaskApp | None = 
 
 
 def _upgrade_to_chords(steps: list[Signature]) -> list[Signature]:
-    # Celery's rule: a group followed by another step is a chord with that step as its body.
-    out: list[Signature] = []
-    index = 0
-    while index < len(steps):
-        step = steps[index]
-        if isinstance(step, group) and index + 1 < len(steps):
-            out.append(chord(step, steps[index + 1], app=step._app))
-            index += 2
-        else:
-            out.append(step)
-            index += 1
-    return out
+    # Celery's rule (follow_ups.chords_for_groups, which the worker applies to maps): a group
+    # followed by another step is a chord with that step as its body.
+    app = next((step._app for step in steps if step._app is not None), None)
+    return [maybe_signature(step, app) for step in chords_for_groups(steps)]
 
 
 def _upgraded_chains(sig: Signature) -> Signature:

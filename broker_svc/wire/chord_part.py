@@ -30,6 +30,7 @@ __all__ = [
     "decode_part",
     "encode_growth",
     "encode_part",
+    "growth_map",
     "join_namespace",
 ]
 
@@ -102,10 +103,14 @@ class ChordGrowth:
     added: tuple[str, ...]
 
 
+def growth_map(growth: ChordGrowth) -> dict[str, Any]:
+    """A growth record as the join queue carries it (``ChordBackend`` hands this map to kombu)."""
+    return {"group_id": growth.group_id, "size": growth.size, "added": list(growth.added)}
+
+
 def encode_growth(growth: ChordGrowth, content_type: str) -> tuple[bytes, str, str]:
     """``(body, content_type, content_encoding)`` of a growth record in ``content_type``."""
-    value = {"group_id": growth.group_id, "size": growth.size, "added": list(growth.added)}
-    return codec.encode(value, content_type)
+    return codec.encode(growth_map(growth), content_type)
 
 
 def encode_part(part: ChordPart, content_type: str) -> tuple[bytes, str, str]:

@@ -247,17 +247,21 @@ class Consumer:
         finally:
             if stall is not None:
                 stall.disarm()
-        long = self.connection.paused  # the stall watcher handed back what waited behind it
+        if self._shared.budget is not None:
+            self._follow_budget(started)
+        if self.connection.paused:  # what it held went back while the task ran: consume again
+            self.connection.resume()
+
+    def _follow_budget(self, started: float) -> None:
         # The task's own run, not the child's work around it (decode, settle, ack), which the
         # broker's share of the CPU stretches on a small machine; a delivery that did not run
         # (revoked, refused, parked) counts as the whole of its handling.
+        long = self.connection.paused  # the stall watcher handed back what waited behind it
         concluding = self.handler.concluding
         took_s = concluding[2] / 1000 if concluding is not None else time.monotonic() - started
         if (prefetch := self._shared.task_took(took_s, long=long)) is not None:
             self.connection.set_prefetch(prefetch)
             log.info("feed_prefetch_changed", prefetch=prefetch)
-        if self.connection.paused:  # what it held went back while the task ran: consume again
-            self.connection.resume()
 
     def _settle(self, delivery: TaskDelivery) -> None:
         handler, settled = self.handler, None
