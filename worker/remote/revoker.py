@@ -93,6 +93,7 @@ class Revoker:
         self._state_path = state_path
         self._save_handle: asyncio.TimerHandle | None = None
         self._terminated: dict[str, float] = {}  # id -> when this worker signalled its child
+        self._terminated_stamps: dict[str, Mapping[str, Any]] = {}  # id -> its stamps, if stamped
 
     @property
     def revoked(self) -> RevokedSet:
@@ -208,14 +209,25 @@ class Revoker:
         """
         wanted = RevokedStamps.of(headers)
         matched: dict[str, set[Any]] = {}
-        for task_id, stamps in self._running_stamps() if self._running_stamps is not None else ():
+        running = list(self._running_stamps()) if self._running_stamps is not None else []
+        # A task this worker ended a moment ago for the other copy of this revoke (the broadcast
+        # and the log) may be off the board already: it was terminated all the same.
+        shown = {task_id for task_id, _ in running}
+        now = time.monotonic()
+        recent = [
+            (task_id, stamps) for task_id, stamps in self._terminated_stamps.items()
+            if task_id not in shown and now - self._terminated.get(task_id, 0.0) < _TERMINATED_MEMORY_S
+        ]  # fmt: skip
+        for task_id, stamps in [*running, *recent]:
             hits = wanted.all_matching(stamps)
-            if hits and await self._terminated_here(task_id, sig):
+            if hits and await self._terminated_here(task_id, sig, stamps):
                 for name, value in hits:
                     matched.setdefault(name, set()).add(value)
         return matched
 
-    async def _terminated_here(self, task_id: str, sig: signal.Signals) -> bool:
+    async def _terminated_here(
+        self, task_id: str, sig: signal.Signals, stamps: Mapping[str, Any] | None = None
+    ) -> bool:
         # Signal the child running it; or it was already, by the other copy of the same revoke.
         # The copy that comes second must not signal again: the child may still show the task
         # while the first signal takes effect, and a second one would be logged (and sent) twice.
@@ -226,7 +238,10 @@ class Revoker:
         if await self._terminate(task_id, sig):
             log.info("tasks_terminated", task_ids=[task_id], signal=sig.name)
             self._terminated[task_id] = now
+            if stamps:
+                self._terminated_stamps[task_id] = stamps
             while len(self._terminated) > _TERMINATED_MAX:
+                self._terminated_stamps.pop(next(iter(self._terminated)), None)
                 del self._terminated[next(iter(self._terminated))]
             return True
         return False
