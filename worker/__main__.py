@@ -35,8 +35,8 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\nRun '{self.prog} --help' for the options.\n")
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse the worker's command line (Celery's option names)."""
+def build_parser() -> argparse.ArgumentParser:
+    """The worker's command line (Celery's option names); docs/guide.md's options table lists each."""
     parser = _Parser(prog="clockwork-worker", description="Run a Clockwork worker.")
     parser.add_argument("-A", "--app", required=True, help="the app: package.module:app")
     parser.add_argument(
@@ -191,6 +191,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="N consumers per child, each in a thread (for tasks that wait "
         "on I/O; soft time limits only between bytecodes, a hard limit or terminate ends the child)",
     )
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse the worker's command line, checking what argparse cannot."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.pool not in ("prefork", "processes"):
         parser.error(
