@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
         "-Q", "--queues", default=None, help="comma-separated queues (default: the app's default queue)"
     )
     parser.add_argument(
-        "-b", "--broker", default=None, help="AMQP URL (else $CLOCKWORK_BROKER_URL, else the app's)"
+        "-b", "--broker", default=None, help="AMQP URL (default: the app's, else $CLOCKWORK_BROKER_URL)"
     )
     parser.add_argument("-l", "--loglevel", default="info", help="debug, info, warning, error")
     parser.add_argument(
