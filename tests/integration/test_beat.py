@@ -19,6 +19,7 @@ import pytest
 
 from broker_svc import App, PublishError, Settings, Signature, Unroutable
 from broker_svc.schedules import Entry, Every, fire_id
+from broker_svc.schedules.client import ScheduleClient
 from broker_svc.topology import LEGACY_NAMESPACE, beat_term_exchange
 from tests.infra.session_broker import SessionBroker
 from tests.support.amqp import delete_queues, queue_depth, queue_exists
@@ -93,9 +94,16 @@ def test_a_killed_leader_is_replaced_and_no_time_is_missed_or_doubled(url: str, 
     ):
         before = len(wait_runs(journal, 3))
         leader, other = (a, b) if a.leading() else (b, a)
+        schedules = ScheduleClient(Settings(broker_url=url), scheduler)
+        term = schedules.leader()
+        assert term is not None and term.leader == leader.first("beat_leading")["leader"]
         leader.kill()
         other.first("beat_leading", timeout_s=30)
         wait_runs(journal, before + 5)
+        # The next leader names itself, in the next term.
+        after = schedules.leader()
+        assert after is not None and after.leader == other.first("beat_leading")["leader"]
+        assert after.epoch == term.epoch + 1 and after.at > term.at
     _assert_each_time_once(runs(journal))
 
 
@@ -223,7 +231,12 @@ def test_ctl_schedule_lists_the_configured_entries_and_changes_them(url: str, qu
         wait_runs(journal, 1)
         status, listed, _ = ctl("list")
         assert status == 0
-        [header, row] = listed.splitlines()
+        [leader, header, row] = listed.splitlines()
+        # Which instance leads: the identity its election logs, and its term.
+        leading = beat.first("beat_leading")
+        assert leader.startswith(
+            f"scheduler {scheduler!r}: led by {leading['leader']} (term {leading['epoch']}, since "
+        )
         assert header.split()[:4] == ["NAME", "TASK", "SCHEDULE", "STATE"]
         assert row.split()[:5] == ["tick", "beat.tick", "every", "1s", "active"]
         args = json.dumps([str(journal), 0.0])
