@@ -11,23 +11,17 @@ import os
 import shutil
 import subprocess
 import sys
-import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from broker_svc.version import DISTRIBUTION, version
+from tests.support.packaging import PROJECT, console_scripts, main_modules
+from tests.support.workers import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("broker_svc", "control", "worker")
-PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-SCRIPTS: dict[str, str] = PROJECT["scripts"]
-MODULES = sorted(
-    ".".join(path.relative_to(ROOT).parent.parts)
-    for package in PACKAGES
-    for path in (ROOT / package).rglob("__main__.py")
-)
+SCRIPTS = console_scripts()
+MODULES = main_modules()
 
 
 def test_the_distribution_is_the_one_pyproject_names():
