@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import configparser
 import os
-import shlex
 import zipfile
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from tests.support.packaging import (
     main_modules,
     pip_for,
     run,
+    shell_commands,
     the_one,
 )
 
@@ -48,14 +48,8 @@ def _install_lines() -> list[tuple[str, list[list[str]]]]:
                 continue
             # step.line is the marker's line; the fence follows it, then the block.
             for number, line in enumerate(step.code.splitlines(), start=step.line + 2):
-                words = shlex.split(line, comments=True)
-                commands: list[list[str]] = [[]]
-                for word in words:
-                    if word == "&&":
-                        commands.append([])
-                    else:
-                        commands[-1].append(word)
-                if words:
+                commands = shell_commands(line)
+                if commands:
                     found.append((f"{doc.name}:{number}", commands))
     return found
 

@@ -10,6 +10,7 @@ needs no download of them and the pip that installs never sees the project's own
 from __future__ import annotations
 
 import glob
+import shlex
 import shutil
 import subprocess
 import sys
@@ -33,6 +34,7 @@ __all__ = [
     "main_modules",
     "pip_for",
     "run",
+    "shell_commands",
     "the_one",
 ]
 
@@ -78,6 +80,17 @@ def main_modules() -> list[str]:
     )
 
 
+def shell_commands(line: str) -> list[list[str]]:
+    """The commands of a shell line, split on ``&&``, comments dropped (``[]`` for none)."""
+    commands: list[list[str]] = [[]]
+    for word in shlex.split(line, comments=True):
+        if word == "&&":
+            commands.append([])
+        else:
+            commands[-1].append(word)
+    return [command for command in commands if command]
+
+
 def copy_checkout(dest: Path) -> Path:
     """The working tree's source files (tracked, or new and not ignored) copied to ``dest``.
 
@@ -114,6 +127,7 @@ def the_one(pattern: Path) -> Path:
 
 def fresh_venv(path: Path) -> Path:
     """A new venv at ``path``, without pip and without system site-packages; its python."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     run([sys.executable, "-m", "venv", "--without-pip", path], cwd=path.parent)
     return path / "bin" / "python"
 
