@@ -29,7 +29,7 @@ def version() -> str:
     checkout = _checkout_version()
     if checkout is not None:
         return checkout
-    from importlib import metadata  # scans sys.path: paid only by whoever asks
+    from importlib import metadata  # it imports email, zipfile, csv: only for whoever asks
 
     try:
         return metadata.version(DISTRIBUTION)

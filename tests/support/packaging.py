@@ -1,10 +1,10 @@
 """Build and install Clockwork as a user does, in throwaway places: a copy of the checkout, its
 wheel (``make dist``), fresh venvs.
 
-Nothing here touches the project's venv: its pip only runs *for* another interpreter
-(``pip --python``), ``make dist`` writes into the copy, and a fresh venv borrows the project
-venv's installed dependencies through a ``.pth`` file written after the install, so installing
-needs no download of them and the pip that installs never sees the project's own install.
+Nothing here changes the project's venv: its pip builds a wheel (``make dist``, written into the
+copy) or installs *for* another interpreter (``pip --python``). A fresh venv may borrow the project
+venv's installed dependencies through a ``.pth`` file written after its install, so installing
+downloads none of them and the pip that installs never sees the project's own (editable) install.
 """
 
 from __future__ import annotations
