@@ -53,7 +53,7 @@ class App(TaskRegistry):
         main: the app's name; tasks defined in ``__main__`` are named ``<main>.<function>``.
         broker: the broker URL (Celery's name); ``broker_url`` is the same.
         backend: where results go: ``"rpc://"`` (or None: results travel on RabbitMQ) or a
-            ``redis://`` URL (Celery's Redis backend, read from any process; ``clockwork[redis]``).
+            ``redis://`` URL (Celery's Redis backend, read from any process; ``clockwork-tasks[redis]``).
         include: modules a worker imports at start, for the tasks they define.
         settings: full settings, used as given. Without them, every setting comes from its
             ``CLOCKWORK_<FIELD>`` variable where one is set (``Settings.from_env``), as the worker

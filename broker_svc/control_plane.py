@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 from broker_svc.errors import ConfigurationError
+from broker_svc.version import DISTRIBUTION
 
 if TYPE_CHECKING:
     from broker_svc.schedules.client import ScheduleClient
@@ -147,8 +148,8 @@ def load_control(app: object) -> ControlPlane:
     found = importlib.metadata.entry_points(group=CONTROL_ENTRY_POINT_GROUP, name="default")
     if not found:
         raise ConfigurationError(
-            f"no {CONTROL_ENTRY_POINT_GROUP!r} entry point named 'default': app.control needs the clockwork "
-            "package installed (pip install -e . in a checkout)"
+            f"no {CONTROL_ENTRY_POINT_GROUP!r} entry point named 'default': app.control needs the "
+            f"{DISTRIBUTION} distribution installed (pip install -e . in a checkout)"
         )
     factory = next(iter(found)).load()
     return cast(ControlPlane, factory(app))

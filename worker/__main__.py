@@ -14,6 +14,7 @@ from typing import NoReturn
 from broker_svc.errors import BrokerUnavailable, ConfigurationError
 from broker_svc.logging import configure_logging
 from broker_svc.settings import split_names
+from broker_svc.version import add_version_option
 from worker.beat.cli import add_beat_options, beat_for
 from worker.config import (
     DEFAULT_CONSUMER_TIMEOUT_S,
@@ -38,6 +39,7 @@ class _Parser(argparse.ArgumentParser):
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse the worker's command line (Celery's option names)."""
     parser = _Parser(prog="clockwork-worker", description="Run a Clockwork worker.")
+    add_version_option(parser)
     parser.add_argument("-A", "--app", required=True, help="the app: package.module:app")
     parser.add_argument(
         "-c", "--concurrency", type=int, default=None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Final
 
+from broker_svc.version import add_version_option
 from control.protocol.commands import COMMANDS, CommandKind
 
 __all__ = ["CONTROL_METHODS", "INSPECT_METHODS", "build_parser"]
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ctl", description="Inspect and control Clockwork (and Celery) workers."
     )
     _add_common(parser, default=True)
+    add_version_option(parser)
     # Repeated on every sub-parser with SUPPRESS defaults, so a later position only overrides
     # what it actually sets.
     common = argparse.ArgumentParser(add_help=False)

@@ -16,6 +16,7 @@ from types import FrameType
 from broker_svc.app import App
 from broker_svc.errors import BrokerUnavailable, ConfigurationError
 from broker_svc.logging import configure_logging
+from broker_svc.version import add_version_option
 from worker.beat.scheduler import Beat
 from worker.loader import AppNotFound, BadAppSpec, NotAnApp, load_app, use_current_directory
 
@@ -26,6 +27,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="clockwork-beat", description="Run the Clockwork periodic scheduler."
     )
+    add_version_option(parser)
     add_beat_options(parser)
     parser.add_argument("-A", "--app", required=True, help="the app: package.module:app")
     parser.add_argument("-b", "--broker", default=None, help="broker URL (default: the app's)")
