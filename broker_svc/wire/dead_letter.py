@@ -29,6 +29,7 @@ from broker_svc.topology import (
     DEAD_LETTER_REASON_HEADER,
     DEAD_LETTER_REQUEUED_HEADER,
     dedup_gate_queue,
+    expired_queue,
 )
 from broker_svc.wire import codec
 from broker_svc.wire.dedup import DEADLINE_HEADER, KEY_HEADER, TARGET_QUEUE_HEADER, TOKEN_HEADER, shard_of
@@ -196,13 +197,14 @@ def plan_requeue(
 ) -> RequeuePlan:
     """The copy that requeues ``letter``: to ``to``, else the queue it came from.
 
-    A task with a dedup key goes to its key's gate again (as its client sent it), so the key holds
-    one running at a time after a requeue too.
+    A task the broker dead-lettered into the expired queue (for another reason than expiry) goes
+    back to the queue the broker took it from. A task with a dedup key goes to its key's gate again
+    (as its client sent it), so the key holds one running at a time after a requeue too.
 
     Raises:
         ValueError: ``to`` is a dead queue.
     """
-    queue = to or letter.queue
+    queue = to or _broker_origin(letter, namespace) or letter.queue
     if queue.endswith(DEAD_SUFFIX):
         raise ValueError(f"will not requeue into a dead-letter queue ({queue}); name the task queue")
     headers = {k: v for k, v in letter.headers.items() if k not in _DROPPED}
@@ -311,6 +313,16 @@ def jsonable(value: Any) -> Any:
     if value is None or isinstance(value, str | int | float | bool):
         return value
     return repr(value)
+
+
+def _broker_origin(letter: DeadLetter, namespace: str) -> str | None:
+    # The newest ``x-death`` entry of a task dead-lettered by the broker (docs/guide.md, "Expiry").
+    if letter.queue != expired_queue(namespace):
+        return None
+    deaths = letter.headers.get("x-death")
+    newest = deaths[0] if isinstance(deaths, list) and deaths else None
+    origin = newest.get("queue") if isinstance(newest, Mapping) else None
+    return origin if isinstance(origin, str) and origin else None
 
 
 def _text(value: Any) -> str | None:

@@ -83,6 +83,15 @@ def test_a_copy_goes_where_it_is_told_but_never_into_a_dead_queue():
         plan(letter(), to="orders.dead")
 
 
+def test_a_task_the_broker_dead_lettered_goes_back_to_the_queue_it_was_taken_from():
+    deaths = [{"queue": "orders", "reason": "maxlen", "count": 1}]
+    headers = dead_headers(**{"x-clockwork-queue": "clockwork.expired.shop", "x-death": deaths})
+    dead = DeadLetter.read("clockwork.expired.shop.dead", headers, {}, BODY)
+    copy = plan(dead)
+    assert copy.routing_key == "orders" and "x-death" not in copy.headers
+    assert plan(dead, to="other").routing_key == "other"
+
+
 def test_a_task_with_a_dedup_key_goes_back_through_its_gate():
     headers = dead_headers(**{KEY_HEADER: "user-7", TIMEOUT_HEADER: 60, TARGET_QUEUE_HEADER: "orders",
                               DEADLINE_HEADER: 1})  # fmt: skip
