@@ -2,8 +2,9 @@
 
 Each call opens a connection of its own and, per dead queue, takes the queue's lock (an exclusive
 queue, ``topology.dead_letter_lock_queue``), then reads the queue whole with ``basic.get`` and no
-ack: every message stays the broker's until it is acked, and what a call does not take is nacked
-back to its place (a dead queue is classic, which keeps the order). The guarantees:
+ack: every message stays the broker's until it is acked, and what a call does not take goes back
+to its place when the call closes its channel (a dead queue is classic, which keeps the order).
+The guarantees:
 
 - **Nothing lost.** A requeue publishes the copy with a publisher confirm, and only then acks the
   dead letter. A call that dies (killed, a lost connection) leaves every message it held to the
@@ -435,9 +436,10 @@ class _Held:
         self.channel.basic_ack(tag)
 
     def release(self) -> None:
-        """Put back everything not acked, in its place."""
+        """Put back everything not acked, in its place: by closing the channel, which the broker
+        answers once the queue has them back (a nack's requeue is not done by its reply: the next
+        call could miss what is still on its way back)."""
         if self.channel.is_open:
-            self.channel.basic_nack(0, multiple=True, requeue=True)
             self.channel.close()
 
     def _get(self) -> tuple[int, dict[str, Any], dict[str, Any], bytes] | None:

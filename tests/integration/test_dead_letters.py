@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+import pika
 import pytest
 
 from broker_svc import App, Settings
@@ -301,3 +302,21 @@ def test_usage_errors_change_nothing(test_vhost_url: str):
     proc = ctl(test_vhost_url, "requeue", "--all", "--queue", unknown_queue)
     assert proc.returncode == 0 and "nothing to requeue" in proc.stdout, output(proc)
     assert not queue_exists(test_vhost_url, f"{unknown_queue}.dead")  # nothing declared on the way
+
+
+def test_a_call_right_after_another_sees_every_dead_letter_it_put_back(test_vhost_url: str):
+    # The first call puts its 2,000 back before it returns: the second reads them all, in order.
+    queue, count = unique_queue("dl-back"), 2000
+    with channel(test_vhost_url) as ch:
+        ch.queue_declare(f"{queue}.dead", durable=True)
+        ch.confirm_delivery()
+        for i in range(count):
+            headers = {"id": f"id-{i}", "task": "t", "x-clockwork-reason": "rejected"}
+            ch.basic_publish("", f"{queue}.dead", b"[[], {}, {}]", pika.BasicProperties(headers=headers))
+    try:
+        dead = DeadLetters(Settings(broker_url=test_vhost_url))
+        assert [letter.task_id for letter in dead.list(queue)] == [f"id-{i}" for i in range(count)]
+        assert dead.show(f"id-{count - 1}", queue=queue)[0].reason == "rejected"
+        assert len(dead.list(queue)) == count
+    finally:
+        delete_queues(test_vhost_url, f"{queue}.dead")
