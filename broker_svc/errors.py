@@ -33,7 +33,9 @@
     │   └── TaskDeclined                     not run: its dedup key had one running and one waiting
     ├── LeadershipLost                       this process is not (or no longer) the leader
     ├── PoolClosedError (RuntimeError)       the worker's pool is closing and takes no more jobs
-    └── PoolStartError (RuntimeError)        a pool child did not load the app or report ready
+    ├── PoolStartError (RuntimeError)        a pool child did not load the app or report ready
+    ├── DeadLetterNotFound (KeyError)        no dead letter has that task id (``ctl dead``)
+    └── DeadQueueBusy                        another caller reads or requeues that dead queue
 
 The pool errors live in ``worker/pool/`` (``pool.py``, ``child.py``), since broker_svc never imports
 the worker; they are drawn here so the whole tree is in one place.
@@ -51,6 +53,8 @@ __all__ = [
     "ChordError",
     "ConfigurationError",
     "ContentDisallowed",
+    "DeadLetterNotFound",
+    "DeadQueueBusy",
     "DecodeError",
     "Ignore",
     "InvalidTaskMessage",
@@ -265,3 +269,25 @@ class Reject(BrokerSvcError):
         super().__init__(reason, requeue)
         self.reason = reason
         self.requeue = requeue
+
+
+class DeadLetterNotFound(BrokerSvcError, KeyError):
+    """No dead letter has these task ids (in the dead queues looked at); nothing was changed.
+
+    Attributes:
+        ids: the ids not found.
+        queues: the dead queues looked in.
+    """
+
+    def __init__(self, ids: list[str], queues: list[str]) -> None:
+        self.ids = ids
+        self.queues = queues
+        where = ", ".join(queues) if queues else "no dead queue (none found)"
+        super().__init__(f"no dead letter with id {', '.join(ids)} in {where}")
+
+    def __str__(self) -> str:
+        return str(self.args[0])  # KeyError's str() would quote it
+
+
+class DeadQueueBusy(BrokerSvcError):
+    """Another ``ctl dead`` (or program) holds the dead queue's lock: it is reading or requeueing it."""

@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+from broker_svc.wire.dead_letter import DeadLetter, Requeued, RequeueResult
+from control.cli.dead import format_letter, format_letters, format_requeued
 from control.cli.main import build_parser
 from control.cli.render import Style, human_bytes, human_seconds, show
 
@@ -98,3 +100,24 @@ def test_control_commands_have_help_that_says_what_they_do():
     assert "rate-limit" in text and "set a task's rate limit" in text
     assert "pool-grow" in text and "add N pool children" in text
     assert '{"ok"' not in text  # the reply's shape is not the help
+
+
+def test_dead_letters_print_without_letting_a_control_character_reach_the_terminal():
+    headers = {
+        "id": "t\x1b[2J1", "task": "app.add", "x-clockwork-reason": "rejected",
+        "x-clockwork-error": "boom\x1b]0;owned\x07", "x-clockwork-dead-at": "2025-01-02T03:04:05.5+00:00",
+        "x-custom": "\x1b[31mred",
+    }  # fmt: skip
+    letter = DeadLetter.read(
+        "orders.dead", headers, {"content_type": "application/json"}, b'[["\\u001b"], {}, {}]'
+    )
+    table = format_letters([letter], Style(False))
+    assert "2025-01-02 03:04:05" in table and "1 dead letter\n" in table and "\x1b" not in table
+    full = format_letter(letter, Style(False))
+    assert "\x1b" not in full and "\x07" not in full
+    assert 'args: ["\\u001b"]' in full and "boom\\x1b]0;owned\\x07" in full
+    done = format_requeued(
+        RequeueResult((Requeued(letter, "orders"), Requeued(letter, "orders", earlier=True)))
+    )
+    assert "1 requeued" in done and "cut short" in done and "\x1b" not in done
+    assert format_letters([], Style(False)) == "no dead letters\n"

@@ -18,6 +18,7 @@ from broker_svc.amqp.feed_connection import FeedConnection, TaskDelivery
 from broker_svc.clock import LamportClock
 from broker_svc.errors import Unroutable
 from broker_svc.topology import (
+    DEAD_LETTER_AT_HEADER,
     DEAD_LETTER_ERROR_HEADER,
     DEAD_LETTER_QUEUE_HEADER,
     DEAD_LETTER_REASON_HEADER,
@@ -98,7 +99,7 @@ class FeedReplies:
             DEAD_LETTER_REASON_HEADER: reason,
             DEAD_LETTER_ERROR_HEADER: error[:1024],
             DEAD_LETTER_QUEUE_HEADER: delivery.queue,
-            "x-clockwork-dead-at": dt.datetime.now(dt.UTC).isoformat(),
+            DEAD_LETTER_AT_HEADER: dt.datetime.now(dt.UTC).isoformat(),
         }
         spec = dead_letter_queue(delivery.queue)
         self._publish(copy_of(delivery, headers), spec.name, kind="dead_letter", declare=(spec,))
