@@ -57,7 +57,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--prefetch-multiplier",
         type=int,
         default=None,
-        help="unacked deliveries per child and queue, running ones included (1: take only what can start)",
+        help="a fixed prefetch: unacked deliveries per child and queue, running ones included (1: take only "
+        "what can start); default: the prefetch budget",
     )
     parser.add_argument(
         "--prefetch-budget",
@@ -65,8 +66,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         metavar="SECONDS",
         help="each child holds about this much work, by its recent task times: short tasks get a deep "
-        f"prefetch, long ones 1 ('10ms' or 0.01; {DEFAULT_BUDGET_S * 1000:g}ms drains no-op tasks at "
-        "full speed); off by default: a prefetch of 1 per child",
+        f"prefetch, long ones 1 (default {DEFAULT_BUDGET_S * 1000:g}ms; '10ms' or 0.01; 0: a fixed "
+        "prefetch of 1); a --prefetch-multiplier fixes it instead",
     )
     parser.add_argument(
         "--autoscale",
@@ -290,7 +291,7 @@ def _start(args: argparse.Namespace) -> int:
         concurrency=max(args.autoscale[1], 1) if args.autoscale else concurrency,
         prefetch_multiplier=fixed or 1,
         # A multiplier given (here or as Celery's worker_prefetch_multiplier) fixes the prefetch.
-        prefetch_budget_s=None if fixed else budget or None,
+        prefetch_budget_s=None if fixed else (DEFAULT_BUDGET_S if budget is None else budget) or None,
         shutdown_timeout_s=args.shutdown_timeout,
         time_limit_s=args.time_limit if args.time_limit is not None else conf.get("task_time_limit"),
         soft_time_limit_s=(

@@ -231,20 +231,42 @@ class FrameSocket:
             self._dispatch(frame)
 
     def _read_arrived(self) -> None:
-        # Handle the frames already received, without waiting for more.
+        # Handle the frames already received, without waiting for more. A plain socket is read
+        # without blocking (one system call, where a select() then a read took two), and a read
+        # that did not fill the scratch buffer took all there was: no second look.
         sock = self._sock
         if sock is None:
             raise ConnectionLost("not connected")
+        drained = False
         while True:
             frame = frames.next_frame(self._buffer)
             if frame is None:
-                tls_pending = isinstance(sock, ssl.SSLSocket) and sock.pending() > 0
-                if not tls_pending and not select.select([sock], [], [], 0)[0]:
+                if drained:
                     return
-                frame = self._read()
-                if frame is None:
-                    return
+                if isinstance(sock, ssl.SSLSocket):
+                    if not sock.pending() and not select.select([sock], [], [], 0)[0]:
+                        return
+                    frame = self._read()
+                    if frame is None:
+                        return
+                else:
+                    drained = self._read_now(sock)
+                    continue
             self._dispatch(frame)
+
+    def _read_now(self, sock: socket.socket) -> bool:
+        # What the socket holds, without waiting; whether that was all of it.
+        try:
+            size = sock.recv_into(self._scratch, READ_SIZE, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return True
+        except OSError as exc:
+            raise self._lost(f"read failed: {exc}") from exc
+        if not size:
+            raise self._lost("the broker closed the connection")
+        self._last_read = time.monotonic()
+        self._buffer += self._scratch[:size]
+        return size < READ_SIZE
 
     def _pump(self) -> None:
         # Read (one wait of at most the wake interval) and handle a frame; heartbeats both ways.
