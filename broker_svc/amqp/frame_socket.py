@@ -250,23 +250,25 @@ class FrameSocket:
                     if frame is None:
                         return
                 else:
-                    drained = self._read_now(sock)
+                    size = self._receive(sock, socket.MSG_DONTWAIT)
+                    drained = size is None or size < READ_SIZE
                     continue
             self._dispatch(frame)
 
-    def _read_now(self, sock: socket.socket) -> bool:
-        # What the socket holds, without waiting; whether that was all of it.
+    def _receive(self, sock: socket.socket, flags: int = 0) -> int | None:
+        # One read into the buffer: its size, or None if nothing came (within the wake interval, or
+        # at once with MSG_DONTWAIT).
         try:
-            size = sock.recv_into(self._scratch, READ_SIZE, socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return True
+            size = sock.recv_into(self._scratch, READ_SIZE, flags)
+        except (TimeoutError, BlockingIOError):
+            return None
         except OSError as exc:
             raise self._lost(f"read failed: {exc}") from exc
         if not size:
             raise self._lost("the broker closed the connection")
         self._last_read = time.monotonic()
         self._buffer += self._scratch[:size]
-        return size < READ_SIZE
+        return size
 
     def _pump(self) -> None:
         # Read (one wait of at most the wake interval) and handle a frame; heartbeats both ways.
@@ -288,16 +290,8 @@ class FrameSocket:
         sock = self._sock
         if sock is None:
             raise ConnectionLost("not connected")
-        try:
-            size = sock.recv_into(self._scratch)
-        except (TimeoutError, BlockingIOError):
+        if self._receive(sock) is None:
             return None
-        except OSError as exc:
-            raise self._lost(f"read failed: {exc}") from exc
-        if not size:
-            raise self._lost("the broker closed the connection")
-        self._last_read = time.monotonic()
-        self._buffer += self._scratch[:size]
         return frames.next_frame(self._buffer)
 
     def _content(self) -> tuple[frames.Properties, bytes]:
