@@ -23,7 +23,7 @@ from worker.config import (
     expand_hostname,
     parse_autoscale,
 )
-from worker.loader import AppNotFound, BadAppSpec, NotAnApp, load_app, use_current_directory
+from worker.loader import AppImportFailed, AppNotFound, BadAppSpec, NotAnApp, load_app, use_current_directory
 from worker.process_files import redirect_output, write_pidfile
 from worker.rules.prefetch_budget import DEFAULT_BUDGET_S
 from worker.service import WorkerService
@@ -252,7 +252,7 @@ def _start(args: argparse.Namespace) -> int:
     # over CLOCKWORK_* variables, as App builds them), then the defaults.
     try:
         app = load_app(args.app)
-    except (BadAppSpec, AppNotFound, NotAnApp) as exc:
+    except (BadAppSpec, AppNotFound, AppImportFailed, NotAnApp) as exc:
         # One line says it all; -l debug adds the traceback. An error raised *inside* the user's
         # module is not caught here: its traceback points at their line.
         if args.loglevel.lower() == "debug":

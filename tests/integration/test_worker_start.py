@@ -45,6 +45,41 @@ def test_a_start_up_error_is_one_line_and_exit_status_2(args: list[str], said: s
     assert len(result.stderr.strip().splitlines()) <= 2, result.stderr  # argparse adds its usage line
 
 
+BROKEN_APPS = {
+    "typo": "from broker_svc import App\n\napp = App('typo')\n\ndef add(x, y:\n    return x + y\n",
+    "dbresults": "from broker_svc import App\n\napp = App('dbresults', backend='db+sqlite:///results.db')\n",
+}
+
+
+@pytest.mark.parametrize(
+    ("command", "module", "said"),
+    [
+        ("worker", "typo", "SyntaxError in {path}, line 5: "),
+        ("worker", "dbresults", "result backend 'db+sqlite:///results.db' is not supported"),
+        ("worker.beat.cli", "typo", "SyntaxError in {path}, line 5: "),
+        ("worker.beat.cli", "dbresults", "result backend 'db+sqlite:///results.db' is not supported"),
+    ],
+)
+def test_an_app_module_that_does_not_load_is_one_line_and_exit_status_2(
+    command: str, module: str, said: str, tmp_path: Path
+):
+    """A syntax error or a refused setting in the user's module: the fact and its line, no traceback."""
+    path = tmp_path / f"{module}.py"
+    path.write_text(BROKEN_APPS[module])
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", command, "-A", f"{module}:app"]
+    result = subprocess.run(
+        cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert f"cannot load app '{module}:app'" in result.stderr
+    assert said.format(path=path) in result.stderr
+    if module == "dbresults":
+        assert f"({path}, line 3)" in result.stderr  # the user's line that set it
+
+
 def test_debug_adds_the_traceback():
     result = _start("-A", "nosuch.module:app", "-l", "debug")
     assert result.returncode == 2 and "Traceback" in result.stderr
