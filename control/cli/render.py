@@ -380,9 +380,23 @@ def format_event(event: dict[str, Any]) -> str:
     )
     parts = [when, f"clock={event.get('clock')}", str(event.get("hostname")), str(event.get("type"))]
     for key in ("uuid", "name", "runtime", "result", "exception"):
-        if event.get(key) is not None:
-            parts.append(f"{key}={_short(event[key], 80)}")
+        value = event.get(key)
+        if value is None:
+            continue
+        if key == "runtime" and isinstance(value, int | float) and not isinstance(value, bool):
+            parts.append(f"runtime={_runtime(value)}")
+        else:
+            parts.append(f"{key}={_short(value, 80)}")
     return " ".join(parts)
+
+
+def _runtime(seconds: float) -> str:
+    # Three significant digits, not a float's seventeen; no space, so the line stays key=value.
+    if float(f"{seconds:.3g}") < 1:
+        return f"{seconds * 1000:.3g}ms"
+    if float(f"{seconds:.3g}") < 60:
+        return f"{seconds:.3g}s"
+    return human_seconds(seconds).replace(" ", "")
 
 
 def format_nodes(nodes: frozenset[str]) -> str:

@@ -283,6 +283,77 @@ def test_events_prints_json_lines_ordered_by_clock_then_origin(vhost_url: str):
     assert got == [(10, "z@h"), (20, "a@h"), (20, "b@h"), (30, "b@h")]
 
 
+def _follow_events(vhost_url: str, *options: str, sent: list[dict[str, Any]]) -> tuple[str, str]:
+    """Run ``ctl events`` with ``options``, publish ``sent`` once it listens; its stdout and stderr."""
+    env = {k: v for k, v in os.environ.items() if k != "CLOCKWORK_BROKER_URL"}
+    args = [CTL, "events", "-b", vhost_url, *options]
+    with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
+        try:
+            assert proc.stderr is not None
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                ready, _, _ = select.select([proc.stderr], [], [], 0.5)
+                if ready and "listening" in (first := proc.stderr.readline()):
+                    break
+            else:
+                raise AssertionError("ctl events never said it was listening")
+            with channel(vhost_url) as ch:
+                for clock, event in enumerate(sent, start=1):
+                    body = {"hostname": "w@h", "pid": 1, "clock": clock, "timestamp": time.time(), **event}
+                    key = event["type"].replace("-", ".")
+                    headers = {"hostname": "w@h"}
+                    properties = pika.BasicProperties(content_type="application/json", headers=headers)
+                    ch.basic_publish(EVENT_EXCHANGE, key, json.dumps(body).encode(), properties)
+            out, rest = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                proc.wait(timeout=10)
+    assert proc.returncode == 0, rest
+    return out, first + rest
+
+
+def test_events_filters_by_type_and_by_prefix(vhost_url: str):
+    sent: list[dict[str, Any]] = [
+        {"type": "worker-heartbeat", "freq": 2.0},
+        {"type": "task-received", "uuid": "t1", "name": "add"},
+        {"type": "task-succeeded", "uuid": "t1", "runtime": 0.0123456, "result": "3"},
+        {"type": "task-failed", "uuid": "t2", "exception": "ValueError()"},
+        {"type": "worker-heartbeat", "freq": 2.0},
+    ]
+    options = ["--json", "--duration", "3"]
+    out, _ = _follow_events(vhost_url, *options, "--type", "task-succeeded,task-failed", sent=sent)
+    assert [e["type"] for e in map(json.loads, out.splitlines())] == ["task-succeeded", "task-failed"]
+    out, _ = _follow_events(vhost_url, *options, "--type", "task-", sent=sent)
+    assert [e["type"] for e in map(json.loads, out.splitlines())] == [
+        "task-received",
+        "task-succeeded",
+        "task-failed",
+    ]
+    out, _ = _follow_events(
+        vhost_url, "--duration", "3", "--type", "task-*", "--type", "worker-heartbeat", sent=sent
+    )
+    assert len(out.splitlines()) == 5, out
+    assert "runtime=12.3ms" in out  # not 0.0123456
+
+
+def test_events_says_task_events_need_dash_e_when_none_came(vhost_url: str):
+    heartbeats: list[dict[str, Any]] = [{"type": "worker-heartbeat", "freq": 2.0}] * 2
+    out, err = _follow_events(vhost_url, "--count", "2", sent=heartbeats)
+    assert len(out.splitlines()) == 2
+    assert "no task events seen" in err and "-E" in err and "enable-events" in err
+    sent: list[dict[str, Any]] = [*heartbeats, {"type": "task-received", "uuid": "t"}]
+    out, err = _follow_events(vhost_url, "--count", "1", "--type", "task-", sent=sent)
+    assert "task-received" in out
+    assert "no task events seen" not in err
+
+
+def test_events_refuses_an_empty_type(vhost_url: str):
+    proc, _ = ctl("events", "-b", vhost_url, "--type", ",", "--duration", "1")
+    assert proc.returncode == 2, output(proc)
+    assert "--type" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_ctl_queues_shows_depth_held_tasks_consumers_dead_letters_and_rate(
     vhost_url: str, node: WorkerProcess
 ):

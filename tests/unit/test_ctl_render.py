@@ -9,7 +9,7 @@ import time
 import pytest
 
 from control.cli.main import build_parser
-from control.cli.render import Style, human_bytes, human_seconds, show
+from control.cli.render import Style, format_event, human_bytes, human_seconds, show
 
 
 def _shown(by_node: dict, method: str | None, style: Style | None = None) -> str:
@@ -31,6 +31,21 @@ def _shown(by_node: dict, method: str | None, style: Style | None = None) -> str
 )
 def test_durations_have_units(seconds: float, text: str):
     assert human_seconds(seconds) == text
+
+
+@pytest.mark.parametrize(
+    ("runtime", "text"),
+    [
+        (0.0123456789, "12.3ms"),
+        (0.00004567, "0.0457ms"),
+        (0.99996, "1s"),
+        (3.14159265, "3.14s"),
+        (245.5, "4m05s"),
+    ],
+)
+def test_an_event_runtime_has_three_significant_digits_and_a_unit(runtime: float, text: str):
+    event = {"type": "task-succeeded", "hostname": "w@h", "clock": 3, "uuid": "id-1", "runtime": runtime}
+    assert f" runtime={text}" in format_event(event)
 
 
 def test_sizes_have_units():
