@@ -164,12 +164,24 @@ def _tasks(value: Any) -> tuple[str, list[str]]:
             continue
         started = _number(task.get("time_start"))
         when = f"running {human_seconds(max(0.0, now - started))}" if started else "waiting"
-        args = task.get("argsrepr") or task.get("args")
         rows.append([
-            str(task.get("id", "?")), str(task.get("name", "?")), _short(args, 40), when,
+            str(task.get("id", "?")), str(task.get("name", "?")), _short(_arguments(task), 60), when,
             f"pid {task['worker_pid']}" if task.get("worker_pid") else "",
         ])  # fmt: skip
     return _count(len(rows), "task"), _table(rows)
+
+
+def _arguments(task: dict[str, Any]) -> str:
+    # ``(1, 2) {'size': 3}``: the positional and the keyword arguments, each as the worker sent it
+    # (its repr strings with --safe or from a Celery worker's argsrepr, else the values).
+    args = task.get("argsrepr") or task.get("args")
+    kwargs = task.get("kwargsrepr") or task.get("kwargs")
+    text = args if isinstance(args, str) else repr(tuple(args)) if isinstance(args, list) else _short(args)
+    if isinstance(kwargs, dict):
+        kwargs = repr(kwargs) if kwargs else None
+    if kwargs and kwargs != "{}":
+        text = f"{text} {kwargs}"
+    return text
 
 
 def _scheduled(value: Any) -> tuple[str, list[str]]:

@@ -215,6 +215,35 @@ def test_revoke_with_a_worker_shows_its_reply(vhost_url: str, node: WorkerProces
     assert list(json.loads(proc.stdout)) == [node.name]
 
 
+def test_inspect_active_shows_a_running_tasks_args_and_kwargs(vhost_url: str, node: WorkerProcess):
+    with (
+        App("ctl-active", settings=Settings(broker_url=vhost_url)) as app,
+        ControlClient(Settings(broker_url=vhost_url)) as client,
+    ):
+        result = app.send_task(
+            "tests.integration.e2e_tasks.sleep_s", (3.0,), {"tag": "hello"}, queue=node.queues[0]
+        )
+        wait_for(
+            lambda: any(
+                t["id"] == result.id for t in client.inspect("active", timeout_s=5).get(node.name, [])
+            ),
+            timeout_s=30,
+            message="the task running",
+        )
+        proc, _ = ctl("-b", vhost_url, "--json", "inspect", "active", "-d", node.name, "--timeout", "5")
+        assert proc.returncode == 0, output(proc)
+        [task] = json.loads(proc.stdout)[node.name]
+        assert (task["args"], task["kwargs"]) == ([3.0], {"tag": "hello"})  # Celery's TASK_INFO
+        proc, _ = ctl(
+            "-b", vhost_url, "--json", "inspect", "active", "--safe", "-d", node.name, "--timeout", "5"
+        )
+        [task] = json.loads(proc.stdout)[node.name]
+        assert (task["args"], task["kwargs"]) == ("[3.0]", "{'tag': 'hello'}")  # their reprs
+        proc, _ = ctl("-b", vhost_url, "inspect", "active", "-d", node.name, "--timeout", "5")
+        assert "(3.0,) {'tag': 'hello'}" in proc.stdout, output(proc)
+        assert result.get(timeout=30) == "hello"
+
+
 def test_revoke_terminate_names_the_task_it_killed_to_every_copy_of_the_request(
     vhost_url: str, node: WorkerProcess
 ):

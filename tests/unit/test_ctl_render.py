@@ -65,6 +65,21 @@ def test_active_tasks_are_a_table_with_how_long_each_has_run():
     assert "{" not in text  # no JSON blob
 
 
+@pytest.mark.parametrize(
+    ("args", "kwargs", "shown"),
+    [
+        ([3.0], {"tag": "hello"}, "(3.0,) {'tag': 'hello'}"),  # the values (inspect active)
+        ("[3.0]", "{'tag': 'hello'}", "[3.0] {'tag': 'hello'}"),  # their reprs (inspect active --safe)
+        ([], {"tag": "hello"}, "() {'tag': 'hello'}"),
+        ([1, 2], {}, "(1, 2)"),
+    ],
+)
+def test_active_tasks_show_their_keyword_arguments_too(args: object, kwargs: object, shown: str):
+    task = {"id": "t-1", "name": "proj.resize", "args": args, "kwargs": kwargs, "time_start": time.time()}
+    [row] = _shown({"w1@box": [task]}, "active").splitlines()[1:]
+    assert f" {shown} " in row
+
+
 def test_stats_show_uptime_tasks_pool_and_cpu_with_units():
     stats = {
         "total": {"proj.add": 1200, "proj.mul": 30}, "pid": 77, "uptime": 3725,
