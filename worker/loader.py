@@ -13,6 +13,7 @@ from broker_svc.errors import ConfigurationError
 
 __all__ = [
     "APP_PATH_ENV",
+    "FORKSERVER_ENV",
     "SAFE_PATH_ADDED_ENV",
     "AppImportFailed",
     "AppNotFound",
@@ -64,6 +65,9 @@ def use_current_directory() -> None:
 
 # Set when the pool added PYTHONSAFEPATH for its forkserver only (worker.pool.pool).
 SAFE_PATH_ADDED_ENV: Final = "CLOCKWORK_SAFE_PATH_ADDED"
+# Set while the pool starts its forkserver: the process that preloads the app the worker has
+# already loaded (and logged about) once (worker.child.main).
+FORKSERVER_ENV: Final = "CLOCKWORK_FORKSERVER"
 
 
 def extend_path_from_environment() -> None:

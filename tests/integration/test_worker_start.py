@@ -201,3 +201,40 @@ def test_a_worker_warns_when_another_app_consumes_its_queue(test_vhost_url: str)
             assert a.count("queue_shared_with_another_app") == 0
             assert b.count("queue_shared_with_another_app") == 0
     delete_queues(test_vhost_url, queue, f"{queue}.dead")
+
+
+def test_a_celery_setting_that_does_nothing_here_is_warned_once_per_worker(
+    test_vhost_url: str, tmp_path: Path
+):
+    """The worker, its forkserver and each child import the app: the warning comes from the worker alone."""
+    queue = unique_queue("warned")
+    (tmp_path / "warned_app.py").write_text(
+        textwrap.dedent(
+            """
+            from broker_svc import App
+
+            app = App("warned_app")
+            app.conf.worker_enable_remote_control_unknown_here = True
+
+
+            @app.task
+            def fail():
+                raise ValueError("logged by the child")
+            """
+        )
+    )
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    client = App("warned-client", settings=Settings(broker_url=test_vhost_url, default_queue=queue))
+    try:
+        with WorkerProcess(
+            test_vhost_url, app="warned_app:app", queues=[queue], concurrency=2, env=env
+        ) as worker:
+            worker.wait_ready()
+            with pytest.raises(ValueError, match="logged by the child"):
+                client.send_task("warned_app.fail").get(timeout=30)
+            worker.first("task_failed")  # the children log as before
+            text = worker.log_text()
+            assert text.count("celery_setting_not_used") == 1, text[-4000:]
+    finally:
+        client.close()
+        delete_queues(test_vhost_url, queue, f"{queue}.dead")
