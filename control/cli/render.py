@@ -285,6 +285,11 @@ _LAYOUTS: Final[dict[str, Callable[[Any], tuple[str, list[str]]]]] = {
 }
 
 
+# Tasks wait in a queue nobody consumes until a worker does: the likeliest cause of "my task never
+# ran" (a -Q that does not name it, a route to a typo), so it is said where the numbers are.
+_NO_CONSUMER = "no consumer: start a worker with -Q for it"
+
+
 def queue_table(rows: dict[str, dict[str, Any]], style: Style) -> str:
     """``ctl queues``: a row per queue, a header, and the rate as a signed change per second."""
     table = [["QUEUE", "READY", "HELD", "CONSUMERS", "DEAD", "RATE"]]
@@ -294,6 +299,8 @@ def queue_table(rows: dict[str, dict[str, Any]], style: Style) -> str:
             continue
         rate = float(row["rate_per_s"])
         trend = "steady" if rate == 0 else f"{rate:+.1f}/s ({'growing' if rate > 0 else 'draining'})"
+        if row.get("no_consumer"):
+            trend += f"; {style.error(_NO_CONSUMER)}"
         table.append([
             name, str(row["ready"]), str(row["held_by_workers"]), str(row["consumers"]), str(row["dead"]),
             trend,
@@ -348,6 +355,8 @@ def top_screen(
             continue
         rate = rates.get(name)
         shown = "-" if rate is None else ("steady" if rate == 0 else f"{rate:+.1f}/s")
+        if depth.ready and not depth.consumers:
+            shown += f"; {style.error(_NO_CONSUMER)}"
         queue_rows.append([name, str(depth.ready), str(depth.consumers), shown])
     if len(queue_rows) > 1:
         lines.append("")

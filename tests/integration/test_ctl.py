@@ -25,7 +25,7 @@ from control import ControlClient
 from control.cli.main import build_parser
 from control.protocol.request import MARKER_HEADER
 from control.protocol.revoke_log import RevokeEntry
-from tests.support.amqp import channel
+from tests.support.amqp import channel, delete_queues
 from tests.support.waiting import wait_for
 from tests.support.workers import ROOT, WorkerProcess
 
@@ -413,7 +413,7 @@ def test_ctl_queues_shows_depth_held_tasks_consumers_dead_letters_and_rate(
         assert proc.returncode == 0, output(proc)
         header, *lines = proc.stdout.splitlines()
         assert header.split() == ["QUEUE", "READY", "HELD", "CONSUMERS", "DEAD", "RATE"]
-        assert any(line.startswith(queue) for line in lines)
+        assert any(line.startswith(queue) and "no consumer" not in line for line in lines)  # it has one
         assert any(line.startswith("nope-queue") and "no such queue" in line for line in lines)
     finally:
         app.close()
@@ -441,3 +441,21 @@ def test_ctl_top_shows_workers_running_tasks_and_queues(vhost_url: str, node: Wo
         assert any(line.startswith(queue) for line in text.splitlines())
     finally:
         app.close()
+
+
+def test_ctl_queues_marks_a_queue_whose_tasks_nobody_consumes(vhost_url: str):
+    queue = f"q-unconsumed-{uuid.uuid4().hex[:8]}"
+    app = App("unconsumed-probe", settings=Settings(broker_url=vhost_url, default_queue=queue))
+    try:
+        app.send_many(app.signature("tests.integration.e2e_tasks.add", (i, i)) for i in range(3))
+        app.flush(10)
+        proc, _ = ctl("queues", queue, "-b", vhost_url, "--json", "--timeout", "1", "--interval", "0.2")
+        assert proc.returncode == 0, output(proc)
+        row = json.loads(proc.stdout)[queue]
+        assert (row["ready"], row["consumers"], row["no_consumer"]) == (3, 0, True)
+        proc, _ = ctl("queues", queue, "-b", vhost_url, "--timeout", "1", "--interval", "0.2")
+        [line] = [line for line in proc.stdout.splitlines() if line.startswith(queue)]
+        assert "no consumer: start a worker with -Q for it" in line, output(proc)
+    finally:
+        app.close()
+        delete_queues(vhost_url, queue)

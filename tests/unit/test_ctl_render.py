@@ -8,8 +8,9 @@ import time
 
 import pytest
 
+from control.blocking.client import QueueDepth
 from control.cli.main import build_parser
-from control.cli.render import Style, format_event, human_bytes, human_seconds, show
+from control.cli.render import Style, format_event, human_bytes, human_seconds, queue_table, show, top_screen
 
 
 def _shown(by_node: dict, method: str | None, style: Style | None = None) -> str:
@@ -128,3 +129,18 @@ def test_control_commands_have_help_that_says_what_they_do():
     assert "rate-limit" in text and "set a task's rate limit" in text
     assert "pool-grow" in text and "add N pool children" in text
     assert '{"ok"' not in text  # the reply's shape is not the help
+
+
+def test_a_queue_with_waiting_tasks_and_no_consumer_is_marked():
+    row = {"exists": True, "ready": 3, "held_by_workers": 0, "consumers": 0, "dead": 0, "rate_per_s": 0.0}
+    marked = queue_table(
+        {"orphan": {**row, "no_consumer": True}, "fine": {**row, "consumers": 1}}, Style(False)
+    )
+    [orphan] = [line for line in marked.splitlines() if line.startswith("orphan")]
+    [fine] = [line for line in marked.splitlines() if line.startswith("fine")]
+    assert "no consumer" in orphan and "no consumer" not in fine
+    depths = {"orphan": QueueDepth(ready=3, consumers=0), "empty": QueueDepth(ready=0, consumers=0)}
+    screen = top_screen({}, {}, depths, {}, style=Style(False), clock="12:00:00")
+    [orphan] = [line for line in screen.splitlines() if line.startswith("orphan")]
+    [empty] = [line for line in screen.splitlines() if line.startswith("empty")]
+    assert "no consumer" in orphan and "no consumer" not in empty  # nothing waits for one
