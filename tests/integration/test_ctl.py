@@ -152,6 +152,42 @@ def test_an_unknown_inspect_command_is_a_usage_error():
     assert "invalid choice" in proc.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "error", "usage"),
+    [
+        (
+            ["rate-limit"],
+            "rate-limit: missing TASK_NAME, RATE_LIMIT",
+            "ctl control rate-limit TASK_NAME RATE_LIMIT",
+        ),
+        (
+            ["rate-limit", "proj.add"],
+            "rate-limit: missing RATE_LIMIT",
+            "ctl control rate-limit TASK_NAME RATE_LIMIT",
+        ),
+        (["add-consumer"], "add-consumer: missing QUEUE", "ctl control add-consumer QUEUE [EXCHANGE]"),
+        (
+            ["time-limit", "proj.add", "soon"],
+            "time-limit: SOFT: 'soon' is not a valid int or float",
+            "ctl control time-limit TASK_NAME [SOFT] [HARD]",
+        ),
+        (
+            ["pool-grow", "1", "2"],
+            "pool-grow takes at most 1 argument(s), got 2",
+            "ctl control pool-grow [N]",
+        ),
+    ],
+)
+def test_control_arguments_the_command_refuses_are_a_usage_error_before_anything_is_sent(
+    args: list[str], error: str, usage: str
+):
+    # The broker is unreachable: had ctl tried to send, it would say so and exit 1.
+    proc, _ = ctl("-b", "amqp://guest:guest@127.0.0.1:1//", "control", *args)
+    assert proc.returncode == 2, output(proc)
+    said, told = proc.stderr.splitlines()
+    assert said == f"ctl: error: {error}" and told.startswith(f"usage: {usage}"), output(proc)
+
+
 def test_an_unreachable_broker_is_one_clear_line_without_the_password():
     proc, _ = ctl("-b", "amqp://guest:s3cret@127.0.0.1:1//", "inspect", "ping")
     assert proc.returncode == 1, output(proc)
