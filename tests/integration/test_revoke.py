@@ -128,8 +128,8 @@ def test_async_result_revoke_skips_a_queued_task_and_terminates_a_running_one(
         long = client.send_task(SLEEP, args=(60,), queue=queue)
         queued = client.send_task(RECORD, args=(str(ran), "queued"), queue=queue)
         tap.wait(lambda ev: bool(tap.of("task-started", uuid=long.id)), message="the long task started")
-        assert queued.revoke() is None  # a cast, as Celery's
-        assert long.revoke(terminate=True, signal="SIGKILL", wait=True, timeout=10) is None
+        queued.revoke()  # a cast, as Celery's
+        long.revoke(terminate=True, signal="SIGKILL", wait=True, timeout=10)
         with pytest.raises(TaskRevokedError, match="terminated"):
             long.get(timeout=30)
         with pytest.raises(TaskRevokedError):
