@@ -238,3 +238,26 @@ def test_a_celery_setting_that_does_nothing_here_is_warned_once_per_worker(
     finally:
         client.close()
         delete_queues(test_vhost_url, queue, f"{queue}.dead")
+
+
+def test_a_started_worker_says_at_info_only_what_a_user_needs(test_vhost_url: str):
+    """Celery prints a banner and 'ready': ours is worker_ready (the banner) and mingle_done.
+
+    The worker logs at debug here, so the test can wait until every start-up step has logged,
+    then count the lines at info.
+    """
+    queue = unique_queue("quiet-start")
+    with WorkerProcess(test_vhost_url, queues=[queue], concurrency=2) as worker:
+        worker.wait_ready()
+        steps = {"shared_queue_check_done": 1, "chord_joiner_subscribed": 1, "dedup_gate_subscribed": 1,
+                 "revocation_log_read": 1, "feed_child_consuming": 2, "dedup_gate_active": 8}  # fmt: skip
+
+        def started() -> bool:
+            return all(worker.count(event) >= n for event, n in steps.items())
+
+        wait_for(
+            started, timeout_s=60, message=f"start-up steps not all logged:\n{worker.log_text()[-4000:]}"
+        )
+        infos = [e["event"] for e in worker.events() if e.get("level") == "info"]
+        assert infos == ["mingle_done", "worker_ready"], infos
+    delete_queues(test_vhost_url, queue, f"{queue}.dead")
