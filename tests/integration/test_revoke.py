@@ -135,7 +135,11 @@ def test_async_result_revoke_skips_a_queued_task_and_terminates_a_running_one(
         with pytest.raises(TaskRevokedError):
             queued.get(timeout=30)
         assert (long.state, queued.state) == (State.REVOKED, State.REVOKED)
-        tap.wait(lambda ev: bool(tap.of("task-revoked", uuid=queued.id)), message="task-revoked")
+        # Each from the process that answered it (the worker, a new child): in either order.
+        tap.wait(
+            lambda ev: bool(tap.of("task-revoked", uuid=queued.id) and tap.of("task-revoked", uuid=long.id)),
+            message="task-revoked of both",
+        )
         assert tap.of("task-revoked", uuid=long.id)[0]["terminated"] is True
         assert tap.of("task-revoked", uuid=queued.id)[0]["terminated"] is False
     assert not ran.exists()  # the queued task never ran
@@ -319,9 +323,8 @@ async def test_a_follow_whose_connection_the_broker_closed_tries_again_on_a_live
             await following.follow(channel, await live.channel(), retry_pauses_s=(0.05,))
         assert asked == [closed, live]
         assert following.available
-        assert [e["event"] for e in logs if e["log_level"] != "debug"] == [
-            "revocation_log_retrying",
-            "revocation_log_read",
-        ]
+        assert [e["event"] for e in logs if e["log_level"] != "debug"] == ["revocation_log_retrying"]
+        # ... then it read the log to its end (a start-up step: at debug).
+        assert [e["event"] for e in logs if e["event"] == "revocation_log_read"] == ["revocation_log_read"]
     finally:
         await live.close()
