@@ -111,6 +111,7 @@ class App(TaskRegistry):
         self._store.state_lookup = self._stream_state
         self._store.unreachable = self._unreachable
         self._store.source = self._result_source
+        self._store.revoke = lambda task_id, **options: self.control.revoke(task_id, **options)
         self._redis_results: RedisResults | None = None
         self._source_lock = threading.Lock()
         self._close_hooks: list[Callable[[], None]] = []

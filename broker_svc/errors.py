@@ -29,6 +29,7 @@
     ├── Reject                               raised by a task: requeue it, or dead-letter it
     ├── TaskError                            a task failed remotely (carries the remote type)
     │   ├── TaskRevokedError                 the task was revoked or expired
+    │   ├── TimeLimitExceeded                the task ran past its hard time limit and was ended
     │   ├── ChordError                       a chord's body did not run: a header task failed
     │   └── TaskDeclined                     not run: its dedup key had one running and one waiting
     ├── LeadershipLost                       this process is not (or no longer) the leader
@@ -76,6 +77,7 @@ __all__ = [
     "TaskDeclined",
     "TaskError",
     "TaskRevokedError",
+    "TimeLimitExceeded",
     "Unroutable",
 ]
 
@@ -205,6 +207,21 @@ class TaskError(BrokerSvcError):
 
 class TaskRevokedError(TaskError):
     """The task was revoked, expired or terminated before it finished."""
+
+
+class TimeLimitExceeded(TaskError):
+    """The task ran past its hard time limit and was ended (Celery's ``celery.exceptions`` name).
+
+    Its one argument is the limit in seconds, as in Celery (``TimeLimitExceeded(2.0)``), and that
+    is what the wire carries (``exc_message`` ``[2.0]``), so Celery clients rebuild their own type;
+    only the text is for people: ``task exceeded its hard time limit of 2.0 s``.
+    """
+
+    def __str__(self) -> str:
+        limit = self.args[0] if len(self.args) == 1 else None
+        if isinstance(limit, int | float) and not isinstance(limit, bool):
+            return f"task exceeded its hard time limit of {float(limit)} s"
+        return super().__str__()
 
 
 class ChordError(TaskError):

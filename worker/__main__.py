@@ -9,7 +9,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Final, NoReturn
 
 from broker_svc.errors import BrokerUnavailable, ConfigurationError
 from broker_svc.logging import configure_logging
@@ -24,7 +24,7 @@ from worker.config import (
     expand_hostname,
     parse_autoscale,
 )
-from worker.loader import AppNotFound, BadAppSpec, NotAnApp, load_app, use_current_directory
+from worker.loader import AppImportFailed, AppNotFound, BadAppSpec, NotAnApp, load_app, use_current_directory
 from worker.process_files import redirect_output, write_pidfile
 from worker.rules.prefetch_budget import DEFAULT_BUDGET_S
 from worker.service import WorkerService
@@ -124,7 +124,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "-P",
         "--pool",
         default="prefork",
-        help="prefork only (the default); other pools are not built yet",
+        help="prefork only (the default); for Celery's threads pool use --threads",
     )
     parser.add_argument(
         "-B", "--beat", action="store_true",
@@ -196,10 +196,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     if args.pool not in ("prefork", "processes"):
-        parser.error(
-            f"-P {args.pool}: Clockwork runs tasks in a process pool (prefork); solo, threads, gevent and "
-            "eventlet pools are not built yet"
-        )
+        instead = _POOL_HINTS.get(args.pool, "Celery's pools are prefork, solo, threads, gevent and eventlet")
+        parser.error(f"-P {args.pool}: Clockwork runs tasks in a process pool (prefork); {instead}")
     if args.concurrency is not None and args.concurrency < 1:
         parser.error(f"-c/--concurrency must be at least 1, got {args.concurrency}")
     if args.queues and not [q for q in args.queues.split(",") if q.strip()]:
@@ -209,6 +207,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if value is not None and value < 1:
             parser.error(f"--{option.replace('_', '-')} must be at least 1, got {value}")
     return args
+
+
+# What to use instead of Celery's other pools. Not mapped silently: threads in processes differ
+# from Celery's one-process thread pool (time limits, terminate: docs/guide.md, --threads).
+_POOL_HINTS: Final = {
+    "threads": "for tasks that wait on I/O use --threads N (N task threads in each child; Celery's "
+    "'-P threads -c 8' is about '-c 1 --threads 8')",
+    "solo": "for one task at a time in one child use -c 1",
+    "gevent": "for tasks that wait on I/O use --threads N (task threads in each child), or async def tasks",
+    "eventlet": "for tasks that wait on I/O use --threads N (task threads in each child), or async def tasks",
+}
 
 
 def _seconds(value: str) -> float:
@@ -255,7 +264,7 @@ def _start(args: argparse.Namespace) -> int:
     # over CLOCKWORK_* variables, as App builds them), then the defaults.
     try:
         app = load_app(args.app)
-    except (BadAppSpec, AppNotFound, NotAnApp) as exc:
+    except (BadAppSpec, AppNotFound, AppImportFailed, NotAnApp) as exc:
         # One line says it all; -l debug adds the traceback. An error raised *inside* the user's
         # module is not caught here: its traceback points at their line.
         if args.loglevel.lower() == "debug":

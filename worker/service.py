@@ -307,10 +307,14 @@ class WorkerService:
     async def shutdown(self, running: Running) -> None:
         """Stop the children (each finishes its task within the deadline, hands back the rest), go offline."""
         config = self._config
+        in_flight = len(running.pool.feeding.running())  # what the children run now (the board)
+        # As Celery's warm shutdown says: a second Ctrl-C does not wait for the running tasks.
+        hint = "press Ctrl-C again (or send another SIGTERM) to stop now; unfinished tasks are redelivered"
         log.info(
             "worker_stopping",
-            in_flight=len(running.pool.feeding.running()),
+            in_flight=in_flight,
             timeout_s=config.shutdown_timeout_s,
+            **({"hint": hint} if in_flight else {}),
         )
         signals.worker_shutdown.send(sender=self)
         await running.background.stop("autoscaler")

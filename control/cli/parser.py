@@ -122,6 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
     events = commands.add_parser("events", parents=[common], help="follow live events")
     events.add_argument("--count", type=int, default=None, metavar="N", help="stop after N events")
     events.add_argument("--duration", type=float, default=None, metavar="S", help="stop after S seconds")
+    events.add_argument(
+        "--type",
+        action="append",
+        default=None,
+        metavar="TYPE[,TYPE]",
+        help="show only these event types; one ending in - or * is a prefix (task- for every task event)",
+    )
     _add_schedule(commands, common)
     _add_dead(commands, common)
     return parser

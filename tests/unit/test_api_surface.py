@@ -25,7 +25,7 @@ def test_broker_svc_exports_exactly_its_public_names():
             "DecodeError", "InvalidTaskMessage", "MaxRetriesExceededError", "MessageError",
             "MessageTooLarge", "NotRegistered", "PublishError", "PublishNacked", "ResultTimeout", "Retry",
             "SoftTimeLimitExceeded", "SpoolError", "SpoolFull", "TaskDeclined", "TaskError",
-            "TaskRevokedError", "Unroutable",
+            "TaskRevokedError", "TimeLimitExceeded", "Unroutable",
         ]
     )  # fmt: skip
     for name in broker_svc.__all__:

@@ -172,7 +172,7 @@ class Consumer:
                 wanted = tuple(shared.wanted)
                 if wanted != connection.queues:  # add_consumer / cancel_consumer, between tasks
                     connection.set_queues(list(wanted))
-                    log.info("feed_child_queues", queues=list(wanted))
+                    log.debug("feed_child_queues", queues=list(wanted))
                 self._look_at_parked()
                 delivery = connection.next_delivery(
                     _PARKED_CHECK_S if self.redeliveries.parked else STOP_CHECK_S
@@ -229,7 +229,7 @@ class Consumer:
     def _connect(self) -> None:
         self.connection.connect()
         self.redeliveries.forget()  # what it parked went back with the old connection
-        log.info("feed_child_consuming", queues=list(self._spec.queues), prefetch=self.connection.prefetch)
+        log.debug("feed_child_consuming", queues=list(self._spec.queues), prefetch=self.connection.prefetch)
 
     def _take(self, delivery: TaskDelivery) -> None:
         # One delivery from read to settle; it shows on the board from its run's start until then.

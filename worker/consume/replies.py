@@ -59,10 +59,12 @@ class FeedReplies:
         correlation_id: str | None,
         content_type: str,
         expiration: str | None = None,
+        task_name: str | None = None,
     ) -> None:
         """Send a result (Celery's rpc format); a result whose caller is gone is logged and dropped.
 
-        ``expiration``: the message's TTL in ms (``result_ttl``), else none.
+        ``expiration``: the message's TTL in ms (``result_ttl``), else none. ``task_name`` names
+        the task in the FAILURE sent instead of a result that cannot be encoded.
 
         Raises:
             BrokerSvcError: the broker did not take it (the delivery must not be acked).
@@ -70,7 +72,10 @@ class FeedReplies:
         try:
             body, ctype, encoding = codec.encode(outcome.to_wire(), content_type)
         except (TypeError, ValueError, OverflowError) as exc:
-            error = wire_exception("EncodeError", f"result cannot be encoded as {content_type}: {exc}")
+            task = f"task {task_name!r} (id {outcome.task_id})" if task_name else f"task {outcome.task_id}"
+            why = f"the result of {task} cannot be encoded as {content_type}: {exc}"
+            log.warning("task_result_not_encodable", error=why)
+            error = wire_exception("EncodeError", why)
             fallback = Outcome(task_id=outcome.task_id, status=State.FAILURE, result=error)
             body, ctype, encoding = codec.encode(fallback.to_wire(), content_type)
         message = WireMessage(
