@@ -16,7 +16,7 @@ BROKER_FLAGS ?=
 WITH_BROKER := trap '$(BROKER) stop --state-dir $(STATE) --owner $$$$' EXIT; trap 'exit 130' INT TERM; \
 	url=$$($(BROKER) ensure --state-dir $(STATE) --owner $$$$ $(BROKER_FLAGS)) || exit $$?
 
-.PHONY: run test worker bench reliability chaos lint typecheck chromium clean
+.PHONY: run test worker bench reliability chaos lint typecheck chromium dist clean
 
 # File targets, so the environment is built once and reinstalled only when pyproject.toml changes.
 # pip (not python) marks a usable venv: without python3-venv, `venv` leaves a python but no pip.
@@ -77,6 +77,15 @@ chaos: $(VENV)/.installed
 	@$(WITH_BROKER); AMQP_URL="$$url" $(BIN)/pytest -m chaos tests/reliability; status=$$?; \
 	$(BIN)/python -m tests.reliability.summary; exit $$status
 
+# The wheel (dist/clockwork_tasks-<version>-py3-none-any.whl): the three packages, their py.typed
+# and the console scripts, no tests (README, "Install"). pip builds it in an isolated environment
+# with pyproject's build requirements and installs nothing into the venv. build/ goes first: a
+# stale one from an earlier build would carry deleted modules into the wheel.
+dist: $(BIN)/pip
+	rm -rf build dist *.egg-info
+	$(BIN)/pip wheel --no-deps --wheel-dir dist .
+	rm -rf build *.egg-info
+
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -86,5 +95,5 @@ typecheck: $(VENV)/.installed
 
 clean:
 	@if [ -x $(BIN)/python ] && [ -d $(STATE) ]; then $(BROKER) stop --state-dir $(STATE); fi
-	rm -rf $(VENV) $(STATE) .mypy_cache .ruff_cache .pytest_cache .hypothesis *.egg-info
+	rm -rf $(VENV) $(STATE) .mypy_cache .ruff_cache .pytest_cache .hypothesis *.egg-info build dist
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

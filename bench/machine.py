@@ -8,7 +8,10 @@ import platform
 import subprocess
 from pathlib import Path
 
-OUR_DISTRIBUTIONS = ("clockwork", "pika", "aio-pika", "aiormq", "pamqp", "structlog", "msgpack")
+from broker_svc.version import DISTRIBUTION, UNKNOWN_VERSION, version
+
+# The libraries beside ours, whose version is broker_svc.version's (the checkout's, measured from one).
+OUR_DISTRIBUTIONS = ("pika", "aio-pika", "aiormq", "pamqp", "structlog", "msgpack")
 
 
 def _first(path: str, key: str) -> str | None:
@@ -48,7 +51,7 @@ def describe() -> dict[str, str]:
 
 def our_versions() -> dict[str, str]:
     """Versions of our package and the AMQP libraries in the project venv."""
-    found = {}
+    found = {DISTRIBUTION: version()} if version() != UNKNOWN_VERSION else {}
     for name in OUR_DISTRIBUTIONS:
         try:
             found[name] = importlib.metadata.version(name)

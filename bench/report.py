@@ -160,8 +160,9 @@ def settings_text(sizes: Mapping[str, int], wide: Mapping[str, int]) -> str:
   hundred of {sizes["drain"]:,}); *end to end* is {sizes["e2e"]:,} tasks over the time from the
   first timed send (worker already consuming) until none is left ready; *enqueue* is
   {sizes["enqueue"]:,} sends after one warm-up send, until the broker confirmed the last.
-- **Clockwork**: `python -m worker -c 2` (each pool child consumes with prefetch 1 on a
-  connection of its own: 2 unacked; the main process on asyncio's own loop;
+- **Clockwork**: `python -m worker -c 2` (each pool child consumes on a connection of its own
+  with the default prefetch budget, 10 ms of work: no-op tasks take it from 1 to 64 unacked per
+  child within a few tasks; the main process on asyncio's own loop;
   `--without-mingle --statedb none`; our packages' bytecode written first, as `pip install` writes
   the peers');
   client `App.send_task` with its default pipelined confirms (a call returns once handed to the

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
         TaskDeclined,
         TaskError,
         TaskRevokedError,
+        TimeLimitExceeded,
         Unroutable,
     )
     from broker_svc.results.jobs import Job
@@ -108,6 +109,7 @@ __all__ = [
     "TaskDeclined",
     "TaskError",
     "TaskRevokedError",
+    "TimeLimitExceeded",
     "Unroutable",
 ]
 
@@ -151,6 +153,7 @@ _EXPORTS = {
     "TaskError": "broker_svc.errors",
     "TaskMessage": "broker_svc.wire.task_message",
     "TaskRevokedError": "broker_svc.errors",
+    "TimeLimitExceeded": "broker_svc.errors",
     "Unroutable": "broker_svc.errors",
     "chain": "broker_svc.canvas.signature",
     "chord": "broker_svc.canvas.signature",

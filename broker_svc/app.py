@@ -54,7 +54,7 @@ class App(TaskRegistry):
         main: the app's name; tasks defined in ``__main__`` are named ``<main>.<function>``.
         broker: the broker URL (Celery's name); ``broker_url`` is the same.
         backend: where results go: ``"rpc://"`` (or None: results travel on RabbitMQ) or a
-            ``redis://`` URL (Celery's Redis backend, read from any process; ``clockwork[redis]``).
+            ``redis://`` URL (Celery's Redis backend, read from any process; ``clockwork-tasks[redis]``).
         include: modules a worker imports at start, for the tasks they define.
         settings: full settings, used as given. Without them, every setting comes from its
             ``CLOCKWORK_<FIELD>`` variable where one is set (``Settings.from_env``), as the worker
@@ -112,6 +112,7 @@ class App(TaskRegistry):
         self._store.state_lookup = self._stream_state
         self._store.unreachable = self._unreachable
         self._store.source = self._result_source
+        self._store.revoke = lambda task_id, **options: self.control.revoke(task_id, **options)
         self._redis_results: RedisResults | None = None
         self._source_lock = threading.Lock()
         # Run by close() with the seconds its timeout has left (None: no timeout was given).

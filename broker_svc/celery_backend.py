@@ -21,7 +21,7 @@ It is Celery's rpc backend with three differences:
   the added task, as a Clockwork worker does.
 - ``ensure_chords_allowed`` allows them.
 
-Importable only where Celery is installed (``pip install clockwork[celery]``).
+Importable only where Celery is installed (``pip install 'clockwork-tasks[celery]'``).
 """
 
 from __future__ import annotations

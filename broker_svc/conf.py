@@ -77,7 +77,8 @@ def _backend(value: Any) -> None:
     if is_redis_url(value):
         if importlib.util.find_spec("redis") is None:
             raise ConfigurationError(
-                f"result backend {value!r} needs the redis client library: pip install 'clockwork[redis]'"
+                f"result backend {value!r} needs the redis client library: "
+                "pip install 'clockwork-tasks[redis]'"
             )
         return
     raise ConfigurationError(

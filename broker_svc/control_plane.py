@@ -9,15 +9,25 @@ entry point, without an import from here. ``tests/unit/test_api_surface.py`` che
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 from broker_svc.errors import ConfigurationError
+from broker_svc.version import DISTRIBUTION
 
 if TYPE_CHECKING:
     from broker_svc.schedules.client import ScheduleClient
+    from broker_svc.wire.dead_letter import DeadLetter, RequeueResult
 
-__all__ = ["CONTROL_ENTRY_POINT_GROUP", "ControlPlane", "Destination", "Inspector", "Replies", "load_control"]
+__all__ = [
+    "CONTROL_ENTRY_POINT_GROUP",
+    "ControlPlane",
+    "DeadLetterQueues",
+    "Destination",
+    "Inspector",
+    "Replies",
+    "load_control",
+]
 
 CONTROL_ENTRY_POINT_GROUP = "clockwork.control"
 
@@ -43,6 +53,32 @@ class Inspector(Protocol):
     def conf(self, with_defaults: bool = False) -> Any: ...
     def report(self) -> Any: ...
     def dedup(self) -> Any: ...
+
+
+class DeadLetterQueues(Protocol):
+    """The dead letters of ``<queue>.dead`` (``app.control.dead_letters()``; ``control.DeadLetters``)."""
+
+    def dead_queues(self) -> list[str]: ...
+    def list(self, queue: str | None = None, *, limit: int | None = None) -> list[DeadLetter]: ...
+    def show(self, task_id: str, *, queue: str | None = None) -> Sequence[DeadLetter]: ...
+
+    def requeue(
+        self,
+        *task_ids: str,
+        queue: str | None = None,
+        to: str | None = None,
+        on_confirmed: Callable[[DeadLetter, str], None] | None = None,
+    ) -> RequeueResult: ...
+
+    def requeue_all(
+        self,
+        queue: str | None = None,
+        *,
+        to: str | None = None,
+        on_confirmed: Callable[[DeadLetter, str], None] | None = None,
+    ) -> RequeueResult: ...
+
+    def purge(self, queue: str | None = None) -> dict[str, int]: ...
 
 
 class ControlPlane(Protocol):
@@ -133,6 +169,7 @@ class ControlPlane(Protocol):
     ) -> Replies: ...
 
     def schedules(self, scheduler: str = "default") -> ScheduleClient: ...
+    def dead_letters(self) -> DeadLetterQueues: ...
     def close(self) -> None: ...
 
 
@@ -147,8 +184,8 @@ def load_control(app: object) -> ControlPlane:
     found = importlib.metadata.entry_points(group=CONTROL_ENTRY_POINT_GROUP, name="default")
     if not found:
         raise ConfigurationError(
-            f"no {CONTROL_ENTRY_POINT_GROUP!r} entry point named 'default': app.control needs the clockwork "
-            "package installed (pip install -e . in a checkout)"
+            f"no {CONTROL_ENTRY_POINT_GROUP!r} entry point named 'default': app.control needs the "
+            f"{DISTRIBUTION} distribution installed (pip install -e . in a checkout)"
         )
     factory = next(iter(found)).load()
     return cast(ControlPlane, factory(app))

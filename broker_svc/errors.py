@@ -29,11 +29,14 @@
     ├── Reject                               raised by a task: requeue it, or dead-letter it
     ├── TaskError                            a task failed remotely (carries the remote type)
     │   ├── TaskRevokedError                 the task was revoked or expired
+    │   ├── TimeLimitExceeded                the task ran past its hard time limit and was ended
     │   ├── ChordError                       a chord's body did not run: a header task failed
     │   └── TaskDeclined                     not run: its dedup key had one running and one waiting
     ├── LeadershipLost                       this process is not (or no longer) the leader
     ├── PoolClosedError (RuntimeError)       the worker's pool is closing and takes no more jobs
-    └── PoolStartError (RuntimeError)        a pool child did not load the app or report ready
+    ├── PoolStartError (RuntimeError)        a pool child did not load the app or report ready
+    ├── DeadLetterNotFound (KeyError)        no dead letter has that task id (``ctl dead``)
+    └── DeadQueueBusy                        another caller reads or requeues that dead queue
 
 The pool errors live in ``worker/pool/`` (``pool.py``, ``child.py``), since broker_svc never imports
 the worker; they are drawn here so the whole tree is in one place.
@@ -51,6 +54,8 @@ __all__ = [
     "ChordError",
     "ConfigurationError",
     "ContentDisallowed",
+    "DeadLetterNotFound",
+    "DeadQueueBusy",
     "DecodeError",
     "Ignore",
     "InvalidTaskMessage",
@@ -72,6 +77,7 @@ __all__ = [
     "TaskDeclined",
     "TaskError",
     "TaskRevokedError",
+    "TimeLimitExceeded",
     "Unroutable",
 ]
 
@@ -203,6 +209,21 @@ class TaskRevokedError(TaskError):
     """The task was revoked, expired or terminated before it finished."""
 
 
+class TimeLimitExceeded(TaskError):
+    """The task ran past its hard time limit and was ended (Celery's ``celery.exceptions`` name).
+
+    Its one argument is the limit in seconds, as in Celery (``TimeLimitExceeded(2.0)``), and that
+    is what the wire carries (``exc_message`` ``[2.0]``), so Celery clients rebuild their own type;
+    only the text is for people: ``task exceeded its hard time limit of 2.0 s``.
+    """
+
+    def __str__(self) -> str:
+        limit = self.args[0] if len(self.args) == 1 else None
+        if isinstance(limit, int | float) and not isinstance(limit, bool):
+            return f"task exceeded its hard time limit of {float(limit)} s"
+        return super().__str__()
+
+
 class ChordError(TaskError):
     """A chord's body did not run because a task of its header failed (Celery's ``ChordError``)."""
 
@@ -265,3 +286,25 @@ class Reject(BrokerSvcError):
         super().__init__(reason, requeue)
         self.reason = reason
         self.requeue = requeue
+
+
+class DeadLetterNotFound(BrokerSvcError, KeyError):
+    """No dead letter has these task ids (in the dead queues looked at); nothing was changed.
+
+    Attributes:
+        ids: the ids not found.
+        queues: the dead queues looked in.
+    """
+
+    def __init__(self, ids: list[str], queues: list[str]) -> None:
+        self.ids = ids
+        self.queues = queues
+        where = ", ".join(queues) if queues else "no dead queue (none found)"
+        super().__init__(f"no dead letter with id {', '.join(ids)} in {where}")
+
+    def __str__(self) -> str:
+        return str(self.args[0])  # KeyError's str() would quote it
+
+
+class DeadQueueBusy(BrokerSvcError):
+    """Another ``ctl dead`` (or program) holds the dead queue's lock: it is reading or requeueing it."""

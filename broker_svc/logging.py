@@ -80,7 +80,9 @@ def _set_up(level: int, *, json: bool | None, cache: bool) -> logging.Handler:
         if use_json
         else structlog.dev.ConsoleRenderer()
     )
-    render_exception = structlog.processors.format_exc_info if use_json else _identity
+    # On a terminal a task's traceback is read, not parsed: below its line, as Python prints it,
+    # not one escaped line of 600 characters. JSON keeps it one field of one line.
+    render_exception = structlog.processors.format_exc_info if use_json else _traceback_below
     # In JSON the shared steps and the renderer are one processor for our own events (the worker
     # writes a line per task): the same fields in the same order, at about half the cost.
     own: list[structlog.types.Processor] = (
@@ -260,9 +262,14 @@ _INFINITIES: Final = (float("inf"), float("-inf"))
 _quote: Final = json.encoder.encode_basestring_ascii
 
 
-def _identity(
+def _traceback_below(
     _logger: object, _name: str, event_dict: structlog.types.EventDict
 ) -> structlog.types.EventDict:
+    # A ``traceback`` field (a task's, as text) goes where the console renderer prints an
+    # exception: after the line, as it was written. One the call also has is left as a field.
+    text = event_dict.get("traceback")
+    if isinstance(text, str) and "exception" not in event_dict and "exc_info" not in event_dict:
+        event_dict["exception"] = event_dict.pop("traceback").rstrip("\n")
     return event_dict
 
 

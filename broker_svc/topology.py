@@ -13,9 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal, TypedDict
 
 __all__ = [
+    "DEAD_LETTER_AT_HEADER",
     "DEAD_LETTER_ERROR_HEADER",
     "DEAD_LETTER_QUEUE_HEADER",
     "DEAD_LETTER_REASON_HEADER",
+    "DEAD_LETTER_REQUEUED_HEADER",
     "DEFAULT_EXCHANGE",
     "DELAY_HOLD_WINDOW_S",
     "MAX_DELAY_BUCKET_MS",
@@ -35,6 +37,7 @@ __all__ = [
     "beat_term_exchange",
     "chord_join_queue",
     "control_reply_queue",
+    "dead_letter_lock_queue",
     "dead_letter_queue",
     "delay_bucket_ms",
     "delay_queue",
@@ -69,6 +72,11 @@ DEFAULT_EXCHANGE: Final = ""
 DEAD_LETTER_REASON_HEADER: Final = "x-clockwork-reason"
 DEAD_LETTER_ERROR_HEADER: Final = "x-clockwork-error"
 DEAD_LETTER_QUEUE_HEADER: Final = "x-clockwork-queue"
+DEAD_LETTER_AT_HEADER: Final = "x-clockwork-dead-at"  # ISO-8601, UTC, when the worker dead-lettered it
+# Set by ``ctl dead requeue`` on the task it publishes again: a map of the requeue (count, time, by
+# whom, from which dead queue, the earlier reason and the dead letter's key); docs/guide.md,
+# "Handling dead letters".
+DEAD_LETTER_REQUEUED_HEADER: Final = "x-clockwork-requeued"
 
 # The queue argument of an ordered task queue: the broker delivers to one consumer at a time and
 # moves that role to the next consumer (in the order they subscribed) when its channel closes.
@@ -201,6 +209,12 @@ def dead_letter_queue(queue: str) -> QueueSpec:
     and stay equal to Celery's declarations.
     """
     return QueueSpec(name=f"{queue}.dead", durable=True)
+
+
+def dead_letter_lock_queue(queue: str) -> QueueSpec:
+    """The lock of ``queue``'s dead-letter queue: whoever declares it (exclusive) reads and
+    requeues ``<queue>.dead`` alone; the broker lets go of it when that connection closes or dies."""
+    return QueueSpec(name=f"{queue}.dead.lock", durable=False, exclusive=True)
 
 
 def new_reply_queue_name() -> str:

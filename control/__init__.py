@@ -9,6 +9,7 @@ from broker_svc.lazy_exports import lazy_exports
 if TYPE_CHECKING:
     from control.api import Control, Inspect
     from control.blocking.client import ControlClient
+    from control.blocking.dead_letters import DeadLetters
     from control.protocol.collector import ReplyCollector
     from control.protocol.membership import Membership
     from control.protocol.replies import BroadcastResult, InspectReply, RevokeResult
@@ -22,6 +23,8 @@ __all__ = [
     "ControlClient",
     "InspectReply",
     "RevokeResult",
+    # dead letters: list, show, requeue, purge (``app.control.dead_letters()``)
+    "DeadLetters",
     # pure building blocks
     "Membership",
     "ReplyCollector",
@@ -37,6 +40,7 @@ _EXPORTS = {
     "ControlClient": "control.blocking.client",
     "InspectReply": "control.protocol.replies",
     "RevokeResult": "control.protocol.replies",
+    "DeadLetters": "control.blocking.dead_letters",
     "Membership": "control.protocol.membership",
     "ReplyCollector": "control.protocol.collector",
 }

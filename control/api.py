@@ -13,6 +13,7 @@ from broker_svc.logging import get_logger
 from broker_svc.schedules.client import ScheduleClient
 from broker_svc.settings import Settings
 from control.blocking.client import ControlClient
+from control.blocking.dead_letters import DeadLetters
 from control.protocol.replies import (
     BroadcastResult,
     ClockReply,
@@ -273,6 +274,22 @@ class Control:
     ) -> list[dict[str, Any]] | None:
         """Change the autoscale range of workers started with ``--autoscale`` (None keeps a bound)."""
         return self.broadcast("autoscale", {"max": max, "min": min}, destination=destination, **kwargs)
+
+    def dead_letters(self) -> DeadLetters:
+        """The dead letters of the vhost's task queues: ``list()``, ``show(id)``, ``requeue(*ids)``,
+        ``requeue_all()`` and ``purge()`` (docs/guide.md, "Handling dead letters"). Without a queue
+        they cover the dead queues of the app's queues and of those the live workers consume."""
+        return DeadLetters(self.settings, discover=self._consumed_queues, clock=self.clock)
+
+    def _consumed_queues(self) -> list[str]:
+        # The queues the live workers consume (ask for a second at most).
+        names: list[str] = []
+        for queues in self.client().inspect("active_queues", timeout_s=1.0).values():
+            for queue in queues if isinstance(queues, list) else ():
+                name = queue.get("name") if isinstance(queue, dict) else None
+                if isinstance(name, str) and name not in names:
+                    names.append(name)
+        return names
 
     def schedules(self, scheduler: str = "default") -> ScheduleClient:
         """The periodic schedule of ``scheduler``: ``list()``, and ``add``, ``remove``, ``pause``,

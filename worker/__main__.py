@@ -9,11 +9,12 @@ import sys
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Final, NoReturn
 
 from broker_svc.errors import BrokerUnavailable, ConfigurationError
 from broker_svc.logging import configure_logging
 from broker_svc.settings import split_names
+from broker_svc.version import add_version_option
 from worker.beat.cli import add_beat_options, beat_for
 from worker.config import (
     DEFAULT_CONSUMER_TIMEOUT_S,
@@ -23,7 +24,7 @@ from worker.config import (
     expand_hostname,
     parse_autoscale,
 )
-from worker.loader import AppNotFound, BadAppSpec, NotAnApp, load_app, use_current_directory
+from worker.loader import AppImportFailed, AppNotFound, BadAppSpec, NotAnApp, load_app, use_current_directory
 from worker.process_files import redirect_output, write_pidfile
 from worker.rules.prefetch_budget import DEFAULT_BUDGET_S
 from worker.service import WorkerService
@@ -38,6 +39,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     """The worker's command line (Celery's option names); docs/guide.md's options table lists each."""
     parser = _Parser(prog="clockwork-worker", description="Run a Clockwork worker.")
+    add_version_option(parser)
     parser.add_argument("-A", "--app", required=True, help="the app: package.module:app")
     parser.add_argument(
         "-c", "--concurrency", type=int, default=None,
@@ -55,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefetch-multiplier",
         type=int,
         default=None,
-        help="unacked deliveries per child and queue, running ones included (1: take only what can start)",
+        help="a fixed prefetch: unacked deliveries per child and queue, running ones included (1: take only "
+        "what can start); default: the prefetch budget",
     )
     parser.add_argument(
         "--prefetch-budget",
@@ -63,8 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="SECONDS",
         help="each child holds about this much work, by its recent task times: short tasks get a deep "
-        f"prefetch, long ones 1 ('10ms' or 0.01; {DEFAULT_BUDGET_S * 1000:g}ms drains no-op tasks at "
-        "full speed); off by default: a prefetch of 1 per child",
+        f"prefetch, long ones 1 (default {DEFAULT_BUDGET_S * 1000:g}ms; '10ms' or 0.01; 0: a fixed "
+        "prefetch of 1); a --prefetch-multiplier fixes it instead",
     )
     parser.add_argument(
         "--autoscale",
@@ -121,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
         "-P",
         "--pool",
         default="prefork",
-        help="prefork only (the default); other pools are not built yet",
+        help="prefork only (the default); for Celery's threads pool use --threads",
     )
     parser.add_argument(
         "-B", "--beat", action="store_true",
@@ -199,10 +202,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.pool not in ("prefork", "processes"):
-        parser.error(
-            f"-P {args.pool}: Clockwork runs tasks in a process pool (prefork); solo, threads, gevent and "
-            "eventlet pools are not built yet"
-        )
+        instead = _POOL_HINTS.get(args.pool, "Celery's pools are prefork, solo, threads, gevent and eventlet")
+        parser.error(f"-P {args.pool}: Clockwork runs tasks in a process pool (prefork); {instead}")
     if args.concurrency is not None and args.concurrency < 1:
         parser.error(f"-c/--concurrency must be at least 1, got {args.concurrency}")
     if args.queues and not [q for q in args.queues.split(",") if q.strip()]:
@@ -212,6 +213,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if value is not None and value < 1:
             parser.error(f"--{option.replace('_', '-')} must be at least 1, got {value}")
     return args
+
+
+# What to use instead of Celery's other pools. Not mapped silently: threads in processes differ
+# from Celery's one-process thread pool (time limits, terminate: docs/guide.md, --threads).
+_POOL_HINTS: Final = {
+    "threads": "for tasks that wait on I/O use --threads N (N task threads in each child; Celery's "
+    "'-P threads -c 8' is about '-c 1 --threads 8')",
+    "solo": "for one task at a time in one child use -c 1",
+    "gevent": "for tasks that wait on I/O use --threads N (task threads in each child), or async def tasks",
+    "eventlet": "for tasks that wait on I/O use --threads N (task threads in each child), or async def tasks",
+}
 
 
 def _seconds(value: str) -> float:
@@ -258,7 +270,7 @@ def _start(args: argparse.Namespace) -> int:
     # over CLOCKWORK_* variables, as App builds them), then the defaults.
     try:
         app = load_app(args.app)
-    except (BadAppSpec, AppNotFound, NotAnApp) as exc:
+    except (BadAppSpec, AppNotFound, AppImportFailed, NotAnApp) as exc:
         # One line says it all; -l debug adds the traceback. An error raised *inside* the user's
         # module is not caught here: its traceback points at their line.
         if args.loglevel.lower() == "debug":
@@ -294,7 +306,7 @@ def _start(args: argparse.Namespace) -> int:
         concurrency=max(args.autoscale[1], 1) if args.autoscale else concurrency,
         prefetch_multiplier=fixed or 1,
         # A multiplier given (here or as Celery's worker_prefetch_multiplier) fixes the prefetch.
-        prefetch_budget_s=None if fixed else budget or None,
+        prefetch_budget_s=None if fixed else (DEFAULT_BUDGET_S if budget is None else budget) or None,
         shutdown_timeout_s=args.shutdown_timeout,
         time_limit_s=args.time_limit if args.time_limit is not None else conf.get("task_time_limit"),
         soft_time_limit_s=(

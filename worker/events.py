@@ -11,7 +11,6 @@ import asyncio
 import os
 import platform
 from collections.abc import Callable, Sequence
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Final
 
 import aio_pika
@@ -20,10 +19,11 @@ import structlog
 
 from broker_svc.clock import LamportClock
 from broker_svc.topology import event_exchange
+from broker_svc.version import version
 from broker_svc.wire.event_fields import encode_event, event_body, routing_key, utcoffset
 from worker.rules.listers import QUEUES_FIELD
 
-__all__ = ["HEARTBEAT_FREQ_S", "EventDispatcher", "Heart", "software_version", "utcoffset"]
+__all__ = ["HEARTBEAT_FREQ_S", "EventDispatcher", "Heart", "utcoffset"]
 
 log = structlog.get_logger(__name__)
 
@@ -32,13 +32,6 @@ SW_IDENT: Final = "py-clockwork"
 # Task events are sent only while enabled (``-E`` or ``enable_events``), as in Celery; worker
 # events always are.
 _TASK_GROUP: Final = "task-"
-
-
-def software_version() -> str:
-    try:
-        return version("clockwork")
-    except PackageNotFoundError:
-        return "0"
 
 
 class EventDispatcher:
@@ -147,7 +140,7 @@ class Heart:
             **app,
             "freq": self._freq_s,
             "sw_ident": SW_IDENT,
-            "sw_ver": software_version(),
+            "sw_ver": version(),
             "sw_sys": platform.system(),
             "active": active,
             "processed": processed,

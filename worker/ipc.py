@@ -33,6 +33,7 @@ from broker_svc.errors import DecodeError, MessageTooLarge
 from broker_svc.wire.codec import refuse_ext
 
 __all__ = [
+    "EXIT_TIME_LIMIT",
     "HEADER",
     "MAX_FRAME_BYTES",
     "Job",
@@ -85,6 +86,11 @@ class Job:
     request: dict[str, Any]
     hard_time_limit_s: float | None = None
     soft_time_limit_s: float | None = None
+
+
+# A child ends itself with this status once its task passed the hard time limit and was answered
+# (errno ETIME, "timer expired"): the pool replaces it without calling it a crash.
+EXIT_TIME_LIMIT: Final = 62
 
 
 def describe_exit(exitcode: int | None) -> str:

@@ -5,13 +5,17 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import traceback
 from typing import Final
 
 from broker_svc.app import App
+from broker_svc.errors import ConfigurationError
 
 __all__ = [
     "APP_PATH_ENV",
+    "FORKSERVER_ENV",
     "SAFE_PATH_ADDED_ENV",
+    "AppImportFailed",
     "AppNotFound",
     "BadAppSpec",
     "NotAnApp",
@@ -30,6 +34,10 @@ class BadAppSpec(ValueError):
 
 class AppNotFound(ImportError):
     """The module or attribute an ``-A`` spec names cannot be found (not an error inside the module)."""
+
+
+class AppImportFailed(ImportError):
+    """The module of an ``-A`` spec does not compile, or its ``App(...)`` refused its configuration."""
 
 
 class NotAnApp(ValueError):
@@ -57,6 +65,9 @@ def use_current_directory() -> None:
 
 # Set when the pool added PYTHONSAFEPATH for its forkserver only (worker.pool.pool).
 SAFE_PATH_ADDED_ENV: Final = "CLOCKWORK_SAFE_PATH_ADDED"
+# Set while the pool starts its forkserver: the process that preloads the app the worker has
+# already loaded (and logged about) once (worker.child.main).
+FORKSERVER_ENV: Final = "CLOCKWORK_FORKSERVER"
 
 
 def extend_path_from_environment() -> None:
@@ -89,13 +100,25 @@ def load_app(spec: str) -> App:
 
     Raises:
         ValueError: the spec is malformed, or the attribute is not a ``broker_svc.App``.
-        ImportError: the module cannot be imported, or has no such attribute.
-        Exception: whatever the module itself raises while it is imported (left as it is, so
+        ImportError: the module cannot be imported (``AppImportFailed``: a syntax error, or a
+            configuration our ``App`` refused), or has no such attribute.
+        Exception: whatever else the module itself raises while it is imported (left as it is, so
             the traceback points at the user's line).
     """
     module_name, attribute = split_spec(spec)
     try:
         module = importlib.import_module(module_name)
+    except SyntaxError as exc:
+        # Python's own report is ~20 lines of importlib frames around one fact: where the typo is.
+        where = f"{exc.filename}, line {exc.lineno}" if exc.filename else module_name
+        code = f": {exc.text.strip()}" if exc.text and exc.text.strip() else ""
+        raise AppImportFailed(
+            f"cannot load app {spec!r}: {type(exc).__name__} in {where}: {exc.msg}{code}", name=module_name
+        ) from exc
+    except ConfigurationError as exc:
+        # Our App(...) refused a setting (an unsupported backend, say): its message says what to
+        # change; the user's line that set it is all the traceback would add.
+        raise AppImportFailed(f"cannot load app {spec!r}: {exc}{_user_line(exc)}", name=module_name) from exc
     except ModuleNotFoundError as exc:
         if exc.name is not None and (module_name == exc.name or module_name.startswith(exc.name + ".")):
             raise AppNotFound(
@@ -131,6 +154,22 @@ def load_app(spec: str) -> App:
     # The modules the app names (include=, imports, autodiscover_tasks) hold tasks too.
     value.import_task_modules()
     return value
+
+
+def _user_line(exc: BaseException) -> str:
+    # The innermost frame outside Clockwork's packages and importlib: the user's line that raised it.
+    frames = [
+        f
+        for f in traceback.extract_tb(exc.__traceback__)
+        if not f.filename.startswith((*_OUR_PACKAGES, "<frozen ")) and f.filename != importlib.__file__
+    ]
+    return f" ({frames[-1].filename}, line {frames[-1].lineno})" if frames else ""
+
+
+_OUR_PACKAGES: Final = tuple(
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), package) + os.sep
+    for package in ("broker_svc", "control", "worker")
+)
 
 
 def _is_dotted_name(text: str) -> bool:

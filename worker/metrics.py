@@ -7,11 +7,13 @@ unchanged: ``celery_task_{received,started,succeeded,failed,retried,rejected,rev
 ``celery_worker_up`` / ``celery_worker_tasks_active`` per ``hostname``. Unlike celery-exporter they
 need no events and no separate process: each worker serves its own, and Prometheus sums them.
 
-Ours, under ``clockwork_``: dead letters by queue and reason, redeliveries, the pool's children
-(busy or idle), each consumed queue's depth and consumers (sampled every 15 s), and how long the
-broker takes to confirm what the worker publishes. One registry in the worker's main process is
-the whole count: the pool children count their own tasks and send their counts in batches
-(``worker/consume/tally.py``), added here by :meth:`WorkerMetrics.add`.
+Ours, under ``clockwork_``: dead letters by queue and reason, requeued dead letters by how they
+ended (``ctl dead requeue`` runs in a short-lived process: its copies are counted where they end),
+redeliveries, the pool's children (busy or idle), each consumed queue's depth and consumers
+(sampled every 15 s), and how long the broker takes to confirm what the worker publishes. One
+registry in the worker's main process is the whole count: the pool children count their own tasks
+and send their counts in batches (``worker/consume/tally.py``), added here by
+:meth:`WorkerMetrics.add`.
 """
 
 from __future__ import annotations
@@ -86,6 +88,12 @@ class WorkerMetrics:
             "clockwork_dead_letters", "Deliveries kept in <queue>.dead, by reason.",
             ("hostname", "queue_name", "reason"), registry=registry,
         )  # fmt: skip
+        self._requeued = Counter(
+            "clockwork_requeued_tasks",
+            "Requeued dead letters (x-clockwork-requeued) whose delivery ended here: done (ran, or "
+            "answered unrun) or dead_lettered again. Retries and parked copies count once, at their end.",
+            ("hostname", "queue_name", "outcome"), registry=registry,
+        )  # fmt: skip
         self._redelivered = Counter(
             "clockwork_redeliveries", "Deliveries that were a repeat (a worker or child died, a lost ack).",
             ("hostname", "queue_name"), registry=registry,
@@ -134,6 +142,9 @@ class WorkerMetrics:
                 self._dead.labels(host, queue, reason).inc(n)
             elif event == "redelivered":
                 self._redelivered.labels(host, labels[0]).inc(n)
+            elif event == "requeued":
+                queue, outcome = labels
+                self._requeued.labels(host, queue, outcome).inc(n)
         for (name, queue), seconds in tally.runtimes.items():
             runtime = self._runtime.labels(name, host, queue)
             for value in seconds:

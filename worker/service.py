@@ -18,6 +18,7 @@ from broker_svc.app import App
 from broker_svc.clock import LamportClock
 from broker_svc.errors import BrokerUnavailable
 from broker_svc.topology import dead_letter_queue, expired_queue
+from broker_svc.version import version
 from control.aio.declare import declare_queue
 from control.aio.header_ints import install_header_int_guard
 from control.protocol.commands import CommandRegistry
@@ -29,7 +30,7 @@ from worker.assembly import feed_spec, serve_metrics, warn_time_limits
 from worker.background import Background
 from worker.cluster import mingle_step, run_shared_queue_check, start_events, start_mailbox
 from worker.config import WorkerConfig
-from worker.events import Heart, software_version
+from worker.events import Heart
 from worker.pool.autoscale import Autoscaler, PoolSizer
 from worker.pool.demand import BacklogDemand
 from worker.pool.pool import ProcessPool
@@ -284,7 +285,7 @@ class WorkerService:
             "worker_ready",
             hostname=config.hostname,
             # The start-up banner: what runs, against which broker (no password), with which tasks.
-            version=software_version(),
+            version=version(),
             app=config.app_spec,
             app_namespace=config.settings.namespace,
             broker=config.settings.safe_broker_url,
@@ -306,10 +307,14 @@ class WorkerService:
     async def shutdown(self, running: Running) -> None:
         """Stop the children (each finishes its task within the deadline, hands back the rest), go offline."""
         config = self._config
+        in_flight = len(running.pool.feeding.running())  # what the children run now (the board)
+        # As Celery's warm shutdown says: a second Ctrl-C does not wait for the running tasks.
+        hint = "press Ctrl-C again (or send another SIGTERM) to stop now; unfinished tasks are redelivered"
         log.info(
             "worker_stopping",
-            in_flight=len(running.pool.feeding.running()),
+            in_flight=in_flight,
             timeout_s=config.shutdown_timeout_s,
+            **({"hint": hint} if in_flight else {}),
         )
         signals.worker_shutdown.send(sender=self)
         await running.background.stop("autoscaler")

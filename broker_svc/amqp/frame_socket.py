@@ -231,20 +231,44 @@ class FrameSocket:
             self._dispatch(frame)
 
     def _read_arrived(self) -> None:
-        # Handle the frames already received, without waiting for more.
+        # Handle the frames already received, without waiting for more. A plain socket is read
+        # without blocking (one system call, where a select() then a read took two), and a read
+        # that did not fill the scratch buffer took all there was: no second look.
         sock = self._sock
         if sock is None:
             raise ConnectionLost("not connected")
+        drained = False
         while True:
             frame = frames.next_frame(self._buffer)
             if frame is None:
-                tls_pending = isinstance(sock, ssl.SSLSocket) and sock.pending() > 0
-                if not tls_pending and not select.select([sock], [], [], 0)[0]:
+                if drained:
                     return
-                frame = self._read()
-                if frame is None:
-                    return
+                if isinstance(sock, ssl.SSLSocket):
+                    if not sock.pending() and not select.select([sock], [], [], 0)[0]:
+                        return
+                    frame = self._read()
+                    if frame is None:
+                        return
+                else:
+                    size = self._receive(sock, socket.MSG_DONTWAIT)
+                    drained = size is None or size < READ_SIZE
+                    continue
             self._dispatch(frame)
+
+    def _receive(self, sock: socket.socket, flags: int = 0) -> int | None:
+        # One read into the buffer: its size, or None if nothing came (within the wake interval, or
+        # at once with MSG_DONTWAIT).
+        try:
+            size = sock.recv_into(self._scratch, READ_SIZE, flags)
+        except (TimeoutError, BlockingIOError):
+            return None
+        except OSError as exc:
+            raise self._lost(f"read failed: {exc}") from exc
+        if not size:
+            raise self._lost("the broker closed the connection")
+        self._last_read = time.monotonic()
+        self._buffer += self._scratch[:size]
+        return size
 
     def _pump(self) -> None:
         # Read (one wait of at most the wake interval) and handle a frame; heartbeats both ways.
@@ -266,16 +290,8 @@ class FrameSocket:
         sock = self._sock
         if sock is None:
             raise ConnectionLost("not connected")
-        try:
-            size = sock.recv_into(self._scratch)
-        except (TimeoutError, BlockingIOError):
+        if self._receive(sock) is None:
             return None
-        except OSError as exc:
-            raise self._lost(f"read failed: {exc}") from exc
-        if not size:
-            raise self._lost("the broker closed the connection")
-        self._last_read = time.monotonic()
-        self._buffer += self._scratch[:size]
         return frames.next_frame(self._buffer)
 
     def _content(self) -> tuple[frames.Properties, bytes]:

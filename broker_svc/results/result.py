@@ -246,6 +246,43 @@ class AsyncResult(OutcomeView, Generic[R]):
             except ResultTimeout:
                 continue
 
+    def revoke(
+        self,
+        connection: object = None,
+        terminate: bool = False,
+        signal: str | int | None = None,
+        wait: bool = False,
+        timeout: float | None = None,
+    ) -> None:
+        """Revoke the task, as Celery's ``AsyncResult.revoke``: ``app.control.revoke(self.id, ...)``.
+
+        Durable, as every revoke here: a worker that starts later skips the task too. With
+        ``terminate``, a running task is ended with ``signal`` (default SIGTERM) and answered
+        REVOKED ``terminated``; without, a running task runs on, and one not started never does.
+
+        Args:
+            connection: accepted for Celery's signature; the app's own connection is used.
+            terminate: also end the task if it is running.
+            signal: the signal for ``terminate`` (a name like ``"SIGKILL"`` or a number).
+            wait: wait for the workers' replies (at most ``timeout``).
+            timeout: seconds to wait for replies (default 1).
+
+        Raises:
+            ConfigurationError: this handle has no app to revoke through (a placeholder result).
+            BrokerUnavailable: the broker cannot be reached.
+        """
+        del connection
+        revoke = self._store.revoke
+        if revoke is None:
+            raise ConfigurationError(f"no app to revoke task {self.id} through: use app.control.revoke")
+        revoke(
+            self.id,
+            terminate=terminate,
+            signal=signal if signal is not None else "SIGTERM",
+            reply=wait,
+            timeout=timeout if timeout is not None else 1.0,
+        )
+
     def forget(self) -> None:
         """Drop what this client holds of the result, and with a Redis backend its stored key (as
         Celery's ``forget``; the rpc backend keeps nothing elsewhere).

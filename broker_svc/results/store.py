@@ -84,6 +84,8 @@ class ResultStore:
         self.unreachable: Callable[[], str | None] | None = None
         # The app's other source of states (a Redis result backend), or None; set by the app.
         self.source: Callable[[], ResultSource | None] | None = None
+        # The app's ``control.revoke`` (``AsyncResult.revoke``), or None; set by the app.
+        self.revoke: Callable[..., Any] | None = None
 
     def register(self, task_id: str) -> None:
         """Start keeping results for ``task_id`` (one call per ``AsyncResult`` holding it)."""

@@ -75,7 +75,7 @@ def encode(value: Any, serializer: str) -> tuple[bytes, str, str]:
     if content_type == MSGPACK:
         try:
             return msgpack.packb(value, use_bin_type=True), content_type, encoding
-        except OverflowError as exc:  # ints beyond 64 bits
+        except (OverflowError, TypeError, ValueError) as exc:  # ints beyond 64 bits, objects
             raise TypeError(f"msgpack cannot encode this value: {exc}") from exc
     text = json.dumps(value, default=_json_default, separators=(",", ":"), ensure_ascii=False)
     return text.encode("utf-8"), content_type, encoding

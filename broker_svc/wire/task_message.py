@@ -152,9 +152,13 @@ def encode_task(message: TaskMessage, *, serializer: str) -> WireMessage:
     if message.clock is not None:
         headers[CLOCK_HEADER] = message.clock
     _check_header_ints(headers)
-    body, content_type, content_encoding = codec.encode(
-        [list(message.args), dict(message.kwargs), message.embed], serializer
-    )
+    try:
+        body, content_type, content_encoding = codec.encode(
+            [list(message.args), dict(message.kwargs), message.embed], serializer
+        )
+    except TypeError as exc:
+        # Raised where the task is sent, often far from where the value was made: name the task.
+        raise TypeError(f"cannot send task {message.task!r} (id {message.id}): {exc}") from exc
     expiration = None
     if message.expires is not None:
         remaining_ms = (message.expires - dt.datetime.now(dt.UTC)).total_seconds() * 1000

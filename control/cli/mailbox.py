@@ -9,10 +9,10 @@ import json
 from typing import Any, TextIO
 
 from control.blocking.client import ControlClient
-from control.cli.exit_codes import EX_FAILURE, EX_OK, EX_UNAVAILABLE
+from control.cli.exit_codes import EX_FAILURE, EX_OK, EX_UNAVAILABLE, EX_USAGE
 from control.cli.parser import CONTROL_METHODS, INSPECT_METHODS
 from control.cli.render import Style, format_nodes, is_error, is_ok, show, summarize
-from control.protocol.commands import Param
+from control.protocol.commands import Command, Param
 from control.protocol.replies import BroadcastResult
 from control.protocol.request import flatten_replies
 
@@ -43,19 +43,48 @@ def control_command(
 ) -> int:
     """``ctl control METHOD ARG...``: change the workers; positional words become the command's arguments.
 
-    Raises:
-        ValueError: too many arguments, or one of the wrong type.
+    Arguments the command's schema refuses (too many, too few, the wrong type) are a usage error,
+    exit 2, before anything is sent: a request every worker can only refuse is no request.
     """
     method = args.method.replace("-", "_")
-    params = CONTROL_METHODS[method].params
-    if len(args.values) > len(params):
-        raise ValueError(f"{args.method} takes at most {len(params)} argument(s): {', '.join(params)}")
-    arguments = {
-        name: _convert(value, params[name]) for name, value in zip(params, args.values, strict=False)
-    }
+    command = CONTROL_METHODS[method]
+    try:
+        arguments = _arguments(args.method, command, args.values)
+    except ValueError as exc:
+        err.write(f"ctl: error: {exc}\n{_usage(args.method, command)}\n")
+        return EX_USAGE
     result = client.broadcast(method, arguments, destination=dest, reply=True, timeout_s=args.timeout)
     show(flatten_replies(result.replies), args.json, out, style=Style.for_stream(out))
     return _status(result, err)
+
+
+def _arguments(cli_name: str, command: Command, values: list[str]) -> dict[str, Any]:
+    # The positional words as the command's keyword arguments, checked as the workers check them.
+    params = command.params
+    if len(values) > len(params):
+        raise ValueError(f"{cli_name} takes at most {len(params)} argument(s), got {len(values)}")
+    arguments = {}
+    for name, value in zip(params, values, strict=False):
+        try:
+            arguments[name] = _convert(value, params[name])
+        except ValueError as exc:
+            raise ValueError(f"{cli_name}: {name.upper()}: {exc}") from None
+    missing = [name.upper() for name, param in params.items() if param.required and name not in arguments]
+    if missing:
+        raise ValueError(f"{cli_name}: missing {', '.join(missing)}")
+    try:
+        command.bind(arguments)
+    except TypeError as exc:
+        raise ValueError(f"{cli_name}: {exc}") from None
+    return arguments
+
+
+def _usage(cli_name: str, command: Command) -> str:
+    # ``usage: ctl control rate-limit TASK_NAME RATE_LIMIT`` (optional ones in brackets).
+    words = [
+        name.upper() if param.required else f"[{name.upper()}]" for name, param in command.params.items()
+    ]
+    return f"usage: ctl control {' '.join([cli_name, *words])}"
 
 
 def _convert(value: str, param: Param) -> Any:

@@ -84,6 +84,10 @@ def _command(name: str) -> Command:
         from control.cli.schedule import schedule_command
 
         return schedule_command
+    if name == "dead":
+        from control.cli.dead import dead_command
+
+        return dead_command
     if name in ("queues", "top"):
         from control.cli.watch import queues_command, top_command
 

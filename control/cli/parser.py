@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Final
 
+from broker_svc.version import add_version_option
 from control.protocol.commands import COMMANDS, CommandKind
 
 __all__ = ["CONTROL_METHODS", "INSPECT_METHODS", "build_parser"]
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ctl", description="Inspect and control Clockwork (and Celery) workers."
     )
     _add_common(parser, default=True)
+    add_version_option(parser)
     # Repeated on every sub-parser with SUPPRESS defaults, so a later position only overrides
     # what it actually sets.
     common = argparse.ArgumentParser(add_help=False)
@@ -120,7 +122,15 @@ def build_parser() -> argparse.ArgumentParser:
     events = commands.add_parser("events", parents=[common], help="follow live events")
     events.add_argument("--count", type=int, default=None, metavar="N", help="stop after N events")
     events.add_argument("--duration", type=float, default=None, metavar="S", help="stop after S seconds")
+    events.add_argument(
+        "--type",
+        action="append",
+        default=None,
+        metavar="TYPE[,TYPE]",
+        help="show only these event types; one ending in - or * is a prefix (task- for every task event)",
+    )
     _add_schedule(commands, common)
+    _add_dead(commands, common)
     return parser
 
 
@@ -203,3 +213,39 @@ def _add_schedule(commands: Any, common: argparse.ArgumentParser) -> None:
         ("run-now", "fire an entry once now, besides its schedule"),
     ):
         ops.add_parser(op, parents=[common, which], help=text).add_argument("name", help="the entry's name")
+
+
+def _add_dead(commands: Any, common: argparse.ArgumentParser) -> None:
+    # ``ctl dead`` and its operations (control/cli/dead.py).
+    dead = commands.add_parser(
+        "dead",
+        parents=[common],
+        help="list, show, requeue and purge dead letters (<queue>.dead)",
+        description="The tasks workers kept in <queue>.dead: never run, or failed for good (see the "
+        "guide, 'Handling dead letters'). QUEUE is a task queue or its dead queue; without one, the "
+        "dead queues of the queues the live workers consume, the default queue and the expired queue. "
+        "--timeout bounds the wait for the workers' answer and for another ctl done with a dead queue.",
+    )
+    ops = dead.add_subparsers(dest="op", required=True, metavar="OP")
+    listing = ops.add_parser("list", parents=[common], help="task, id, reason, when and queue of each")
+    listing.add_argument("queue", nargs="?", metavar="QUEUE", help="only this queue's dead letters")
+    listing.add_argument("--limit", type=int, default=None, metavar="N", help="show the first N only")
+    show = ops.add_parser("show", parents=[common], help="one dead letter: headers, properties, body")
+    show.add_argument("id", metavar="ID", help="the task id")
+    show.add_argument("--queue", default=None, metavar="QUEUE", help="look only in this queue's dead letters")
+    requeue = ops.add_parser(
+        "requeue",
+        parents=[common],
+        help="send dead letters back to their queue (delivery count reset), each once",
+        description="Each copy is confirmed by the broker before its dead letter is acked; a requeue "
+        "cut short is finished by the next ctl dead command, without sending a task twice.",
+    )
+    requeue.add_argument("ids", nargs="*", metavar="ID", help="task ids")
+    requeue.add_argument("--all", action="store_true", help="every dead letter (of --queue, else of all)")
+    requeue.add_argument("--queue", default=None, metavar="QUEUE", help="only this queue's dead letters")
+    requeue.add_argument(
+        "--to", default=None, metavar="QUEUE", help="send them to QUEUE instead of the queue they came from"
+    )
+    purge = ops.add_parser("purge", parents=[common], help="delete dead letters for good (needs --yes)")
+    purge.add_argument("queue", nargs="?", metavar="QUEUE", help="only this queue's dead letters")
+    purge.add_argument("--yes", action="store_true", help="yes, delete them")

@@ -164,12 +164,24 @@ def _tasks(value: Any) -> tuple[str, list[str]]:
             continue
         started = _number(task.get("time_start"))
         when = f"running {human_seconds(max(0.0, now - started))}" if started else "waiting"
-        args = task.get("argsrepr") or task.get("args")
         rows.append([
-            str(task.get("id", "?")), str(task.get("name", "?")), _short(args, 40), when,
+            str(task.get("id", "?")), str(task.get("name", "?")), _short(_arguments(task), 60), when,
             f"pid {task['worker_pid']}" if task.get("worker_pid") else "",
         ])  # fmt: skip
     return _count(len(rows), "task"), _table(rows)
+
+
+def _arguments(task: dict[str, Any]) -> str:
+    # ``(1, 2) {'size': 3}``: the positional and the keyword arguments, each as the worker sent it
+    # (its repr strings with --safe or from a Celery worker's argsrepr, else the values).
+    args = task.get("argsrepr") or task.get("args")
+    kwargs = task.get("kwargsrepr") or task.get("kwargs")
+    text = args if isinstance(args, str) else repr(tuple(args)) if isinstance(args, list) else _short(args)
+    if isinstance(kwargs, dict):
+        kwargs = repr(kwargs) if kwargs else None
+    if kwargs and kwargs != "{}":
+        text = f"{text} {kwargs}"
+    return text
 
 
 def _scheduled(value: Any) -> tuple[str, list[str]]:
@@ -273,6 +285,11 @@ _LAYOUTS: Final[dict[str, Callable[[Any], tuple[str, list[str]]]]] = {
 }
 
 
+# Tasks wait in a queue nobody consumes until a worker does: the likeliest cause of "my task never
+# ran" (a -Q that does not name it, a route to a typo), so it is said where the numbers are.
+_NO_CONSUMER = "no consumer: start a worker with -Q for it"
+
+
 def queue_table(rows: dict[str, dict[str, Any]], style: Style) -> str:
     """``ctl queues``: a row per queue, a header, and the rate as a signed change per second."""
     table = [["QUEUE", "READY", "HELD", "CONSUMERS", "DEAD", "RATE"]]
@@ -282,6 +299,8 @@ def queue_table(rows: dict[str, dict[str, Any]], style: Style) -> str:
             continue
         rate = float(row["rate_per_s"])
         trend = "steady" if rate == 0 else f"{rate:+.1f}/s ({'growing' if rate > 0 else 'draining'})"
+        if row.get("no_consumer"):
+            trend += f"; {style.error(_NO_CONSUMER)}"
         table.append([
             name, str(row["ready"]), str(row["held_by_workers"]), str(row["consumers"]), str(row["dead"]),
             trend,
@@ -336,6 +355,8 @@ def top_screen(
             continue
         rate = rates.get(name)
         shown = "-" if rate is None else ("steady" if rate == 0 else f"{rate:+.1f}/s")
+        if depth.ready and not depth.consumers:
+            shown += f"; {style.error(_NO_CONSUMER)}"
         queue_rows.append([name, str(depth.ready), str(depth.consumers), shown])
     if len(queue_rows) > 1:
         lines.append("")
@@ -380,9 +401,23 @@ def format_event(event: dict[str, Any]) -> str:
     )
     parts = [when, f"clock={event.get('clock')}", str(event.get("hostname")), str(event.get("type"))]
     for key in ("uuid", "name", "runtime", "result", "exception"):
-        if event.get(key) is not None:
-            parts.append(f"{key}={_short(event[key], 80)}")
+        value = event.get(key)
+        if value is None:
+            continue
+        if key == "runtime" and isinstance(value, int | float) and not isinstance(value, bool):
+            parts.append(f"runtime={_runtime(value)}")
+        else:
+            parts.append(f"{key}={_short(value, 80)}")
     return " ".join(parts)
+
+
+def _runtime(seconds: float) -> str:
+    # Three significant digits, not a float's seventeen; no space, so the line stays key=value.
+    if float(f"{seconds:.3g}") < 1:
+        return f"{seconds * 1000:.3g}ms"
+    if float(f"{seconds:.3g}") < 60:
+        return f"{seconds:.3g}s"
+    return human_seconds(seconds).replace(" ", "")
 
 
 def format_nodes(nodes: frozenset[str]) -> str:

@@ -52,6 +52,7 @@ def queues_command(
             "exists": True, "ready": now.ready, "held_by_workers": held.get(name, 0),
             "consumers": now.consumers, "dead": dead.ready if dead is not None else 0,
             "rate_per_s": round(rate, 1),
+            "no_consumer": now.ready > 0 and now.consumers == 0,  # waiting for a worker that is not there
         }  # fmt: skip
     out.write(json.dumps(rows) + "\n" if args.json else queue_table(rows, Style.for_stream(out)))
     return EX_OK

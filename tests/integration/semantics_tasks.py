@@ -171,3 +171,8 @@ def rate_limited() -> str:
 @app.task
 def die() -> None:
     os._exit(9)  # the child dies mid-task, as a segfault or the OOM killer would end it
+
+
+@app.task
+def unencodable() -> object:
+    return object()  # no serializer can carry it

@@ -16,7 +16,7 @@ import pytest
 
 from broker_svc import App, AsyncResult, Settings, TaskError
 from broker_svc.canvas.signature import chain
-from broker_svc.errors import TaskRevokedError
+from broker_svc.errors import TaskRevokedError, TimeLimitExceeded
 from broker_svc.wire.states import State
 from tests.support.amqp import channel, delete_queues, drain, publish_raw, queue_depth
 from tests.support.pidbox import call
@@ -117,12 +117,21 @@ def test_exhausted_retries_fail_and_are_kept_as_dead_letters(
 def test_soft_and_hard_time_limits(feed_queue: str, feed_worker: WorkerProcess, app: App):
     assert app.send_task(f"{TASKS}.soft_limited", queue=feed_queue).get(timeout=30) == "soft limit caught"
     started = time.monotonic()
-    with pytest.raises(TaskError) as info:
+    idle_deaths = feed_worker.count("pool_child_died_idle")
+    replaced = feed_worker.count("pool_child_replaced")
+    with pytest.raises(TimeLimitExceeded) as info:
         app.send_task(f"{TASKS}.hard_limited", queue=feed_queue).get(timeout=30)
     assert info.value.exc_type == "TimeLimitExceeded"
+    assert info.value.args == (0.5,)  # Celery's TimeLimitExceeded(0.5): the limit, on the wire too
+    assert str(info.value) == "task exceeded its hard time limit of 0.5 s"
     assert time.monotonic() - started < 4  # 0.5 s limit; the body would sleep 5 s
     # The child that was ended is replaced and the worker keeps serving.
     assert app.send_task(f"{TASKS}.sleeper", (0,), queue=feed_queue).get(timeout=60) > 0
+    # ... and says why it replaced it: not a child that "died idle".
+    wait_for(
+        lambda: feed_worker.count("pool_child_replaced") > replaced, timeout_s=20, message="no replacement"
+    )
+    assert feed_worker.count("pool_child_died_idle") == idle_deaths
 
 
 def test_the_worker_ends_a_task_that_holds_the_gil_past_its_hard_time_limit(

@@ -25,7 +25,7 @@ from control import ControlClient
 from control.cli.main import build_parser
 from control.protocol.request import MARKER_HEADER
 from control.protocol.revoke_log import RevokeEntry
-from tests.support.amqp import channel
+from tests.support.amqp import channel, delete_queues
 from tests.support.waiting import wait_for
 from tests.support.workers import ROOT, WorkerProcess
 
@@ -152,6 +152,42 @@ def test_an_unknown_inspect_command_is_a_usage_error():
     assert "invalid choice" in proc.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "error", "usage"),
+    [
+        (
+            ["rate-limit"],
+            "rate-limit: missing TASK_NAME, RATE_LIMIT",
+            "ctl control rate-limit TASK_NAME RATE_LIMIT",
+        ),
+        (
+            ["rate-limit", "proj.add"],
+            "rate-limit: missing RATE_LIMIT",
+            "ctl control rate-limit TASK_NAME RATE_LIMIT",
+        ),
+        (["add-consumer"], "add-consumer: missing QUEUE", "ctl control add-consumer QUEUE [EXCHANGE]"),
+        (
+            ["time-limit", "proj.add", "soon"],
+            "time-limit: SOFT: 'soon' is not a valid int or float",
+            "ctl control time-limit TASK_NAME [SOFT] [HARD]",
+        ),
+        (
+            ["pool-grow", "1", "2"],
+            "pool-grow takes at most 1 argument(s), got 2",
+            "ctl control pool-grow [N]",
+        ),
+    ],
+)
+def test_control_arguments_the_command_refuses_are_a_usage_error_before_anything_is_sent(
+    args: list[str], error: str, usage: str
+):
+    # The broker is unreachable: had ctl tried to send, it would say so and exit 1.
+    proc, _ = ctl("-b", "amqp://guest:guest@127.0.0.1:1//", "control", *args)
+    assert proc.returncode == 2, output(proc)
+    said, told = proc.stderr.splitlines()
+    assert said == f"ctl: error: {error}" and told.startswith(f"usage: {usage}"), output(proc)
+
+
 def test_an_unreachable_broker_is_one_clear_line_without_the_password():
     proc, _ = ctl("-b", "amqp://guest:s3cret@127.0.0.1:1//", "inspect", "ping")
     assert proc.returncode == 1, output(proc)
@@ -213,6 +249,35 @@ def test_revoke_with_a_worker_shows_its_reply(vhost_url: str, node: WorkerProces
     proc, _ = ctl("-b", vhost_url, "--json", "revoke", "some-task", "-d", node.name, "--timeout", "5")
     assert proc.returncode == 0, output(proc)
     assert list(json.loads(proc.stdout)) == [node.name]
+
+
+def test_inspect_active_shows_a_running_tasks_args_and_kwargs(vhost_url: str, node: WorkerProcess):
+    with (
+        App("ctl-active", settings=Settings(broker_url=vhost_url)) as app,
+        ControlClient(Settings(broker_url=vhost_url)) as client,
+    ):
+        result = app.send_task(
+            "tests.integration.e2e_tasks.sleep_s", (3.0,), {"tag": "hello"}, queue=node.queues[0]
+        )
+        wait_for(
+            lambda: any(
+                t["id"] == result.id for t in client.inspect("active", timeout_s=5).get(node.name, [])
+            ),
+            timeout_s=30,
+            message="the task running",
+        )
+        proc, _ = ctl("-b", vhost_url, "--json", "inspect", "active", "-d", node.name, "--timeout", "5")
+        assert proc.returncode == 0, output(proc)
+        [task] = json.loads(proc.stdout)[node.name]
+        assert (task["args"], task["kwargs"]) == ([3.0], {"tag": "hello"})  # Celery's TASK_INFO
+        proc, _ = ctl(
+            "-b", vhost_url, "--json", "inspect", "active", "--safe", "-d", node.name, "--timeout", "5"
+        )
+        [task] = json.loads(proc.stdout)[node.name]
+        assert (task["args"], task["kwargs"]) == ("[3.0]", "{'tag': 'hello'}")  # their reprs
+        proc, _ = ctl("-b", vhost_url, "inspect", "active", "-d", node.name, "--timeout", "5")
+        assert "(3.0,) {'tag': 'hello'}" in proc.stdout, output(proc)
+        assert result.get(timeout=30) == "hello"
 
 
 def test_revoke_terminate_names_the_task_it_killed_to_every_copy_of_the_request(
@@ -283,6 +348,77 @@ def test_events_prints_json_lines_ordered_by_clock_then_origin(vhost_url: str):
     assert got == [(10, "z@h"), (20, "a@h"), (20, "b@h"), (30, "b@h")]
 
 
+def _follow_events(vhost_url: str, *options: str, sent: list[dict[str, Any]]) -> tuple[str, str]:
+    """Run ``ctl events`` with ``options``, publish ``sent`` once it listens; its stdout and stderr."""
+    env = {k: v for k, v in os.environ.items() if k != "CLOCKWORK_BROKER_URL"}
+    args = [CTL, "events", "-b", vhost_url, *options]
+    with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
+        try:
+            assert proc.stderr is not None
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                ready, _, _ = select.select([proc.stderr], [], [], 0.5)
+                if ready and "listening" in (first := proc.stderr.readline()):
+                    break
+            else:
+                raise AssertionError("ctl events never said it was listening")
+            with channel(vhost_url) as ch:
+                for clock, event in enumerate(sent, start=1):
+                    body = {"hostname": "w@h", "pid": 1, "clock": clock, "timestamp": time.time(), **event}
+                    key = event["type"].replace("-", ".")
+                    headers = {"hostname": "w@h"}
+                    properties = pika.BasicProperties(content_type="application/json", headers=headers)
+                    ch.basic_publish(EVENT_EXCHANGE, key, json.dumps(body).encode(), properties)
+            out, rest = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                proc.wait(timeout=10)
+    assert proc.returncode == 0, rest
+    return out, first + rest
+
+
+def test_events_filters_by_type_and_by_prefix(vhost_url: str):
+    sent: list[dict[str, Any]] = [
+        {"type": "worker-heartbeat", "freq": 2.0},
+        {"type": "task-received", "uuid": "t1", "name": "add"},
+        {"type": "task-succeeded", "uuid": "t1", "runtime": 0.0123456, "result": "3"},
+        {"type": "task-failed", "uuid": "t2", "exception": "ValueError()"},
+        {"type": "worker-heartbeat", "freq": 2.0},
+    ]
+    options = ["--json", "--duration", "3"]
+    out, _ = _follow_events(vhost_url, *options, "--type", "task-succeeded,task-failed", sent=sent)
+    assert [e["type"] for e in map(json.loads, out.splitlines())] == ["task-succeeded", "task-failed"]
+    out, _ = _follow_events(vhost_url, *options, "--type", "task-", sent=sent)
+    assert [e["type"] for e in map(json.loads, out.splitlines())] == [
+        "task-received",
+        "task-succeeded",
+        "task-failed",
+    ]
+    out, _ = _follow_events(
+        vhost_url, "--duration", "3", "--type", "task-*", "--type", "worker-heartbeat", sent=sent
+    )
+    assert len(out.splitlines()) == 5, out
+    assert "runtime=12.3ms" in out  # not 0.0123456
+
+
+def test_events_says_task_events_need_dash_e_when_none_came(vhost_url: str):
+    heartbeats: list[dict[str, Any]] = [{"type": "worker-heartbeat", "freq": 2.0}] * 2
+    out, err = _follow_events(vhost_url, "--count", "2", sent=heartbeats)
+    assert len(out.splitlines()) == 2
+    assert "no task events seen" in err and "-E" in err and "enable-events" in err
+    sent: list[dict[str, Any]] = [*heartbeats, {"type": "task-received", "uuid": "t"}]
+    out, err = _follow_events(vhost_url, "--count", "1", "--type", "task-", sent=sent)
+    assert "task-received" in out
+    assert "no task events seen" not in err
+
+
+def test_events_refuses_an_empty_type(vhost_url: str):
+    proc, _ = ctl("events", "-b", vhost_url, "--type", ",", "--duration", "1")
+    assert proc.returncode == 2, output(proc)
+    assert "--type" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_ctl_queues_shows_depth_held_tasks_consumers_dead_letters_and_rate(
     vhost_url: str, node: WorkerProcess
 ):
@@ -313,7 +449,7 @@ def test_ctl_queues_shows_depth_held_tasks_consumers_dead_letters_and_rate(
         assert proc.returncode == 0, output(proc)
         header, *lines = proc.stdout.splitlines()
         assert header.split() == ["QUEUE", "READY", "HELD", "CONSUMERS", "DEAD", "RATE"]
-        assert any(line.startswith(queue) for line in lines)
+        assert any(line.startswith(queue) and "no consumer" not in line for line in lines)  # it has one
         assert any(line.startswith("nope-queue") and "no such queue" in line for line in lines)
     finally:
         app.close()
@@ -341,3 +477,21 @@ def test_ctl_top_shows_workers_running_tasks_and_queues(vhost_url: str, node: Wo
         assert any(line.startswith(queue) for line in text.splitlines())
     finally:
         app.close()
+
+
+def test_ctl_queues_marks_a_queue_whose_tasks_nobody_consumes(vhost_url: str):
+    queue = f"q-unconsumed-{uuid.uuid4().hex[:8]}"
+    app = App("unconsumed-probe", settings=Settings(broker_url=vhost_url, default_queue=queue))
+    try:
+        app.send_many(app.signature("tests.integration.e2e_tasks.add", (i, i)) for i in range(3))
+        app.flush(10)
+        proc, _ = ctl("queues", queue, "-b", vhost_url, "--json", "--timeout", "1", "--interval", "0.2")
+        assert proc.returncode == 0, output(proc)
+        row = json.loads(proc.stdout)[queue]
+        assert (row["ready"], row["consumers"], row["no_consumer"]) == (3, 0, True)
+        proc, _ = ctl("queues", queue, "-b", vhost_url, "--timeout", "1", "--interval", "0.2")
+        [line] = [line for line in proc.stdout.splitlines() if line.startswith(queue)]
+        assert "no consumer: start a worker with -Q for it" in line, output(proc)
+    finally:
+        app.close()
+        delete_queues(vhost_url, queue)

@@ -6,7 +6,9 @@ show on a rendered page). Per document, in order, in a fresh directory and vhost
 - ``file NAME``: the block is written to ``NAME`` (a path: ``proj/tasks.py``);
 - ``worker``: the block is a worker command line, started there in the background (ready when it
   logs ``worker_ready``), stopped at the end;
-- ``run``: the block is Python, run there; it must exit 0 (its ``assert`` lines are the checks).
+- ``run``: the block is Python, run there; it must exit 0 (its ``assert`` lines are the checks);
+- ``install``: the block is shell lines that install Clockwork, each one way; they are run by
+  ``tests/integration/test_install.py``, each into a fresh venv, not here.
 
 The broker is given as ``$CLOCKWORK_BROKER_URL``, as a reader's shell would give it.
 """
@@ -29,7 +31,7 @@ from tests.support.waiting import wait_for
 from tests.support.workers import ROOT
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-_MARKER = re.compile(r"^<!-- doc-test: (file|worker|run)(?: (\S+))? -->\s*$")
+_MARKER = re.compile(r"^<!-- doc-test: (file|worker|run|install)(?: (\S+))? -->\s*$")
 _FENCE = re.compile(r"^```")
 
 
@@ -90,6 +92,8 @@ def test_a_documents_runnable_blocks_run_as_written(doc: Path, vhost: str, tmp_p
                 (tmp_path / step.arg).write_text(step.code)
             elif step.kind == "worker":
                 workers.append(_start_worker(step.code, tmp_path, env, where))
+            elif step.kind == "install":
+                continue  # tests/integration/test_install.py
             else:
                 script = tmp_path / f"doc_step_{step.line}.py"
                 script.write_text(step.code)

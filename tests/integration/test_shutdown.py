@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import signal
 import time
 
-from broker_svc import App
+from broker_svc import App, Settings
+from control import ControlClient
 from tests.support.amqp import queue_depth
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerProcess
@@ -39,3 +41,27 @@ def test_sigterm_with_tasks_running_loses_none(test_vhost_url: str, queue: str, 
     with WorkerProcess(test_vhost_url, queues=[queue], concurrency=2) as second:
         second.wait_ready()
         assert sorted(r.get(timeout=60) for r in results) == sorted(str(i) for i in range(20))
+
+
+def test_ctrl_c_with_two_tasks_running_says_how_many_and_that_a_second_ctrl_c_stops_now(
+    test_vhost_url: str, queue: str, client: App
+):
+    worker = WorkerProcess(test_vhost_url, queues=[queue], concurrency=2).wait_ready()
+    try:
+        results = [client.send_task(SLEEP, (3.0, str(i)), queue=queue) for i in range(2)]
+        client.flush(timeout=10)
+        with ControlClient(Settings(broker_url=test_vhost_url)) as control:
+
+            def both_running() -> bool:
+                replies = control.inspect("active", destination=[worker.name], timeout_s=5)
+                return len(replies.get(worker.name) or []) == 2
+
+            wait_for(both_running, timeout_s=30, message="the two tasks did not start")
+        worker.signal_tree(signal.SIGINT)  # Ctrl-C on a terminal reaches the whole process group
+        stopping = worker.first("worker_stopping")
+        assert stopping["in_flight"] == 2
+        assert "Ctrl-C again" in stopping["hint"]
+        assert worker.proc.wait(timeout=30) == 0
+        assert [r.get(timeout=10) for r in results] == ["0", "1"]  # the warm stop let them finish
+    finally:
+        worker.close()

@@ -188,3 +188,18 @@ def test_ignore_result_publishes_nothing(client: App, queue: str, sem_worker: Wo
     wait_for(marker.exists, timeout_s=30, message="task did not run")
     with pytest.raises(ResultTimeout):
         result.get(timeout=1.5)
+
+
+def test_a_value_that_cannot_be_encoded_names_its_task_on_send_and_on_result(
+    client: App, queue: str, sem_worker: WorkerProcess
+):
+    with pytest.raises(TypeError, match=r"cannot send task 'tests\.integration\.semantics_tasks\.now' \(id "):
+        client.send_task(T + "now", (object(),), queue=queue)
+    result = client.send_task(T + "unencodable", queue=queue)
+    with pytest.raises(TaskError) as info:
+        result.get(timeout=30)
+    assert info.value.exc_type == "EncodeError"
+    named = f"the result of task '{T}unencodable' (id {result.id}) cannot be encoded"
+    assert named in str(info.value)
+    logged = sem_worker.first("task_result_not_encodable")
+    assert named in logged["error"] and logged["task_id"] == result.id

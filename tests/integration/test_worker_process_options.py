@@ -42,12 +42,26 @@ def test_pidfile_and_logfile_hold_the_worker_and_its_childrens_output(test_vhost
 
 @pytest.mark.parametrize(
     ("option", "said"),
-    [(["-P", "solo"], "-P solo"), (["-P", "gevent"], "-P gevent")],
+    [
+        (["-P", "solo"], "-P solo: Clockwork runs tasks in a process pool (prefork); for one task at a time"),
+        (
+            ["-P", "gevent"],
+            "-P gevent: Clockwork runs tasks in a process pool (prefork); for tasks that wait",
+        ),
+        (
+            ["-P", "threads"],
+            "-P threads: Clockwork runs tasks in a process pool (prefork); for tasks that wait "
+            "on I/O use --threads N",
+        ),
+        (["--pool", "threads"], "'-P threads -c 8' is about '-c 1 --threads 8'"),
+        (["--pool=threads"], "use --threads N"),
+    ],
 )
 def test_pools_not_built_yet_are_refused_with_a_reason(test_vhost_url: str, option, said):
     result = _run_worker(test_vhost_url, "unused", *option)
     assert result.returncode == 2
     assert said in result.stderr
+    assert len(result.stderr.splitlines()) == 2, result.stderr  # the error, and where the options are
 
 
 def test_fair_optimization_and_the_prefork_pool_are_accepted():

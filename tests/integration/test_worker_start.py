@@ -45,6 +45,41 @@ def test_a_start_up_error_is_one_line_and_exit_status_2(args: list[str], said: s
     assert len(result.stderr.strip().splitlines()) <= 2, result.stderr  # argparse adds its usage line
 
 
+BROKEN_APPS = {
+    "typo": "from broker_svc import App\n\napp = App('typo')\n\ndef add(x, y:\n    return x + y\n",
+    "dbresults": "from broker_svc import App\n\napp = App('dbresults', backend='db+sqlite:///results.db')\n",
+}
+
+
+@pytest.mark.parametrize(
+    ("command", "module", "said"),
+    [
+        ("worker", "typo", "SyntaxError in {path}, line 5: "),
+        ("worker", "dbresults", "result backend 'db+sqlite:///results.db' is not supported"),
+        ("worker.beat.cli", "typo", "SyntaxError in {path}, line 5: "),
+        ("worker.beat.cli", "dbresults", "result backend 'db+sqlite:///results.db' is not supported"),
+    ],
+)
+def test_an_app_module_that_does_not_load_is_one_line_and_exit_status_2(
+    command: str, module: str, said: str, tmp_path: Path
+):
+    """A syntax error or a refused setting in the user's module: the fact and its line, no traceback."""
+    path = tmp_path / f"{module}.py"
+    path.write_text(BROKEN_APPS[module])
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", command, "-A", f"{module}:app"]
+    result = subprocess.run(
+        cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert f"cannot load app '{module}:app'" in result.stderr
+    assert said.format(path=path) in result.stderr
+    if module == "dbresults":
+        assert f"({path}, line 3)" in result.stderr  # the user's line that set it
+
+
 def test_debug_adds_the_traceback():
     result = _start("-A", "nosuch.module:app", "-l", "debug")
     assert result.returncode == 2 and "Traceback" in result.stderr
@@ -165,4 +200,64 @@ def test_a_worker_warns_when_another_app_consumes_its_queue(test_vhost_url: str)
             assert done["peers_sharing"] >= 1 and done["other_apps"] == 0
             assert a.count("queue_shared_with_another_app") == 0
             assert b.count("queue_shared_with_another_app") == 0
+    delete_queues(test_vhost_url, queue, f"{queue}.dead")
+
+
+def test_a_celery_setting_that_does_nothing_here_is_warned_once_per_worker(
+    test_vhost_url: str, tmp_path: Path
+):
+    """The worker, its forkserver and each child import the app: the warning comes from the worker alone."""
+    queue = unique_queue("warned")
+    (tmp_path / "warned_app.py").write_text(
+        textwrap.dedent(
+            """
+            from broker_svc import App
+
+            app = App("warned_app")
+            app.conf.worker_enable_remote_control_unknown_here = True
+
+
+            @app.task
+            def fail():
+                raise ValueError("logged by the child")
+            """
+        )
+    )
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    client = App("warned-client", settings=Settings(broker_url=test_vhost_url, default_queue=queue))
+    try:
+        with WorkerProcess(
+            test_vhost_url, app="warned_app:app", queues=[queue], concurrency=2, env=env
+        ) as worker:
+            worker.wait_ready()
+            with pytest.raises(ValueError, match="logged by the child"):
+                client.send_task("warned_app.fail").get(timeout=30)
+            worker.first("task_failed")  # the children log as before
+            text = worker.log_text()
+            assert text.count("celery_setting_not_used") == 1, text[-4000:]
+    finally:
+        client.close()
+        delete_queues(test_vhost_url, queue, f"{queue}.dead")
+
+
+def test_a_started_worker_says_at_info_only_what_a_user_needs(test_vhost_url: str):
+    """Celery prints a banner and 'ready': ours is worker_ready (the banner) and mingle_done.
+
+    The worker logs at debug here, so the test can wait until every start-up step has logged,
+    then count the lines at info.
+    """
+    queue = unique_queue("quiet-start")
+    with WorkerProcess(test_vhost_url, queues=[queue], concurrency=2) as worker:
+        worker.wait_ready()
+        steps = {"shared_queue_check_done": 1, "chord_joiner_subscribed": 1, "dedup_gate_subscribed": 1,
+                 "revocation_log_read": 1, "feed_child_consuming": 2, "dedup_gate_active": 8}  # fmt: skip
+
+        def started() -> bool:
+            return all(worker.count(event) >= n for event, n in steps.items())
+
+        wait_for(
+            started, timeout_s=60, message=f"start-up steps not all logged:\n{worker.log_text()[-4000:]}"
+        )
+        infos = [e["event"] for e in worker.events() if e.get("level") == "info"]
+        assert infos == ["mingle_done", "worker_ready"], infos
     delete_queues(test_vhost_url, queue, f"{queue}.dead")

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from broker_svc import App, Settings, TaskError, TaskRevokedError
+from broker_svc import App, Settings, TaskRevokedError, TimeLimitExceeded
 from tests.support.amqp import delete_queues
 from tests.support.workers import WorkerProcess, unique_queue
 
@@ -39,8 +39,9 @@ def test_our_worker_honours_a_celery_clients_headers(test_vhost_url: str, celery
                 == 2
             )
             limited = celery_client.send_task(T + "sleeper", args=(5,), queue=queue, time_limit=1)
-            with pytest.raises(TimeLimitExceeded):
+            with pytest.raises(TimeLimitExceeded) as info:
                 limited.get(timeout=30)
+            assert repr(info.value) in ("TimeLimitExceeded(1.0)", "TimeLimitExceeded(1)")  # as from Celery
     finally:
         delete_queues(test_vhost_url, queue, f"{queue}.dead")
 
@@ -56,9 +57,11 @@ def test_a_celery_worker_honours_our_clients_headers(test_vhost_url: str, start_
         with pytest.raises(TaskRevokedError):
             app.send_task("interop.now", queue=queue, expires=past).get(timeout=30)
         assert app.send_task("interop.now", queue=queue, retries=2).get(timeout=30)["retries"] == 2
-        with pytest.raises(TaskError) as info:
+        with pytest.raises(TimeLimitExceeded) as info:
             app.send_task("interop.sleep", (5,), queue=queue, time_limit=1).get(timeout=30)
         assert info.value.exc_type == "TimeLimitExceeded"
+        assert info.value.args == (1.0,) or info.value.args == (1,)  # Celery's: the limit
+        assert "hard time limit of 1" in str(info.value)
     finally:
         app.close()
         delete_queues(test_vhost_url, queue)

@@ -65,11 +65,13 @@ class WorkerProcess:
         self.queues = list(queues)
         self.concurrency = concurrency
         self.args = [*DESIGN_ARGS, *extra_args]  # the worker's options beside -A, -c, -n, -Q, -b, -l
+        # At debug: tests wait on start-up facts a user does not need at info (the chord joiner
+        # subscribed, each child consuming, the dedup gate active); a -l in extra_args wins.
         self._log = Path(tempfile.mkstemp(prefix="clockwork-worker-", suffix=".log")[1])
         self._logfile = self._log.open("w")
         cmd = [
             sys.executable, "-m", "worker", "-A", app, "-c", str(concurrency), "-n", self.name,
-            "-Q", ",".join(queues), "-b", url, "-l", "info", *self.args,
+            "-Q", ",".join(queues), "-b", url, "-l", "debug", *self.args,
         ]  # fmt: skip
         self.proc = subprocess.Popen(
             cmd,

@@ -25,7 +25,7 @@ def test_broker_svc_exports_exactly_its_public_names():
             "DecodeError", "InvalidTaskMessage", "MaxRetriesExceededError", "MessageError",
             "MessageTooLarge", "NotRegistered", "PublishError", "PublishNacked", "ResultTimeout", "Retry",
             "SoftTimeLimitExceeded", "SpoolError", "SpoolFull", "TaskDeclined", "TaskError",
-            "TaskRevokedError", "Unroutable",
+            "TaskRevokedError", "TimeLimitExceeded", "Unroutable",
         ]
     )  # fmt: skip
     for name in broker_svc.__all__:
@@ -113,7 +113,7 @@ def test_pure_folders_do_no_io():
 
 
 def test_redis_is_imported_only_by_the_redis_results_folder_which_imports_no_amqp_library():
-    # The Redis result backend is optional (clockwork[redis]): everything else reaches it lazily,
+    # The Redis result backend is optional (clockwork-tasks[redis]): everything else reaches it lazily,
     # through broker_svc/redis_results/, so an app on rpc:// never imports redis-py.
     checked = 0
     for package in ("broker_svc", "control", "worker"):

@@ -23,6 +23,7 @@ def test_control_exports_exactly_its_public_names():
         [
             "Control", "Inspect",
             "BroadcastResult", "ControlClient", "InspectReply", "RevokeResult",
+            "DeadLetters",
             "Membership", "ReplyCollector",
         ]
     )  # fmt: skip

@@ -33,6 +33,8 @@ NEVER_FOR_PING = (
     "control.cli.schedule",
     "control.cli.watch",
     "control.cli.events",
+    "control.cli.dead",
+    "control.blocking.dead_letters",
 )
 # Not even the blocking client: the parser is all ``--help`` or a usage error needs.
 NEVER_FOR_THE_PARSER = (

@@ -8,8 +8,11 @@ import time
 
 import pytest
 
+from broker_svc.wire.dead_letter import DeadLetter, Requeued, RequeueResult
+from control.blocking.client import QueueDepth
+from control.cli.dead import format_letter, format_letters, format_requeued
 from control.cli.main import build_parser
-from control.cli.render import Style, human_bytes, human_seconds, show
+from control.cli.render import Style, format_event, human_bytes, human_seconds, queue_table, show, top_screen
 
 
 def _shown(by_node: dict, method: str | None, style: Style | None = None) -> str:
@@ -33,6 +36,21 @@ def test_durations_have_units(seconds: float, text: str):
     assert human_seconds(seconds) == text
 
 
+@pytest.mark.parametrize(
+    ("runtime", "text"),
+    [
+        (0.0123456789, "12.3ms"),
+        (0.00004567, "0.0457ms"),
+        (0.99996, "1s"),
+        (3.14159265, "3.14s"),
+        (245.5, "4m05s"),
+    ],
+)
+def test_an_event_runtime_has_three_significant_digits_and_a_unit(runtime: float, text: str):
+    event = {"type": "task-succeeded", "hostname": "w@h", "clock": 3, "uuid": "id-1", "runtime": runtime}
+    assert f" runtime={text}" in format_event(event)
+
+
 def test_sizes_have_units():
     assert [human_bytes(n) for n in (512, 1536, 50_540_000)] == ["512 B", "1.5 KiB", "48.2 MiB"]
 
@@ -48,6 +66,21 @@ def test_active_tasks_are_a_table_with_how_long_each_has_run():
     assert "6f1c-task" in row and "proj.resize" in row and "(1, 2)" in row and "pid 4242" in row
     assert "running 2m 0" in row  # 2m 05s, give or take the test's own time
     assert "{" not in text  # no JSON blob
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "shown"),
+    [
+        ([3.0], {"tag": "hello"}, "(3.0,) {'tag': 'hello'}"),  # the values (inspect active)
+        ("[3.0]", "{'tag': 'hello'}", "[3.0] {'tag': 'hello'}"),  # their reprs (inspect active --safe)
+        ([], {"tag": "hello"}, "() {'tag': 'hello'}"),
+        ([1, 2], {}, "(1, 2)"),
+    ],
+)
+def test_active_tasks_show_their_keyword_arguments_too(args: object, kwargs: object, shown: str):
+    task = {"id": "t-1", "name": "proj.resize", "args": args, "kwargs": kwargs, "time_start": time.time()}
+    [row] = _shown({"w1@box": [task]}, "active").splitlines()[1:]
+    assert f" {shown} " in row
 
 
 def test_stats_show_uptime_tasks_pool_and_cpu_with_units():
@@ -98,3 +131,39 @@ def test_control_commands_have_help_that_says_what_they_do():
     assert "rate-limit" in text and "set a task's rate limit" in text
     assert "pool-grow" in text and "add N pool children" in text
     assert '{"ok"' not in text  # the reply's shape is not the help
+
+
+def test_dead_letters_print_without_letting_a_control_character_reach_the_terminal():
+    headers = {
+        "id": "t\x1b[2J1", "task": "app.add", "x-clockwork-reason": "rejected",
+        "x-clockwork-error": "boom\x1b]0;owned\x07", "x-clockwork-dead-at": "2025-01-02T03:04:05.5+00:00",
+        "x-custom": "\x1b[31mred",
+    }  # fmt: skip
+    letter = DeadLetter.read(
+        "orders.dead", headers, {"content_type": "application/json"}, b'[["\\u001b"], {}, {}]'
+    )
+    table = format_letters([letter], Style(False))
+    assert "2025-01-02 03:04:05" in table and "1 dead letter\n" in table and "\x1b" not in table
+    full = format_letter(letter, Style(False))
+    assert "\x1b" not in full and "\x07" not in full
+    assert 'args: ["\\u001b"]' in full and "boom\\x1b]0;owned\\x07" in full
+    done = format_requeued(
+        RequeueResult((Requeued(letter, "orders"), Requeued(letter, "orders", earlier=True)))
+    )
+    assert "1 requeued" in done and "cut short" in done and "\x1b" not in done
+    assert format_letters([], Style(False)) == "no dead letters\n"
+
+
+def test_a_queue_with_waiting_tasks_and_no_consumer_is_marked():
+    row = {"exists": True, "ready": 3, "held_by_workers": 0, "consumers": 0, "dead": 0, "rate_per_s": 0.0}
+    marked = queue_table(
+        {"orphan": {**row, "no_consumer": True}, "fine": {**row, "consumers": 1}}, Style(False)
+    )
+    [orphan] = [line for line in marked.splitlines() if line.startswith("orphan")]
+    [fine] = [line for line in marked.splitlines() if line.startswith("fine")]
+    assert "no consumer" in orphan and "no consumer" not in fine
+    depths = {"orphan": QueueDepth(ready=3, consumers=0), "empty": QueueDepth(ready=0, consumers=0)}
+    screen = top_screen({}, {}, depths, {}, style=Style(False), clock="12:00:00")
+    [orphan] = [line for line in screen.splitlines() if line.startswith("orphan")]
+    [empty] = [line for line in screen.splitlines() if line.startswith("empty")]
+    assert "no consumer" in orphan and "no consumer" not in empty  # nothing waits for one

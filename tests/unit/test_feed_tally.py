@@ -95,13 +95,24 @@ def _request(task_id: str, retries: int = 0) -> Any:
     return SimpleNamespace(id=task_id, retries=retries, task="t")
 
 
+def _delivery(headers: dict[str, Any] | None = None) -> Any:
+    return SimpleNamespace(queue="q", headers=headers or {})
+
+
 def _job(task_id: str) -> Job:
     return Job(task_id=task_id, task_name="t", args=[], kwargs={}, request={})
 
 
-def _handle(ledger: FeedLedger, task_id: str, done: dict[str, Any], *, finished: bool = True) -> bool:
+def _handle(
+    ledger: FeedLedger,
+    task_id: str,
+    done: dict[str, Any],
+    *,
+    finished: bool = True,
+    headers: dict[str, Any] | None = None,
+) -> bool:
     """One delivery through the ledger as the child's loop and handler take it; whether it ran."""
-    with ledger.settling(SimpleNamespace(queue="q")):  # type: ignore[arg-type]
+    with ledger.settling(_delivery(headers)):
         if ledger.duplicate(_request(task_id), redelivered=False):
             return False
         ledger.timed(lambda job: done)(_job(task_id))
@@ -119,7 +130,7 @@ def test_the_ledger_claims_remembers_and_reports_each_delivery(worker: _Worker):
         failed = {"status": "FAILURE", "error": {"exc_type": "KeyError"}}
         assert _handle(ledger, "b", failed, finished=False)  # e.g. handed back to run again
         assert _handle(ledger, "b", failed)  # so its copy runs
-        with ledger.settling(SimpleNamespace(queue="q")):  # type: ignore[arg-type]
+        with ledger.settling(_delivery()):
             assert not ledger.duplicate(_request("c"), redelivered=True)
             ledger.decided((Disposition.dead_letter("NotRegistered", "no such task"), None))
         assert table.claim("c", 0) is not None  # released: it never ran
@@ -136,12 +147,36 @@ def test_the_ledger_claims_remembers_and_reports_each_delivery(worker: _Worker):
     assert len(tally.runtimes[("t", "q")]) == 3
 
 
+def test_a_requeued_dead_letter_runs_anew_inside_the_window_and_is_counted_once_where_it_ends(
+    worker: _Worker,
+):
+    table = SharedDedupe.create(ttl_s=60.0, max_ids=64)
+    ledger = FeedLedger(dedupe=SharedDedupe(table.path, ttl_s=60.0, owner=False), report_every_s=3600)
+    requeued = {"x-clockwork-requeued": {"count": 1, "key": "k"}}
+    try:
+        ledger.report_to(worker.channel)
+        assert _handle(ledger, "a", {"status": "SUCCESS"})  # its first run, before it was dead-lettered
+        assert _handle(ledger, "a", {"status": "SUCCESS"}, headers=requeued)  # not a duplicate
+        assert not _handle(ledger, "a", {"status": "SUCCESS"}, headers=requeued)  # a copy of the requeue is
+        # A retry of a requeued task is a copy on its way, not its end; then it ends dead-lettered.
+        with ledger.settling(_delivery({"x-clockwork-requeued": {"count": 2}})):
+            assert not ledger.duplicate(_request("b"), redelivered=False)
+            ledger.decided((Disposition.republish({"retries": 1}), None))
+        with ledger.settling(_delivery({"x-clockwork-requeued": {"count": 2}})):
+            assert not ledger.duplicate(_request("b", retries=1), redelivered=False)
+            ledger.decided((Disposition.dead_letter("rejected", "no"), None))
+    finally:
+        ledger.close()
+        table.close()
+    assert worker.tallies().of("requeued") == {("q", "done"): 1, ("q", "dead_lettered"): 1}
+
+
 def test_a_claim_ends_even_when_the_settle_fails_and_a_final_outcome_is_kept(worker: _Worker):
     table = SharedDedupe.create(ttl_s=60.0, max_ids=64)
     ledger = FeedLedger(dedupe=table)
     try:
         for task_id, disposition in (("ran", ACK), ("back", HAND_BACK)):
-            with pytest.raises(ConnectionError), ledger.settling(SimpleNamespace(queue="q")):  # type: ignore[arg-type]
+            with pytest.raises(ConnectionError), ledger.settling(_delivery()):
                 assert not ledger.duplicate(_request(task_id), redelivered=False)
                 ledger.decided((Disposition(disposition.fate, finished=disposition is ACK), None))
                 raise ConnectionError("the ack did not go out")

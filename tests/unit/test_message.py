@@ -106,6 +106,13 @@ def test_ints_beyond_64_bits_are_a_type_error():
         encode_task(TaskMessage(id="a", task="t", args=[2**70]), serializer="msgpack")
 
 
+@pytest.mark.parametrize("serializer", ["msgpack", "json"])
+@pytest.mark.parametrize("kwargs", [{"args": [object()]}, {"kwargs": {"when": object()}}])
+def test_an_argument_that_cannot_be_encoded_names_the_task_and_its_id(serializer: str, kwargs: dict):
+    with pytest.raises(TypeError, match=r"^cannot send task 'proj\.add' \(id id-7\): .*object"):
+        encode_task(TaskMessage(id="id-7", task="proj.add", **kwargs), serializer=serializer)
+
+
 @pytest.mark.parametrize(
     "extra",
     [

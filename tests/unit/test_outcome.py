@@ -10,9 +10,16 @@ from broker_svc.errors import (
     TaskDeclined,
     TaskError,
     TaskRevokedError,
+    TimeLimitExceeded,
 )
 from broker_svc.results.result import outcome_error, outcome_value
-from broker_svc.wire.results.message import Outcome, exception_from_wire, exception_to_wire, wire_exception
+from broker_svc.wire.results.message import (
+    Outcome,
+    describe_wire_exception,
+    exception_from_wire,
+    exception_to_wire,
+    wire_exception,
+)
 from broker_svc.wire.results.view import OutcomeView
 from broker_svc.wire.states import READY_STATES
 from broker_svc.wire.task_state import FINAL_STATES
@@ -37,6 +44,23 @@ def test_builtin_remote_errors_keep_their_type():
 def test_celery_framework_errors_map_to_ours():
     assert isinstance(exception_from_wire(wire_exception("TaskRevokedError", "expired")), TaskRevokedError)
     assert isinstance(exception_from_wire(wire_exception("NotRegistered", "x.y")), NotRegistered)
+
+
+def test_a_time_limit_keeps_celerys_wire_and_reads_in_words():
+    # The worker sends Celery's map (a Celery client rebuilds TimeLimitExceeded(2.0) from it) ...
+    sent = wire_exception("TimeLimitExceeded", 2.0)
+    assert sent == {"exc_type": "TimeLimitExceeded", "exc_message": [2.0], "exc_module": "celery.exceptions"}
+    assert exception_to_wire(TimeLimitExceeded(2.0)) == sent
+    # ... our client raises the importable type, whose text is for people.
+    error = exception_from_wire(sent)
+    assert (
+        type(error) is TimeLimitExceeded and error.args == (2.0,) and repr(error) == "TimeLimitExceeded(2.0)"
+    )
+    assert str(error) == "task exceeded its hard time limit of 2.0 s"
+    assert describe_wire_exception(sent) == "TimeLimitExceeded: task exceeded its hard time limit of 2.0 s"
+    # A Celery worker's result names billiard's module, where Celery's class lives.
+    celery_worker = {"exc_type": "TimeLimitExceeded", "exc_message": [1], "exc_module": "billiard.exceptions"}
+    assert isinstance(exception_from_wire(celery_worker), TimeLimitExceeded)
 
 
 def test_unknown_modules_are_never_imported():

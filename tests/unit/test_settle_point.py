@@ -43,6 +43,9 @@ ALLOWED = {
     # Election bids and term tokens, not task deliveries: a leader acks each token once the next
     # one is back (its lease), and bids as they come.
     "worker/leader/election.py",
+    # Dead letters in <queue>.dead, not task deliveries: acked once their requeued copy is
+    # confirmed, and requeue markers acked after their dead letter (ctl dead).
+    "control/blocking/dead_letters.py",
 }
 
 

@@ -16,8 +16,9 @@ from types import FrameType
 from broker_svc.app import App
 from broker_svc.errors import BrokerUnavailable, ConfigurationError
 from broker_svc.logging import configure_logging
+from broker_svc.version import add_version_option
 from worker.beat.scheduler import Beat
-from worker.loader import AppNotFound, BadAppSpec, NotAnApp, load_app, use_current_directory
+from worker.loader import AppImportFailed, AppNotFound, BadAppSpec, NotAnApp, load_app, use_current_directory
 
 __all__ = ["add_beat_options", "beat_for", "main", "parse_args"]
 
@@ -26,6 +27,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="clockwork-beat", description="Run the Clockwork periodic scheduler."
     )
+    add_version_option(parser)
     add_beat_options(parser)
     parser.add_argument("-A", "--app", required=True, help="the app: package.module:app")
     parser.add_argument("-b", "--broker", default=None, help="broker URL (default: the app's)")
@@ -67,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.broker:
             app.conf["broker_url"] = args.broker
         beat = beat_for(app, args)
-    except (BadAppSpec, AppNotFound, NotAnApp, ValueError) as exc:
+    except (BadAppSpec, AppNotFound, AppImportFailed, NotAnApp, ValueError) as exc:
         return _say(str(exc), status=2)
 
     def stop(signum: int, frame: FrameType | None) -> None:

@@ -183,7 +183,7 @@ class Consumer:
                 wanted = tuple(shared.wanted)
                 if wanted != connection.queues:  # add_consumer / cancel_consumer, between tasks
                     connection.set_queues(list(wanted))
-                    log.info("feed_child_queues", queues=list(wanted))
+                    log.debug("feed_child_queues", queues=list(wanted))
                 self._look_at_parked()
                 delivery = connection.next_delivery(
                     _PARKED_CHECK_S if self.redeliveries.parked else STOP_CHECK_S
@@ -241,7 +241,7 @@ class Consumer:
         self.connection.connect()
         self.redeliveries.forget()  # what it parked went back with the old connection
         if self._shared.first_to_see(self.connection.generation):  # a --threads child's threads share it
-            log.info(
+            log.debug(
                 "feed_child_consuming", queues=list(self._spec.queues), prefetch=self.connection.prefetch,
                 threads=self._spec.threads, pid=os.getpid(),
             )  # fmt: skip

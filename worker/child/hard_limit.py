@@ -18,7 +18,7 @@ import structlog
 
 from broker_svc.amqp.feed_connection import FeedConnection, TaskDelivery
 from worker.consume.settle import FeedSettler
-from worker.ipc import Job
+from worker.ipc import EXIT_TIME_LIMIT, Job
 from worker.rules.disposition import ACK
 
 __all__ = ["HardLimit", "signals_blocked"]
@@ -91,7 +91,7 @@ class HardLimit:
                 self.settled()  # answered, not lost: the worker must not log it as a lost task
                 self._connection.close()
         finally:
-            os._exit(1)
+            os._exit(EXIT_TIME_LIMIT)  # the pool's cue: replaced because of the limit, not a crash
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import multiprocessing
 import os
 import select
@@ -18,7 +19,7 @@ from worker.child.channel import ChildChannel
 from worker.child.serve import serve
 from worker.child.soft_limits import SoftLimit
 from worker.child.spec import FeedSpec
-from worker.loader import SAFE_PATH_ADDED_ENV, extend_path_from_environment, load_app
+from worker.loader import FORKSERVER_ENV, SAFE_PATH_ADDED_ENV, extend_path_from_environment, load_app
 
 __all__ = ["main"]
 
@@ -27,6 +28,11 @@ __all__ = ["main"]
 extend_path_from_environment()
 if os.environ.pop(SAFE_PATH_ADDED_ENV, None):
     os.environ.pop("PYTHONSAFEPATH", None)
+# The forkserver imports the app next, as the worker did before starting it: what the app's import
+# logs (a Celery setting that does nothing here, say) the worker has said once already. Each child
+# turns logging back on (``main``).
+if os.environ.pop(FORKSERVER_ENV, None):
+    logging.disable(logging.CRITICAL)
 
 
 def main(app_spec: str, sock: socket.socket, feed: FeedSpec) -> None:
@@ -43,6 +49,7 @@ def main(app_spec: str, sock: socket.socket, feed: FeedSpec) -> None:
     # Ctrl-C reaches the whole process group; the worker alone decides when children stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # A child is an entry point of its own: hook failures and task logs use the worker's level.
+    logging.disable(logging.NOTSET)  # off in the forkserver it was forked from, while it preloaded
     configure_logging(os.environ.get("CLOCKWORK_LOGLEVEL", "info"))
     soft_limit = SoftLimit()
     sock.setblocking(True)

@@ -195,4 +195,5 @@ class FeedAnswers:
             correlation_id=request.correlation_id,
             content_type=reply_type(request.content_type),
             expiration=result_expiration(request.extra_headers),
+            task_name=request.task,
         )

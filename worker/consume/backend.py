@@ -104,9 +104,12 @@ class FeedBackend:
                 if outcome.status not in READY_STATES:  # a progress meta it cannot carry: the task goes on
                     log.warning("result_state_not_stored", state=outcome.status, error=str(exc))
                     return
-                error = wire_exception(
-                    "EncodeError", f"result cannot be encoded as {self._conf.serializer}: {exc}"
+                why = (
+                    f"the result of task {request.task!r} (id {outcome.task_id}) cannot be encoded as "
+                    f"{self._conf.serializer}: {exc}"
                 )
+                log.warning("task_result_not_encodable", error=why)
+                error = wire_exception("EncodeError", why)
                 failed = Outcome(task_id=outcome.task_id, status=State.FAILURE, result=error)
                 self._writer.store(
                     result_meta(failed, group_id=request.group, parent_id=request.parent_id, extended=None)

@@ -24,6 +24,7 @@ from typing import Any, Final, TypeVar
 import structlog
 
 from broker_svc.amqp.feed_connection import TaskDelivery
+from broker_svc.topology import DEAD_LETTER_REQUEUED_HEADER
 from broker_svc.wire.task_message import TaskMessage
 from worker import ipc
 from worker.child.channel import ChildChannel
@@ -42,14 +43,18 @@ _T = TypeVar("_T")
 # The outcomes whose runtime celery-exporter's histogram keeps; the metric each status counts in.
 _TIMED: Final = frozenset({JobStatus.SUCCESS, JobStatus.FAILURE})
 _EVENT: Final = {JobStatus.SUCCESS: "succeeded", JobStatus.RETRY: "retried", JobStatus.REJECTED: "rejected"}
+# How a requeued dead letter's last delivery ended (clockwork_requeued_tasks_total's ``outcome``):
+# acked (it ran, or was answered unrun: revoked, expired), or kept in ``<queue>.dead`` again.
+_REQUEUE_ENDS: Final = {Fate.ACK: "done", Fate.DEAD_LETTER: "dead_lettered"}
 
 
 class _AtHand:
     # The delivery a thread handles now: its queue (the counts' label) and its dedupe claim.
-    __slots__ = ("claim", "finished", "queue")
+    __slots__ = ("claim", "finished", "queue", "requeued")
 
-    def __init__(self, queue: str = "") -> None:
+    def __init__(self, queue: str = "", *, requeued: int = 0) -> None:
         self.queue = queue
+        self.requeued = requeued  # a dead letter sent back for the n-th time (``x-clockwork-requeued``)
         self.claim: Claim | None = None
         self.finished = False  # it ran to a final outcome: later copies are duplicates
 
@@ -96,7 +101,9 @@ class FeedLedger:
         dedupe = self._dedupe
         if dedupe is None:
             return False
-        claim = dedupe.claim(request.id, request.retries)
+        # A requeued dead letter runs anew (its first run may be in the window): a key of its own.
+        key = f"{request.id}#requeued{at_hand.requeued}" if at_hand.requeued else request.id
+        claim = dedupe.claim(key, request.retries)
         if claim is None:
             log.info("task_duplicate_skipped")
             return True
@@ -109,6 +116,9 @@ class FeedLedger:
         at_hand.finished = disposition.finished
         if disposition.fate is Fate.DEAD_LETTER:
             self._count("dead_lettered", at_hand.queue, disposition.reason or "unknown")
+        if at_hand.requeued and disposition.fate in _REQUEUE_ENDS:
+            # Once per requeue: its retries and parked copies carry the header too, but end here once.
+            self._count("requeued", at_hand.queue, _REQUEUE_ENDS[disposition.fate])
         return handled
 
     def timed(self, run: Callable[[Job], dict[str, Any]]) -> Callable[[Job], dict[str, Any]]:
@@ -169,10 +179,10 @@ class FeedLedger:
         A delivery whose run ended in a final outcome is remembered for the window even when its ack
         then fails (the connection is gone): the broker's copy of it is the duplicate it catches.
         """
-        return _Settling(self, delivery.queue)
+        return _Settling(self, delivery.queue, _requeue_count(delivery.headers))
 
-    def _begin(self, queue: str) -> _AtHand:
-        at_hand = self._local.at_hand = _AtHand(queue)
+    def _begin(self, queue: str, requeued: int) -> _AtHand:
+        at_hand = self._local.at_hand = _AtHand(queue, requeued=requeued)
         return at_hand
 
     def _settled(self, at_hand: _AtHand) -> None:
@@ -247,13 +257,22 @@ class FeedLedger:
 
 class _Settling:
     # FeedLedger.settling's: a class, not a generator, as it is entered once per delivery.
-    __slots__ = ("_at_hand", "_ledger", "_queue")
+    __slots__ = ("_at_hand", "_ledger", "_queue", "_requeued")
 
-    def __init__(self, ledger: FeedLedger, queue: str) -> None:
-        self._ledger, self._queue = ledger, queue
+    def __init__(self, ledger: FeedLedger, queue: str, requeued: int) -> None:
+        self._ledger, self._queue, self._requeued = ledger, queue, requeued
 
     def __enter__(self) -> None:
-        self._at_hand = self._ledger._begin(self._queue)
+        self._at_hand = self._ledger._begin(self._queue, self._requeued)
 
     def __exit__(self, *exc: object) -> None:
         self._ledger._settled(self._at_hand)
+
+
+def _requeue_count(headers: dict[str, Any]) -> int:
+    # ``x-clockwork-requeued``'s count (at least 1 when the header is there at all); 0 without it.
+    requeued = headers.get(DEAD_LETTER_REQUEUED_HEADER)
+    if requeued is None:
+        return 0
+    count = requeued.get("count") if isinstance(requeued, dict) else None
+    return count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else 1

@@ -18,6 +18,7 @@ from broker_svc.amqp.feed_connection import FeedConnection, TaskDelivery
 from broker_svc.clock import LamportClock
 from broker_svc.errors import Unroutable
 from broker_svc.topology import (
+    DEAD_LETTER_AT_HEADER,
     DEAD_LETTER_ERROR_HEADER,
     DEAD_LETTER_QUEUE_HEADER,
     DEAD_LETTER_REASON_HEADER,
@@ -58,10 +59,12 @@ class FeedReplies:
         correlation_id: str | None,
         content_type: str,
         expiration: str | None = None,
+        task_name: str | None = None,
     ) -> None:
         """Send a result (Celery's rpc format); a result whose caller is gone is logged and dropped.
 
-        ``expiration``: the message's TTL in ms (``result_ttl``), else none.
+        ``expiration``: the message's TTL in ms (``result_ttl``), else none. ``task_name`` names
+        the task in the FAILURE sent instead of a result that cannot be encoded.
 
         Raises:
             BrokerSvcError: the broker did not take it (the delivery must not be acked).
@@ -69,7 +72,10 @@ class FeedReplies:
         try:
             body, ctype, encoding = codec.encode(outcome.to_wire(), content_type)
         except (TypeError, ValueError, OverflowError) as exc:
-            error = wire_exception("EncodeError", f"result cannot be encoded as {content_type}: {exc}")
+            task = f"task {task_name!r} (id {outcome.task_id})" if task_name else f"task {outcome.task_id}"
+            why = f"the result of {task} cannot be encoded as {content_type}: {exc}"
+            log.warning("task_result_not_encodable", error=why)
+            error = wire_exception("EncodeError", why)
             fallback = Outcome(task_id=outcome.task_id, status=State.FAILURE, result=error)
             body, ctype, encoding = codec.encode(fallback.to_wire(), content_type)
         message = WireMessage(
@@ -98,7 +104,7 @@ class FeedReplies:
             DEAD_LETTER_REASON_HEADER: reason,
             DEAD_LETTER_ERROR_HEADER: error[:1024],
             DEAD_LETTER_QUEUE_HEADER: delivery.queue,
-            "x-clockwork-dead-at": dt.datetime.now(dt.UTC).isoformat(),
+            DEAD_LETTER_AT_HEADER: dt.datetime.now(dt.UTC).isoformat(),
         }
         spec = dead_letter_queue(delivery.queue)
         self._publish(copy_of(delivery, headers), spec.name, kind="dead_letter", declare=(spec,))

@@ -11,6 +11,7 @@ A count is keyed by an event and its labels::
     ("failed", task name, queue, exception type)
     ("dead_lettered", queue, reason)
     ("redelivered", queue)
+    ("requeued", queue, outcome)    a requeued dead letter's last delivery: done or dead_lettered
     ("total", task name)            runs of that task (inspect stats ``total``)
 
 and the runtimes of the runs that succeeded or failed, in seconds, per ``(task name, queue)``.
@@ -36,6 +37,7 @@ ARITY: Final = {
     "failed": 3,
     "dead_lettered": 2,
     "redelivered": 1,
+    "requeued": 2,
     "total": 1,
     "unknown": 1,  # a task name the app does not register (inspect stats unknown_tasks)
 }

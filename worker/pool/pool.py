@@ -11,7 +11,7 @@ import structlog
 
 from broker_svc.errors import BrokerSvcError
 from worker.child.spec import FeedSpec
-from worker.loader import SAFE_PATH_ADDED_ENV, load_app, split_spec
+from worker.loader import FORKSERVER_ENV, SAFE_PATH_ADDED_ENV, load_app, split_spec
 from worker.pool.feeding import Feeding
 from worker.pool.handle import EXIT_GRACE_S, ChildHandle
 from worker.pool.spawn import PoolStartError, go_without_resource_tracker
@@ -130,6 +130,7 @@ class ProcessPool(ChildSupervisor):
         if added:
             os.environ["PYTHONSAFEPATH"] = "1"
             os.environ[SAFE_PATH_ADDED_ENV] = "1"
+        os.environ[FORKSERVER_ENV] = "1"
         for ready in first_starts:
             self._add_slot(ready)
         try:
@@ -141,7 +142,8 @@ class ProcessPool(ChildSupervisor):
                     ready.exception()
             raise
         finally:
-            if added:  # the forkserver has started: nothing else this process starts gets it
+            os.environ.pop(FORKSERVER_ENV, None)  # the forkserver has started: nothing else gets these
+            if added:
                 os.environ.pop("PYTHONSAFEPATH", None)
                 os.environ.pop(SAFE_PATH_ADDED_ENV, None)
 

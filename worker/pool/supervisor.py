@@ -134,6 +134,9 @@ class ChildSupervisor:
                 del self._children[child.pid]
             if child.retired or child.recycled:
                 log.debug("pool_child_retired", pid=child.pid, exit=ipc.describe_exit(exitcode))
+            elif exitcode == ipc.EXIT_TIME_LIMIT:
+                # It answered its task TimeLimitExceeded and ended itself: not a crash of an idle child.
+                log.info("pool_child_replaced", pid=child.pid, reason="its task passed the hard time limit")
             elif not self._closing.is_set() and not lost:
                 log.warning("pool_child_died_idle", pid=child.pid, exit=ipc.describe_exit(exitcode))
 

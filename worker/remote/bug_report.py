@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from importlib import metadata
 from typing import Any
 
+from broker_svc.version import version
+
 __all__ = ["bug_report"]
 
 
@@ -21,7 +23,7 @@ def bug_report(*, app_spec: str, results: str, settings: Mapping[str, Any]) -> s
     """
     arch = ", ".join(part for part in platform.architecture() if part)
     return (
-        f"\nsoftware -> clockwork:{_version('clockwork')} py:{platform.python_version()}\n"
+        f"\nsoftware -> clockwork:{version()} py:{platform.python_version()}\n"
         f"            pika:{_version('pika')} aio-pika:{_version('aio-pika')}\n"
         f"platform -> system:{platform.system()} arch:{arch}\n"
         f"            kernel version:{platform.release()} imp:{platform.python_implementation()}\n"

@@ -119,7 +119,7 @@ class RevocationLog:
             return False
         finally:
             self._markers.pop(marker, None)
-        log.info(
+        log.debug(  # start-up internals: the banner (worker_ready) is the user's line
             "revocation_log_read",
             entries=self.entries_read,
             revoked=len(self._revoker.revoked),

@@ -120,7 +120,7 @@ class ScheduledLog:
                 self._latest.clear()  # read again from the start
                 on_record = functools.partial(self._on_record, generation=self._generation)
                 await queue.consume(on_record, arguments={"x-stream-offset": "first"})
-                log.info("scheduled_log_subscribed", queue=spec.name, members=members is not None)
+                log.debug("scheduled_log_subscribed", queue=spec.name, members=members is not None)
                 attempt = 0
                 # Until either channel (or their connection) ends, however it ends: subscribe again.
                 # The channels' own futures: waited on, never cancelled (their connection owns them).

@@ -57,7 +57,7 @@ async def check_shared_queues(
         if shared:
             sharing[node] = shared
     if not sharing:
-        log.info("shared_queue_check_done", peers_sharing=0, other_apps=0)
+        log.debug("shared_queue_check_done", peers_sharing=0, other_apps=0)
         return []
     known = await broadcaster.call("registered", {}, expected=frozenset(sharing), timeout_s=timeout_s)
     found: list[SharedQueue] = []
@@ -80,7 +80,7 @@ async def check_shared_queues(
             hint="tasks of theirs that reach this worker are dead-lettered as NotRegistered (and ours "
             "reaching them fail there): give each app a queue of its own (task_default_queue, -Q)",
         )
-    log.info("shared_queue_check_done", peers_sharing=len(sharing), other_apps=len(found))
+    log.debug("shared_queue_check_done", peers_sharing=len(sharing), other_apps=len(found))
     return found
 
 

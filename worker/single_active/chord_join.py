@@ -153,7 +153,7 @@ class ChordJoiner:
             self._connection, self._channel = connection, underlay
             self._declared.clear()
             await queue.consume(self._on_message)
-            log.info("chord_joiner_subscribed", queue=self._queue.name)
+            log.debug("chord_joiner_subscribed", queue=self._queue.name)
             try:
                 await underlay.closing
             except Exception as exc:  # the channel's end, however it came

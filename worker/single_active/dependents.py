@@ -122,7 +122,7 @@ class DependentsJoiner:
             self._stream_queue = await declare_queue(records, self._stream)
             await records.set_qos(prefetch_count=_STREAM_PREFETCH)  # streams need a qos and acks
             await queue.consume(self._on_waiting)
-            log.info("dependents_subscribed", queue=self._queue.name)
+            log.debug("dependents_subscribed", queue=self._queue.name)
             try:
                 await underlay.closing
             except Exception as exc:  # the channel's end, however it came

@@ -269,7 +269,7 @@ class GateShard:
         # Markers make the heads, releases end them, then arrivals meet the heads as they are.
         buffered = [(gate_message(m.headers), m) for m in self._buffer]
         self._buffer, self.synced_at = [], time.monotonic()
-        log.info("dedup_gate_active", shard=self.shard, replayed=len(buffered))
+        log.debug("dedup_gate_active", shard=self.shard, replayed=len(buffered))
         order = {"head": 0, "release": 1, "sync": 2}
         buffered.sort(key=lambda pair: 3 if pair[0] is None else order[pair[0].kind])
         for own, message in buffered:

@@ -161,7 +161,7 @@ class Gatekeeper:
             for shard in range(GATE_SHARDS):
                 self._shards[shard] = self._new_shard(shard)
                 await self._shards[shard].subscribe(connection)
-            log.info("dedup_gate_subscribed", shards=GATE_SHARDS)
+            log.debug("dedup_gate_subscribed", shards=GATE_SHARDS)
             members = await self._follow_members(connection)
             try:
                 async with asyncio.TaskGroup() as group:

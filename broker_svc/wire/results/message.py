@@ -18,6 +18,7 @@ from broker_svc.errors import (
     SoftTimeLimitExceeded,
     TaskError,
     TaskRevokedError,
+    TimeLimitExceeded,
 )
 from broker_svc.wire.states import READY_STATES
 
@@ -47,6 +48,10 @@ def describe_wire_exception(error: Mapping[str, Any] | None) -> str:
     if not error:
         return "unknown error"
     message = error.get("exc_message")
+    known = _CELERY_NAMES.get(str(error.get("exc_type")))
+    if known is not None and error.get("exc_module") == CELERY_EXCEPTIONS_MODULE:
+        # Celery's args are for programs (a time limit is its seconds): say it in words.
+        return f"{error.get('exc_type')}: {known(*message) if isinstance(message, list) else known(message)}"
     text = ", ".join(map(str, message)) if isinstance(message, list) else str(message)
     return f"{error.get('exc_type')}: {text}"
 
@@ -71,6 +76,7 @@ def exception_to_wire(exc: BaseException) -> dict[str, Any]:
 
 _CELERY_WIRE_NAMES: Final[dict[type[BaseException], str]] = {
     SoftTimeLimitExceeded: "SoftTimeLimitExceeded",
+    TimeLimitExceeded: "TimeLimitExceeded",
     Reject: "Reject",
 }
 
@@ -81,6 +87,7 @@ _remote_types_lock = threading.Lock()
 _CELERY_NAMES: Final[dict[str, type[TaskError]]] = {
     "TaskRevokedError": TaskRevokedError,
     "ChordError": ChordError,
+    "TimeLimitExceeded": TimeLimitExceeded,
 }
 
 
@@ -120,7 +127,13 @@ def _remote_type(exc_type: str, exc_module: str) -> type[TaskError]:
         return cls
 
 
+# Celery re-exports billiard's pool errors: a Celery worker's result names billiard's module.
+_BILLIARD_EXCEPTIONS_MODULE: Final = "billiard.exceptions"
+
+
 def _build_remote_type(exc_type: str, exc_module: str) -> type[TaskError]:
+    if exc_module == _BILLIARD_EXCEPTIONS_MODULE and exc_type == "TimeLimitExceeded":
+        return TimeLimitExceeded
     if exc_module == CELERY_EXCEPTIONS_MODULE:
         if exc_type in _CELERY_NAMES:
             return _CELERY_NAMES[exc_type]
