@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -114,7 +115,8 @@ class App(TaskRegistry):
         self._store.revoke = lambda task_id, **options: self.control.revoke(task_id, **options)
         self._redis_results: RedisResults | None = None
         self._source_lock = threading.Lock()
-        self._close_hooks: list[Callable[[], None]] = []
+        # Run by close() with the seconds its timeout has left (None: no timeout was given).
+        self._close_hooks: list[Callable[[float | None], None]] = []
         self._lock = threading.Lock()
         open_apps.add(self)
         register_builtins(self)
@@ -323,7 +325,7 @@ class App(TaskRegistry):
                 self._control = load_control(self)
                 close = getattr(self._control, "close", None)
                 if callable(close):
-                    self._close_hooks.append(close)
+                    self._close_hooks.append(lambda _left: close())
             return self._control
 
     # -- jobs and states (docs/guide.md, "Jobs and states") ---------------------------------------
@@ -366,7 +368,7 @@ class App(TaskRegistry):
                 conf = RedisBackendConf.of(self.conf, self.settings)
                 assert conf is not None
                 self._redis_results = RedisResults(conf, offer=self._store.offer)
-                self._close_hooks.append(self._close_redis_results)
+                self._close_hooks.append(lambda _left: self._close_redis_results())
             return self._redis_results
 
     def _close_redis_results(self) -> None:
@@ -427,11 +429,13 @@ class App(TaskRegistry):
 
     def close(self, timeout: float | None = None) -> None:
         """Flush, delete this client's result queue, and close the connection (with a spool, what
-        the broker has not confirmed within ``timeout`` stays spooled for the next start).
+        the broker has not confirmed within ``timeout`` stays spooled for the next start); returns
+        within ``timeout``, the broker up or down.
 
         Raises:
             PublishError: some tasks were not confirmed; the connection is closed all the same.
         """
+        deadline = None if timeout is None else time.monotonic() + timeout
         open_apps.discard(self)
         with self._lock:
             producer, self._producer = self._producer, None
@@ -444,6 +448,6 @@ class App(TaskRegistry):
         finally:
             for hook in hooks:
                 try:
-                    hook()
+                    hook(None if deadline is None else max(0.0, deadline - time.monotonic()))
                 except Exception as exc:  # one failing hook must not keep the others from running
                     log.warning("close_hook_failed", hook=repr(hook), error=str(exc))

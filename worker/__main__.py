@@ -36,8 +36,8 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\nRun '{self.prog} --help' for the options.\n")
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse the worker's command line (Celery's option names)."""
+def build_parser() -> argparse.ArgumentParser:
+    """The worker's command line (Celery's option names); docs/guide.md's options table lists each."""
     parser = _Parser(prog="clockwork-worker", description="Run a Clockwork worker.")
     add_version_option(parser)
     parser.add_argument("-A", "--app", required=True, help="the app: package.module:app")
@@ -50,7 +50,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "-Q", "--queues", default=None, help="comma-separated queues (default: the app's default queue)"
     )
     parser.add_argument(
-        "-b", "--broker", default=None, help="AMQP URL (else $CLOCKWORK_BROKER_URL, else the app's)"
+        "-b", "--broker", default=None, help="AMQP URL (default: the app's, else $CLOCKWORK_BROKER_URL)"
     )
     parser.add_argument("-l", "--loglevel", default="info", help="debug, info, warning, error")
     parser.add_argument(
@@ -194,6 +194,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="N consumers per child, each in a thread (for tasks that wait "
         "on I/O; soft time limits only between bytecodes, a hard limit or terminate ends the child)",
     )
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse the worker's command line, checking what argparse cannot."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.pool not in ("prefork", "processes"):
         instead = _POOL_HINTS.get(args.pool, "Celery's pools are prefork, solo, threads, gevent and eventlet")

@@ -137,9 +137,9 @@ class Journal:
 
         self._with_channel(delete)
 
-    def open_term(self, epoch: int) -> None:
+    def open_term(self, epoch: int, *, leader: str = "") -> None:
         """Declare the router and the term's exchange bound to it, bind the journal to the router,
-        and record the term (so the next leader deletes its exchange)."""
+        and record the term (so the next leader deletes its exchange) with its ``leader``."""
         router, term = (
             beat_router_exchange(self.name, self._namespace),
             beat_term_exchange(self.name, self._namespace, epoch),
@@ -150,7 +150,7 @@ class Journal:
                 channel.exchange_declare(exchange.name, exchange.type, **exchange.declare_options())
             channel.queue_bind(self.stream.name, router.name, self.stream.name)
             channel.exchange_bind(destination=router.name, source=term.name)
-            self._publish(channel, TermOpened(epoch).encode(), "term")
+            self._publish(channel, TermOpened(epoch, leader, time.time()).encode(), "term")
 
         self._with_channel(open_)
 

@@ -20,6 +20,7 @@ import pika
 import pika.exceptions
 import pika.spec
 from pika.adapters.blocking_connection import BlockingChannel
+from pika.adapters.utils.connection_workflow import AMQPConnectorException
 
 from broker_svc.clock import LamportClock
 from broker_svc.connection.parameters import all_connection_parameters
@@ -68,6 +69,7 @@ class StateFeed:
         self._conn: pika.BlockingConnection | None = None
         self._channel: BlockingChannel | None = None
         self._closing = False
+        self._closed = threading.Event()  # wakes the reconnect pause
         self._error: str | None = None
         self._unacked = 0
         self._thread = threading.Thread(target=self._run, name="clockwork-state-feed", daemon=True)
@@ -116,16 +118,21 @@ class StateFeed:
                     sent = False  # a new connection: the marker may have been lost with the old
             self._seen_markers.discard(marker)
 
-    def close(self) -> None:
-        """Stop the thread and close its connection."""
+    def close(self, timeout: float = 3.0) -> None:
+        """Stop the thread and close its connection, waiting at most ``timeout`` for it.
+
+        A thread still connecting to a broker that does not answer is left to end on its own (a
+        daemon, it closes what it connected once the attempt ends): ``App.close``'s timeout holds.
+        """
         self._closing = True
+        self._closed.set()
         conn = self._conn
         if conn is not None:
             try:
                 conn.add_callback_threadsafe(lambda: None)  # wake it
             except Exception:
                 pass
-        self._thread.join(timeout=3.0)
+        self._thread.join(timeout=timeout)
 
     # -- the feed's thread -----------------------------------------------------------------------
 
@@ -133,13 +140,14 @@ class StateFeed:
         while not self._closing:
             try:
                 self._follow()
-            except (pika.exceptions.AMQPError, OSError) as exc:
+            # A handshake the broker never answers ends in pika's connector errors, not AMQPError.
+            except (pika.exceptions.AMQPError, AMQPConnectorException, OSError) as exc:
                 self._error = str(exc) or type(exc).__name__
                 log.warning("state_feed_lost", error=self._error)
             finally:
                 self._drop()
             if not self._closing:
-                time.sleep(_RECONNECT_PAUSE_S)
+                self._closed.wait(_RECONNECT_PAUSE_S)
 
     def _follow(self) -> None:
         params = all_connection_parameters(self._settings, connection_name="clockwork-state-feed")

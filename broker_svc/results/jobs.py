@@ -243,12 +243,12 @@ class Jobs:
             self._app.control.revoke(task_id)
         self._write(task_id, JobState.DELETED, {"by": "delete"})
 
-    def close(self) -> None:
-        """Stop the background reader, if one runs."""
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the background reader, if one runs, waiting at most ``timeout`` (default 3 s) for it."""
         with self._lock:
             feed, self._feed = self._feed, None
         if feed is not None:
-            feed.close()
+            feed.close(timeout=3.0 if timeout is None else timeout)
 
     # -- inside ------------------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from broker_svc.schedules import Crontab, Entry, Every, next_due
-from broker_svc.schedules.journal_record import Change, ChangeOp
+from broker_svc.schedules.journal_record import Change, ChangeOp, TermOpened
 from broker_svc.schedules.state import BeatState
 from broker_svc.settings import Settings
 
@@ -57,10 +57,20 @@ class ScheduleClient:
         state, _ = self._journal.read_state()
         return state
 
-    def list(self, *, now: float | None = None) -> list[ScheduledEntry]:
+    def leader(self, *, state: BeatState | None = None) -> TermOpened | None:
+        """The latest term a leader opened: its ``leader`` (host, pid, a suffix), ``epoch`` and
+        since when (``at``); None before any instance has led.
+
+        The leader writes it to the journal when it takes over, so it names the instance that
+        leads now, or, while none does (the last one died and the next has not taken over yet,
+        within the lease), the one that led last.
+        """
+        return (state or self.state()).term
+
+    def list(self, *, now: float | None = None, state: BeatState | None = None) -> list[ScheduledEntry]:
         """The entries in force, by name: the configured ones as of the leader's latest snapshot
-        (none before a leader has run), with every change since."""
-        state = self.state()
+        (none before a leader has run), with every change since (``state``: one read already)."""
+        state = state or self.state()
         configured = [Entry.from_json(value) for value in state.configured.values()]
         at = now if now is not None else dt.datetime.now(dt.UTC).timestamp()
         shown = []

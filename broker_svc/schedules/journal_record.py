@@ -10,7 +10,7 @@ Five kinds, told apart by their AMQP properties:
 - a **change**: a schedule change made at runtime (``ctl schedule``, ``app.schedules``), JSON with
   the ``x-clockwork-beat`` header ``change`` (:class:`Change`).
 - a **term**: a leader opened its term exchange (:class:`TermOpened`), so a later leader knows to
-  delete it.
+  delete it; it names that leader, so ``ctl schedule list`` can say who leads.
 - a **marker**: written by a reader to learn that it has read everything written before it.
 
 Pure: no sockets. A record that is none of these is skipped by readers (:func:`classify` -> None).
@@ -167,12 +167,26 @@ class Marker:
 
 @dataclass(frozen=True, slots=True)
 class TermOpened:
-    """A leader's term began: its term exchange exists until a later leader deletes it."""
+    """A leader's term began: its term exchange exists until a later leader deletes it.
+
+    ``leader`` is the election identity of the instance that leads it (host, pid, a suffix; empty
+    in a record of an older version) and ``at`` when it began (epoch seconds; 0.0 if unknown).
+    """
 
     epoch: int
+    leader: str = ""
+    at: float = 0.0
 
     def encode(self) -> bytes:
-        return json.dumps({"epoch": self.epoch}).encode()
+        return json.dumps({"epoch": self.epoch, "leader": self.leader, "at": self.at}).encode()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "leader": self.leader, "at": self.at}
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any]) -> TermOpened:
+        """Raises: KeyError, TypeError, ValueError: not a term record."""
+        return cls(int(value["epoch"]), str(value.get("leader") or ""), float(value.get("at") or 0.0))
 
 
 JournalItem = Fire | Done | Change | Marker | TermOpened
@@ -194,7 +208,7 @@ def classify(
         return Change.decode(body)
     if kind == "term":
         try:
-            return TermOpened(int(json.loads(body)["epoch"]))
+            return TermOpened.from_json(json.loads(body))
         except (ValueError, KeyError, TypeError) as exc:
             raise MessageError(f"not a term record: {exc}") from exc
     if ENTRY_HEADER in headers:

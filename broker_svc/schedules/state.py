@@ -34,6 +34,7 @@ class BeatState:
         self.run_now: dict[str, str] = {}  # run-now change id -> entry, not fired yet
         self._open_ids: dict[str, str] = {}  # task id -> entry, for the answers
         self.terms: set[int] = set()  # terms whose exchange may still exist (to delete: the fence)
+        self.term: TermOpened | None = None  # the latest term opened: who leads (or led last)
         self.fires = 0  # fire records applied (for stats)
 
     # -- records -------------------------------------------------------------------------------
@@ -53,6 +54,8 @@ class BeatState:
             return self._changed(item)
         if isinstance(item, TermOpened):
             self.terms.add(item.epoch)
+            if self.term is None or item.epoch >= self.term.epoch:
+                self.term = item
             return False
         assert isinstance(item, Marker)
         return False
@@ -128,6 +131,7 @@ class BeatState:
             "run_now": self.run_now,
             "fires": self.fires,
             "terms": sorted(self.terms),
+            "term": self.term.to_json() if self.term is not None else None,
         }
 
     @classmethod
@@ -144,4 +148,6 @@ class BeatState:
         state.run_now = {str(k): str(v) for k, v in value["run_now"].items()}
         state.fires = int(value.get("fires", 0))
         state.terms = {int(epoch) for epoch in value.get("terms", ())}
+        term = value.get("term")
+        state.term = TermOpened.from_json(term) if term else None
         return state

@@ -14,10 +14,11 @@ from typing import Any, TextIO
 
 from broker_svc.schedules import Crontab, Every
 from broker_svc.schedules.client import ScheduleClient, ScheduledEntry
+from broker_svc.schedules.journal_record import TermOpened
 from control.blocking.client import ControlClient
 from control.cli.exit_codes import EX_FAILURE, EX_OK
 
-__all__ = ["describe_schedule", "format_entries", "schedule_command"]
+__all__ = ["describe_leader", "describe_schedule", "format_entries", "schedule_command"]
 
 
 def schedule_command(
@@ -32,10 +33,12 @@ def schedule_command(
     del dest
     schedules = ScheduleClient(client.settings, args.scheduler)
     if args.op == "list":
-        entries = schedules.list()
+        state = schedules.state()
+        entries = schedules.list(state=state)
         if args.json:
             out.write(json.dumps([entry.as_dict() for entry in entries], indent=2, default=str) + "\n")
         else:
+            out.write(describe_leader(args.scheduler, schedules.leader(state=state)))
             out.write(format_entries(entries))
         return EX_OK
     if args.op == "add":
@@ -57,6 +60,15 @@ def schedule_command(
         return EX_FAILURE
     out.write(f"{args.op} {args.name}: written to the journal of scheduler {args.scheduler!r}\n")
     return EX_OK
+
+
+def describe_leader(scheduler: str, term: TermOpened | None) -> str:
+    """The line above the entries: which scheduler instance leads, in which term, since when."""
+    if term is None:
+        return f"scheduler {scheduler!r}: no instance has led yet\n"
+    who = term.leader or "an instance of an older version"
+    since = f", since {_when(term.at)} UTC" if term.at else ""
+    return f"scheduler {scheduler!r}: led by {who} (term {term.epoch}{since})\n"
 
 
 def format_entries(entries: list[ScheduledEntry]) -> str:

@@ -19,6 +19,7 @@ import pytest
 
 from broker_svc import App, PublishError, Settings, Signature, Unroutable
 from broker_svc.schedules import Entry, Every, fire_id
+from broker_svc.schedules.client import ScheduleClient
 from broker_svc.topology import LEGACY_NAMESPACE, beat_term_exchange
 from tests.infra.session_broker import SessionBroker
 from tests.support.amqp import delete_queues, queue_depth, queue_exists
@@ -93,10 +94,45 @@ def test_a_killed_leader_is_replaced_and_no_time_is_missed_or_doubled(url: str, 
     ):
         before = len(wait_runs(journal, 3))
         leader, other = (a, b) if a.leading() else (b, a)
+        schedules = ScheduleClient(Settings(broker_url=url), scheduler)
+        term = schedules.leader()
+        assert term is not None and term.leader == leader.first("beat_leading")["leader"]
         leader.kill()
         other.first("beat_leading", timeout_s=30)
         wait_runs(journal, before + 5)
+        # The next leader names itself, in the next term.
+        after = schedules.leader()
+        assert after is not None and after.leader == other.first("beat_leading")["leader"]
+        assert after.epoch == term.epoch + 1 and after.at > term.at
     _assert_each_time_once(runs(journal))
+
+
+def test_with_the_default_catch_up_a_failover_doubles_no_time_but_fires_only_the_latest_it_missed(
+    url: str, queue: str, tmp_path: Path
+):
+    # What README.md and the guide ("Failover") say of catch_up="once": the times that fell due
+    # while no one led collapse into one fire, of the latest of them; none fires twice.
+    journal = new_journal(tmp_path)
+    env = schedule_env({"tick": tick_entry(journal, queue)})  # catch_up: the default, "once"
+    scheduler = f"s-{uuid.uuid4().hex[:8]}"
+    with (
+        BeatProcess(url, scheduler=scheduler, env=env) as a,
+        BeatProcess(url, scheduler=scheduler, env=env) as b,
+    ):
+        before = len(wait_runs(journal, 3))
+        leader, other = (a, b) if a.leading() else (b, a)
+        leader.kill()
+        other.first("beat_leading", timeout_s=30)
+        wait_runs(journal, before + 3)
+        fired = [e for e in other.events() if e["event"] == "beat_fired"]
+    done = runs(journal)
+    times = sorted(run["scheduled"] for run in done)
+    assert len({run["id"] for run in done}) == len(done) and len(set(times)) == len(times), times
+    gaps = [round(later - earlier, 6) for earlier, later in zip(times, times[1:], strict=False)]
+    # The lease (2 s) alone outlasts a second: at least one time was missed, and dropped.
+    assert max(gaps) >= 2.0, gaps
+    # The new leader's first fire is the latest time missed: late by less than a period and its send.
+    assert fired[0]["late_s"] < 1.0 + 1.0, fired[0]
 
 
 def test_a_restarted_scheduler_reads_its_journal_and_fires_nothing_again(
@@ -195,7 +231,12 @@ def test_ctl_schedule_lists_the_configured_entries_and_changes_them(url: str, qu
         wait_runs(journal, 1)
         status, listed, _ = ctl("list")
         assert status == 0
-        [header, row] = listed.splitlines()
+        [leader, header, row] = listed.splitlines()
+        # Which instance leads: the identity its election logs, and its term.
+        leading = beat.first("beat_leading")
+        assert leader.startswith(
+            f"scheduler {scheduler!r}: led by {leading['leader']} (term {leading['epoch']}, since "
+        )
         assert header.split()[:4] == ["NAME", "TASK", "SCHEDULE", "STATE"]
         assert row.split()[:5] == ["tick", "beat.tick", "every", "1s", "active"]
         args = json.dumps([str(journal), 0.0])

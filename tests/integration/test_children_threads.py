@@ -112,6 +112,25 @@ def test_a_childs_threads_share_one_connection_and_one_consumer_with_prefetch_th
     assert threads_worker.consumers_per_queue == 1
 
 
+def test_the_prefetch_of_the_start_up_line_and_of_inspect_stats_is_what_the_broker_applies(
+    session_broker, test_vhost_url: str, threads_queue: str, threads_worker: WorkerProcess, app: App
+):
+    # One source (worker/config.py:prefetch_for): children x threads x multiplier, per queue.
+    if session_broker.rabbitmqctl is None:
+        pytest.fail("this test needs rabbitmqctl for the broker (to read the consumers' prefetch)")
+    assert app.send_task(f"{TASKS}.quick", queue=threads_queue).get(timeout=30) == "done"
+    banner = threads_worker.first("worker_ready")["prefetch"]
+    replies = call(test_vhost_url, "stats", destination=[threads_worker.name], expect=1)
+    stats = replies[0][1][threads_worker.name]["prefetch_count"]
+    applied = sum(prefetch for _, prefetch in _consumers(session_broker, test_vhost_url, threads_queue))
+    assert banner == stats == applied == 1 * THREADS * 1
+    # Each child's own start-up line says its share, once (not once per thread, as it did).
+    events = [e.get("event") for e in threads_worker.events()]
+    first = events[: events.index("feed_connection_lost")] if "feed_connection_lost" in events else events
+    started = [e for e in threads_worker.events()[: len(first)] if e.get("event") == "feed_child_consuming"]
+    assert [(e["prefetch"], e["threads"]) for e in started] == [(banner, THREADS)], started
+
+
 def test_a_connection_closed_under_running_threads_loses_no_task(
     session_broker, test_vhost_url: str, threads_queue: str, threads_worker: WorkerProcess, app: App
 ):

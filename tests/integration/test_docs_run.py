@@ -3,7 +3,7 @@
 A fenced block preceded by ``<!-- doc-test: KIND [ARG] -->`` takes part (the comment does not
 show on a rendered page). Per document, in order, in a fresh directory and vhost:
 
-- ``file NAME``: the block is written to ``NAME``;
+- ``file NAME``: the block is written to ``NAME`` (a path: ``proj/tasks.py``);
 - ``worker``: the block is a worker command line, started there in the background (ready when it
   logs ``worker_ready``), stopped at the end;
 - ``run``: the block is Python, run there; it must exit 0 (its ``assert`` lines are the checks);
@@ -88,6 +88,7 @@ def test_a_documents_runnable_blocks_run_as_written(doc: Path, vhost: str, tmp_p
             where = f"{doc.name}:{step.line}"
             if step.kind == "file":
                 assert step.arg, f"{where}: 'file' needs a name"
+                (tmp_path / step.arg).parent.mkdir(parents=True, exist_ok=True)  # proj/tasks.py
                 (tmp_path / step.arg).write_text(step.code)
             elif step.kind == "worker":
                 workers.append(_start_worker(step.code, tmp_path, env, where))

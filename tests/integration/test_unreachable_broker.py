@@ -1,18 +1,24 @@
 """A client whose broker cannot be reached says so, and its calls keep to their timeouts.
 
 The broker is a local port nothing listens on (``free_port``): every attempt is refused at once,
-as for a broker that is down or a mistyped port.
+as for a broker that is down or a mistyped port; or one that takes the connection and never
+answers (``silent_broker``), as a broker that hangs or a host that drops packets.
 """
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from broker_svc import App, Settings
 from broker_svc.errors import BrokerUnavailable, PublishError, ResultTimeout, ResultUnreachable
 from tests.support.metrics import free_port
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -62,3 +68,63 @@ def test_a_send_that_waits_for_its_confirm_fails_naming_the_broker_and_why():
         assert "a-secret" not in text
     finally:
         app.close(timeout=0.5)
+
+
+@pytest.fixture
+def silent_broker() -> Iterator[str]:
+    """The URL of a port that accepts connections and never answers a byte."""
+    server = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                held.append(server.accept()[0])
+            except OSError:  # closed: the test is over
+                return
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield f"amqp://guest:guest@127.0.0.1:{server.getsockname()[1]}/"
+    finally:
+        server.close()
+        thread.join(timeout=5)
+        for conn in held:  # the clients still in their handshake read the end of it and stop
+            conn.close()
+
+
+def test_close_keeps_to_its_timeout_after_reading_task_states_from_a_broker_that_never_answers(
+    silent_broker: str,
+):
+    app = App("silent-states", settings=Settings(broker_url=silent_broker, task_states=True))
+    with pytest.raises(BrokerUnavailable):
+        app.jobs.history("some-task", timeout=0.5)  # its reader is still in its handshake
+    started = time.monotonic()
+    app.close(timeout=0.5)
+    # Generous for a slow machine, below the 3.0 s it took whatever the timeout (the reader's join).
+    assert time.monotonic() - started < 2.0
+
+
+def test_a_spooling_close_waits_about_a_second_for_a_broker_that_never_answers(
+    silent_broker: str, tmp_path: Path
+):
+    # docs/guide.md, "When the broker is down": close() gives the drain up to its timeout, 1 s if
+    # the broker is down; what is not confirmed stays spooled.
+    app = App("silent-spool", settings=Settings(broker_url=silent_broker, spool_dir=str(tmp_path)))
+    app.send_task("tests.anything", (1, 2))
+    started = time.monotonic()
+    app.close(timeout=30)
+    assert time.monotonic() - started < 3.0
+    # What the broker never confirmed is still there for the next process.
+    again = App("silent-spool", settings=Settings(broker_url=silent_broker, spool_dir=str(tmp_path)))
+    try:
+        again.connect()
+
+        def one_spooled() -> bool:
+            stats = again.spool_stats()
+            return stats is not None and stats.depth == 1
+
+        wait_for(one_spooled, timeout_s=10, message="the task left spooled")
+    finally:
+        again.close(timeout=0.1)

@@ -7,9 +7,11 @@ private node (tests/infra/private_node.py), never on the shared one.
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pika
@@ -17,6 +19,7 @@ import pika.exceptions
 import pytest
 
 from broker_svc import App, Settings
+from broker_svc.schedules.client import ScheduleClient
 from broker_svc.topology import node_queue
 from control.blocking.client import ControlClient
 from control.protocol.signing import ControlSecurity
@@ -24,8 +27,9 @@ from tests.infra.private_node import PrivateNode
 from tests.infra.session_broker import SessionBroker
 from tests.reliability.journal import report
 from tests.support.amqp import channel
+from tests.support.beats import new_journal, schedule_env, tick_entry, wait_runs
 from tests.support.waiting import wait_for
-from tests.support.workers import WorkerProcess, unique_queue
+from tests.support.workers import ROOT, WorkerProcess, unique_queue
 
 KEY = "s3-test-key-" + uuid.uuid4().hex
 PIDBOX = "celery.pidbox"
@@ -198,35 +202,25 @@ def test_s2_the_broker_refuses_a_spoofed_user_id(vhost: str):
 
 # -- S1 (and S2's allow-list): users and permissions on a private node -------------------------------
 
-# The permission regexes documented in docs/deployment.md ("Least-privilege users"), for the
-# default queue ``celery`` and namespace ``celery``. Keep the two in step.
-_NODE = r".+@.+\.celery\.pidbox"
-_REPLY = r"[-0-9a-f]+\.reply\.celery\.pidbox"
-# Expired tasks, chord parts and settled chords, dedup gate shards, parked ETA tasks.
-_OWN = r"clockwork\.(expired|chords\.celery(\.settled)?|dedup\.celery\.\d+|scheduled\.celery)(\.dead)?"
-PERMISSIONS = {
-    "producer": (
-        r"^(celery|celery\.delay\.\d+ms|clockwork\.reply\..+)$",
-        r"^(amq\.default|celery|celery\.delay\.\d+ms)$",
-        r"^(celery|clockwork\.reply\..+)$",
-    ),
-    "worker": (
-        rf"^(celery|celery\.dead|celery\.delay\.\d+ms|clockwork\.reply\..+|celeryev|celery\.pidbox"
-        rf"|reply\.celery\.pidbox|{_NODE}|{_REPLY}|clockwork\.(members|revoked)\.celery|{_OWN})$",
-        rf"^(amq\.default|celery|celery\.dead|celery\.delay\.\d+ms|celeryev|celery\.pidbox"
-        rf"|reply\.celery\.pidbox|{_NODE}|{_REPLY}|clockwork\.(members|revoked)\.celery|{_OWN})$",
-        rf"^(celery|celeryev|celery\.pidbox|reply\.celery\.pidbox|{_NODE}|{_REPLY}"
-        rf"|clockwork\.(members|revoked)\.celery|{_OWN})$",
-    ),
-    "operator": (
-        rf"^(celery\.pidbox|reply\.celery\.pidbox|{_REPLY}|clockwork\.(members|revoked)\.celery"
-        rf"|celeryev|celeryev\..+)$",
-        rf"^(amq\.default|celery\.pidbox|reply\.celery\.pidbox|{_REPLY}|clockwork\.(members|revoked)\.celery"
-        rf"|celeryev\..+)$",
-        rf"^(celeryev|celery\.pidbox|reply\.celery\.pidbox|{_REPLY}|clockwork\.(members|revoked)\.celery"
-        rf"|celeryev\..+)$",
-    ),
-}
+
+def documented_permissions() -> dict[str, tuple[str, str, str]]:
+    """The ``configure``, ``write`` and ``read`` regexes of each role, as docs/deployment.md
+    ("Least-privilege users") sets them: its ``sh`` block run by bash, with a ``rabbitmqctl`` that
+    only reports its arguments, so the test uses the very regexes a reader copies."""
+    text = (ROOT / "docs" / "deployment.md").read_text()
+    block = text.split("## Least-privilege users", 1)[1].split("```sh\n", 1)[1].split("\n```", 1)[0]
+    script = "rabbitmqctl() { printf '%s\\037' \"$@\"; printf '\\n'; }\n" + block
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout
+    permissions = {}
+    for line in out.splitlines():
+        command, flag, vhost, user, configure, write, read = line.split("\x1f")[:-1]
+        assert (command, flag, vhost) == ("set_permissions", "-p", "/prod"), line
+        permissions[user] = (configure, write, read)
+    return permissions
+
+
+# For the default queue ``celery``, the namespace ``celery`` and the scheduler ``default``.
+PERMISSIONS = documented_permissions()
 
 
 @pytest.fixture
@@ -309,3 +303,45 @@ def test_s1_least_privilege_users_isolate_the_control_exchange(users_node: dict[
         assert "ACCESS_REFUSED" not in worker.log_text()
         figures["default_exchange_injection_accepted_by_broker"] = True
     report("S1", None, **figures)
+
+
+def test_s1_least_privilege_users_run_the_scheduler_task_states_and_depends_on(
+    users_node: dict[str, str], tmp_path: Path
+):
+    # The same documented users: the worker runs -B (the scheduler "default") with task_states; the
+    # producer sends with task_states and depends_on and reads states; the operator reads and
+    # changes the schedule and reads task states. None is refused anything.
+    journal = new_journal(tmp_path)
+    env = {
+        **schedule_env({"tick": tick_entry(journal, "celery")}),
+        "CLOCKWORK_TASK_STATES": "1",
+    }
+    args = ["-B", "--beat-lease", "2"]
+    with WorkerProcess(
+        users_node["worker"], app="tests.integration.beat_tasks:app", queues=["celery"], concurrency=1,
+        env=env, extra_args=args,
+    ) as worker:  # fmt: skip
+        worker.wait_ready()
+        worker.first("beat_leading", timeout_s=30)
+        wait_runs(journal, 2)  # the scheduler fires, as the worker user
+        producer = App("producer", settings=Settings(broker_url=users_node["producer"], task_states=True))
+        try:
+            first = producer.send_task("beat.tick", (str(journal),), queue="celery")
+            second = producer.enqueue("beat.tick", str(journal), depends_on=[first.id], queue="celery")
+            assert first.get(timeout=30) and second.get(timeout=30)  # released by the worker
+            assert producer.jobs.status(second.id) == "SUCCESS"
+        finally:
+            producer.close(timeout=10)
+        operator = Settings(broker_url=users_node["operator"])
+        schedules = ScheduleClient(operator, "default")
+        assert [item.entry.name for item in schedules.list()] == ["tick"]
+        leader = schedules.leader()
+        assert leader is not None and leader.leader == worker.first("beat_leading")["leader"]
+        schedules.pause("tick")
+        wait_for(lambda: worker.count("beat_schedule_changed") >= 1, timeout_s=15, message="pause applied")
+        readers = App("operator", settings=Settings(broker_url=users_node["operator"], task_states=True))
+        try:
+            assert [r.state for r in readers.jobs.history(second.id)][-1] == "SUCCESS"
+        finally:
+            readers.close(timeout=10)
+        assert "ACCESS_REFUSED" not in worker.log_text(), worker.log_text()[-3000:]

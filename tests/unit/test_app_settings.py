@@ -44,3 +44,27 @@ def test_an_invalid_variable_is_a_clear_error(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("CLOCKWORK_CONFIRM_TIMEOUT_S", "soon")
     with pytest.raises(ConfigurationError, match="CLOCKWORK_CONFIRM_TIMEOUT_S"):
         App("x")
+
+
+def test_app_conf_set_after_the_constructor_wins_over_its_argument_and_the_variable(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    # The order docs/guide.md gives for a worker without -b: the app's broker_url as its module
+    # left it (the last of App(broker=...) and app.conf), else CLOCKWORK_BROKER_URL.
+    monkeypatch.setenv("CLOCKWORK_BROKER_URL", URL)
+    argument, configured = (
+        "amqp://guest:guest@127.0.0.1:5672/argument",
+        "amqp://guest:guest@127.0.0.1:5672/conf",
+    )
+
+    class CeleryConfig:
+        broker_url = configured
+
+    with App("x", broker=argument, config_source=CeleryConfig) as app:
+        assert app.settings.broker_url == configured
+    with App("x", broker=argument) as app:
+        app.config_from_object(CeleryConfig)
+        assert app.settings.broker_url == configured
+    with App("x", settings=Settings(broker_url=argument)) as app:
+        app.conf.broker_url = configured
+        assert app.settings.broker_url == configured

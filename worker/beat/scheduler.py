@@ -142,14 +142,18 @@ class Beat(Firing):
         self.journal.fence(fenced)
         self.state, self._offset = self.journal.read_state(read)
         self.state.terms -= fenced
-        self.journal.open_term(term.epoch)
+        self.journal.open_term(term.epoch, leader=self.election.identity)
         self._new_term_routes(beat_term_exchange(self.name, self.app.settings.namespace, term.epoch).name)
         self._follower = JournalFollower(self.app.settings, self.name, start=self._offset + 1)
         log.info(
-            "beat_leading", scheduler=self.name, epoch=term.epoch, entries=len(self.configured),
+            "beat_leading", scheduler=self.name, epoch=term.epoch, leader=self.election.identity,
+            entries=len(self.configured),
             offset=self._offset, handed_over=term.previous_handed_over, fenced=sorted(fenced),
         )  # fmt: skip
-        self.events.send("beat-leading", scheduler=self.name, epoch=term.epoch, entries=len(self.configured))
+        self.events.send(
+            "beat-leading", scheduler=self.name, epoch=term.epoch, leader=self.election.identity,
+            entries=len(self.configured),
+        )  # fmt: skip
 
     def execute(self, term: Term) -> None:
         self.state.configured = {entry.name: entry.to_json() for entry in self.configured}

@@ -73,6 +73,17 @@ class Shared:
         # The connection's prefetch from its task times (--prefetch-budget); None: fixed.
         self.budget = budget
         self._budget_lock = threading.Lock()
+        self._seen_generation = 0  # the last connection said to be consuming (once per connection)
+        self._seen_lock = threading.Lock()
+
+    def first_to_see(self, generation: int) -> bool:
+        """Whether this thread is the first of the child's to see connection ``generation``: it
+        logs it, so a child logs each connection (and its prefetch) once, not once per thread."""
+        with self._seen_lock:
+            if generation <= self._seen_generation:
+                return False
+            self._seen_generation = generation
+            return True
 
     def task_took(self, seconds: float, *, long: bool) -> int | None:
         """A task of this child took ``seconds`` (``long``: past the budget, what it held went back):
@@ -229,7 +240,11 @@ class Consumer:
     def _connect(self) -> None:
         self.connection.connect()
         self.redeliveries.forget()  # what it parked went back with the old connection
-        log.debug("feed_child_consuming", queues=list(self._spec.queues), prefetch=self.connection.prefetch)
+        if self._shared.first_to_see(self.connection.generation):  # a --threads child's threads share it
+            log.debug(
+                "feed_child_consuming", queues=list(self._spec.queues), prefetch=self.connection.prefetch,
+                threads=self._spec.threads, pid=os.getpid(),
+            )  # fmt: skip
 
     def _take(self, delivery: TaskDelivery) -> None:
         # One delivery from read to settle; it shows on the board from its run's start until then.

@@ -63,6 +63,10 @@ def main(app_spec: str, sock: socket.socket, feed: FeedSpec) -> None:
                 ipc.encode_frame({"op": "error", "message": message, "traceback": traceback.format_exc()})
             )
             raise SystemExit(1) from None
+        if app.settings.broker_url != feed.settings.broker_url:
+            # The worker's -b: what a task sends goes to the broker the worker consumes from, not
+            # to the one the app module names (or CLOCKWORK_BROKER_URL) without it.
+            app.conf["broker_url"] = feed.settings.broker_url
         signals.worker_process_init.send(sender=None)
         channel.send(ipc.encode_frame({"op": "ready", "pid": os.getpid()}))
         _exit_with_the_worker()
