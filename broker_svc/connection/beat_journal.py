@@ -22,7 +22,7 @@ import pika.exceptions
 import pika.spec
 from pika.adapters.blocking_connection import BlockingChannel
 
-from broker_svc.connection.parameters import all_connection_parameters
+from broker_svc.connection.blocking import open_blocking
 from broker_svc.errors import BrokerUnavailable, MessageError, Unroutable
 from broker_svc.logging import get_logger
 from broker_svc.schedules.journal_record import (
@@ -58,10 +58,7 @@ _RECONNECT_PAUSE_S: Final = 0.5
 
 def _connect(settings: Settings, name: str) -> tuple[pika.BlockingConnection, BlockingChannel]:
     # pika tries the failover URLs in turn, as the state feed's connection does.
-    try:
-        conn = pika.BlockingConnection(all_connection_parameters(settings, connection_name=name))
-    except (pika.exceptions.AMQPError, OSError) as exc:
-        raise BrokerUnavailable(f"could not reach the broker: {exc or type(exc).__name__}") from exc
+    conn = open_blocking(settings, connection_name=name)
     return conn, conn.channel()
 
 

@@ -20,10 +20,9 @@ import pika
 import pika.exceptions
 import pika.spec
 from pika.adapters.blocking_connection import BlockingChannel
-from pika.adapters.utils.connection_workflow import AMQPConnectorException
 
 from broker_svc.clock import LamportClock
-from broker_svc.connection.parameters import all_connection_parameters
+from broker_svc.connection.blocking import open_blocking
 from broker_svc.errors import BrokerUnavailable, MessageError
 from broker_svc.logging import get_logger
 from broker_svc.settings import Settings
@@ -140,8 +139,7 @@ class StateFeed:
         while not self._closing:
             try:
                 self._follow()
-            # A handshake the broker never answers ends in pika's connector errors, not AMQPError.
-            except (pika.exceptions.AMQPError, AMQPConnectorException, OSError) as exc:
+            except (BrokerUnavailable, pika.exceptions.AMQPError, OSError) as exc:
                 self._error = str(exc) or type(exc).__name__
                 log.warning("state_feed_lost", error=self._error)
             finally:
@@ -150,8 +148,7 @@ class StateFeed:
                 self._closed.wait(_RECONNECT_PAUSE_S)
 
     def _follow(self) -> None:
-        params = all_connection_parameters(self._settings, connection_name="clockwork-state-feed")
-        conn = pika.BlockingConnection(params)
+        conn = open_blocking(self._settings, connection_name="clockwork-state-feed")
         channel = conn.channel()
         spec = task_states_stream(self._settings.namespace)
         channel.queue_declare(spec.name, **spec.declare_options())

@@ -18,8 +18,7 @@ import pika.spec
 from pika.adapters.blocking_connection import BlockingChannel as Channel
 
 from broker_svc.clock import LamportClock
-from broker_svc.connection.failures import describe_connect_error
-from broker_svc.connection.parameters import all_connection_parameters
+from broker_svc.connection.blocking import open_blocking
 from broker_svc.errors import BrokerUnavailable
 from broker_svc.logging import get_logger
 from broker_svc.settings import Settings
@@ -139,13 +138,7 @@ class ControlConnection:
 
     def _connect_once(self) -> tuple[pika.BlockingConnection, Channel]:
         # pika tries each URL of a failover list in turn, once.
-        params = all_connection_parameters(self.settings, connection_name=f"clockwork-ctl {self._hostname}")
-        try:
-            conn = pika.BlockingConnection(params)
-        except (pika.exceptions.AMQPError, OSError) as exc:
-            raise BrokerUnavailable(
-                f"broker {self.settings.safe_broker_url}: {describe_connect_error(exc)}"
-            ) from exc
+        conn = open_blocking(self.settings, connection_name=f"clockwork-ctl {self._hostname}")
         try:
             channel = conn.channel()
             # Both exchanges exist before the first request, whether or not a worker runs.

@@ -36,8 +36,7 @@ import pika.spec
 from pika.adapters.blocking_connection import BlockingChannel as Channel
 
 from broker_svc.clock import LamportClock
-from broker_svc.connection.failures import describe_connect_error
-from broker_svc.connection.parameters import all_connection_parameters
+from broker_svc.connection.blocking import open_blocking
 from broker_svc.errors import BrokerUnavailable, DeadLetterNotFound, DeadQueueBusy, PublishNacked
 from broker_svc.logging import get_logger
 from broker_svc.settings import Settings
@@ -302,15 +301,7 @@ class DeadLetters:
 
     @contextmanager
     def _connection(self) -> Iterator[pika.BlockingConnection]:
-        params = all_connection_parameters(
-            self.settings, connection_name=f"clockwork-ctl-dead {self.hostname}"
-        )
-        try:
-            conn = pika.BlockingConnection(params)
-        except (pika.exceptions.AMQPError, OSError) as exc:
-            raise BrokerUnavailable(
-                f"broker {self.settings.safe_broker_url}: {describe_connect_error(exc)}"
-            ) from exc
+        conn = open_blocking(self.settings, connection_name=f"clockwork-ctl-dead {self.hostname}")
         try:
             yield conn
         finally:

@@ -128,3 +128,15 @@ def test_a_spooling_close_waits_about_a_second_for_a_broker_that_never_answers(
         wait_for(one_spooled, timeout_s=10, message="the task left spooled")
     finally:
         again.close(timeout=0.1)
+
+
+def test_inspect_against_a_broker_that_never_answers_fails_typed_naming_the_broker(silent_broker: str):
+    # pika ends such a handshake in its connector's own error (AMQPConnectorStackTimeout), which is
+    # no AMQPError: it reached the caller raw, after 20 s, before the blocking clients shared one opener.
+    app = App("silent-inspect", settings=Settings(broker_url=silent_broker, connect_timeout_s=1))
+    try:
+        with pytest.raises(BrokerUnavailable) as raised:
+            app.control.inspect(timeout=1).ping()
+        assert "127.0.0.1" in str(raised.value), raised.value
+    finally:
+        app.close(timeout=0.5)

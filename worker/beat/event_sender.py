@@ -15,7 +15,8 @@ import pika.exceptions
 from pika.adapters.blocking_connection import BlockingChannel
 
 from broker_svc.clock import LamportClock
-from broker_svc.connection.parameters import all_connection_parameters
+from broker_svc.connection.blocking import open_blocking
+from broker_svc.errors import BrokerUnavailable
 from broker_svc.logging import get_logger
 from broker_svc.settings import Settings
 from broker_svc.topology import event_exchange
@@ -81,15 +82,12 @@ class EventSender:
         if now < self._next_try:
             return None
         self._next_try = now + _RETRY_S
-        params = all_connection_parameters(
-            self._settings, connection_name=f"clockwork-events-{self.hostname}"
-        )
         try:  # pika tries the failover URLs in turn
-            conn = pika.BlockingConnection(params)
+            conn = open_blocking(self._settings, connection_name=f"clockwork-events-{self.hostname}")
             channel = conn.channel()
             exchange = event_exchange()
             channel.exchange_declare(exchange.name, exchange.type, **exchange.declare_options())
-        except (pika.exceptions.AMQPError, OSError) as exc:
+        except (BrokerUnavailable, pika.exceptions.AMQPError, OSError) as exc:
             log.warning("event_connect_failed", error=str(exc) or type(exc).__name__)
             return None
         self._conn, self._channel = conn, channel
