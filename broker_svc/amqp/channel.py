@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import struct
 import time
+from collections.abc import Sequence
 from typing import Final
 
 from broker_svc.amqp import frames, methods
@@ -154,24 +155,41 @@ class Channel(FrameSocket):
             PublishNacked: the broker refused it.
             ConnectionLost: the connection failed, or no confirm came within ``confirm_timeout_s``.
         """
+        self._publish_all_confirmed([(data, waiting, routing_key)])
+
+    def _publish_all_confirmed(self, publishes: Sequence[tuple[bytes, PendingPublish, str]]) -> None:
+        """Write publishes (each ``(frames, waiting, routing_key)``) at once and wait for every confirm:
+        one round trip for all of them, not one each.
+
+        Raises:
+            Unroutable: the broker returned one (no queue took it); the first such is named.
+            PublishNacked: the broker refused one.
+            ConnectionLost: the connection failed, or a confirm did not come within ``confirm_timeout_s``.
+        """
+        tracked: list[tuple[int, PendingPublish]] = []
         with self._lock:
             generation = self.generation
-            self._published += 1
-            sequence = self._published
-            self._track(sequence, waiting)
+            for _data, waiting, _key in publishes:
+                self._published += 1
+                tracked.append((self._published, waiting))
+                self._track(self._published, waiting)
             try:
-                self._write(data)
+                self._write(b"".join(data for data, _waiting, _key in publishes))
             except BaseException:
-                self._forget(sequence, waiting)
+                for sequence, waiting in tracked:
+                    self._forget(sequence, waiting)
                 raise
         try:
-            self._await_confirm(waiting, generation)
+            for _sequence, waiting in tracked:
+                self._await_confirm(waiting, generation)
         finally:
-            self._forget(sequence, waiting)
-        if waiting.nacked:
-            raise PublishNacked(f"the broker refused a message to {routing_key!r}")
-        if waiting.returned is not None:
-            raise Unroutable(f"no queue took a message to {routing_key!r} ({waiting.returned})")
+            for sequence, waiting in tracked:
+                self._forget(sequence, waiting)
+        for _data, waiting, routing_key in publishes:
+            if waiting.nacked:
+                raise PublishNacked(f"the broker refused a message to {routing_key!r}")
+            if waiting.returned is not None:
+                raise Unroutable(f"no queue took a message to {routing_key!r} ({waiting.returned})")
 
     def _track(self, sequence: int, waiting: PendingPublish) -> None:
         self._pending[sequence] = waiting

@@ -241,6 +241,16 @@ class FeedConnection(Channel):
         """
         self._settle_frame(delivery, self._ack_frame(delivery.tag))
 
+    def ack_all(self, deliveries: Sequence[TaskDelivery]) -> None:
+        """Ack each of ``deliveries`` in one write; those of a connection that is gone are not sent.
+
+        Raises:
+            ConnectionLost: the write failed.
+        """
+        acks = b"".join(self._ack_frame(delivery.tag) for delivery in deliveries if self._current(delivery))
+        if acks:
+            self._write(acks)
+
     def nack(self, delivery: TaskDelivery, *, requeue: bool) -> None:
         """Nack ``delivery`` (back to its queue with ``requeue``); not sent if its connection is gone.
 
@@ -356,6 +366,24 @@ class FeedConnection(Channel):
                 self._declare(spec)
         data = self._publish_frames(message, routing_key, exchange=exchange, mandatory=True)
         self._publish_confirmed(data, PendingPublish(exchange, routing_key, message.body), routing_key)
+
+    def publish_all(self, messages: Sequence[tuple[WireMessage, str]]) -> None:
+        """Publish each ``(message, queue)`` (mandatory, by the default exchange) in one write, and
+        wait for all their confirms: one round trip, where ``publish`` each would take one apiece.
+
+        Raises:
+            Unroutable: no queue took one (returned).
+            PublishNacked: the broker refused one.
+            ConnectionLost: the connection failed, or a confirm did not come within ``confirm_timeout_s``.
+        """
+        self._publish_all_confirmed([
+            (
+                self._publish_frames(message, queue, exchange="", mandatory=True),
+                PendingPublish("", queue, message.body),
+                queue,
+            )
+            for message, queue in messages
+        ])  # fmt: skip
 
     def publish_nowait(self, message: WireMessage, routing_key: str, *, exchange: str) -> None:
         """Publish without a confirm to wait for and not mandatory (events: best-effort).

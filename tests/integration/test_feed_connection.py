@@ -153,6 +153,28 @@ def test_publishes_are_confirmed_returned_when_unroutable_and_declare_first(test
     assert queue_depth(test_vhost_url, made) == 2
 
 
+def test_publish_all_is_confirmed_together_and_ack_all_settles_each(test_vhost_url: str, queue: str):
+    # A stalled child's hand-back: every copy out at once and confirmed, then the originals acked.
+    for i in range(5):
+        publish_raw(test_vhost_url, queue, b"{}", headers={"id": f"t{i}"})
+    connection = _connection(test_vhost_url, queue, prefetch=5)
+    made = f"{queue}.made"
+    with channel(test_vhost_url) as ch:
+        ch.queue_declare(made, durable=True)
+    try:
+        held = [connection.next_delivery(5.0) for _ in range(5)]
+        assert all(d is not None for d in held)
+        connection.publish_all([(_message(f'{{"n": {i}}}'.encode()), made) for i in range(5)])
+        assert queue_depth(test_vhost_url, made) == 5  # confirmed: the broker has them all
+        connection.ack_all([d for d in held if d is not None])
+        with pytest.raises(Unroutable):  # one the broker returns fails the whole call, named
+            connection.publish_all([(_message(), made), (_message(), f"{queue}.nobody")])
+    finally:
+        connection.close()
+    assert queue_depth(test_vhost_url, queue) == 0  # unacked ones would be back after the close
+    assert [m.body for m in drain(test_vhost_url, made)][:5] == [f'{{"n": {i}}}'.encode() for i in range(5)]
+
+
 def test_a_channel_error_is_a_lost_connection_that_connects_again(test_vhost_url: str, queue: str):
     connection = _connection(test_vhost_url, queue)
     try:

@@ -43,13 +43,18 @@ log = structlog.get_logger(__name__)
 
 
 def hand_back(settler: FeedSettler, held: Iterable[TaskDelivery]) -> None:
-    """Each of ``held`` (never started) back on its queue with the delivery count it came with.
+    """Each of ``held`` (never started) back on its queue with the delivery count it came with: all
+    the copies published at once and confirmed, then all the originals acked.
 
     Raises:
-        BrokerSvcError: a copy was not confirmed (its original is not acked: the broker has it).
+        BrokerSvcError: a copy was not confirmed (no original is acked: the broker has them all).
     """
-    for delivery in held:
-        settler.settle(delivery, recount(delivery_count(delivery.headers, redelivered=delivery.redelivered)))
+    settler.copy_back_all(
+        [
+            (delivery, recount(delivery_count(delivery.headers, redelivered=delivery.redelivered)))
+            for delivery in held
+        ]
+    )
 
 
 class StallWatch:

@@ -125,9 +125,23 @@ class FeedReplies:
         Raises:
             BrokerSvcError: the broker did not take it (the delivery must not be acked).
         """
-        merged = {key: value for key, value in delivery.headers.items() if key not in drop}
-        merged.update(headers)
+        merged = _copied_headers(delivery, headers, drop)
         self._publish(copy_of(delivery, merged, body=body), to, kind="republish", declare=declare)
+
+    def copies(self, copied: Sequence[tuple[TaskDelivery, Mapping[str, Any], Sequence[str]]]) -> None:
+        """Persistent copies of deliveries back to their own queues, each ``(delivery, headers,
+        drop)`` as ``copy`` makes one, published at once and confirmed together.
+
+        Raises:
+            BrokerSvcError: the broker did not take one (no delivery may be acked).
+        """
+        started = time.monotonic()
+        self._connection.publish_all([
+            (copy_of(delivery, _copied_headers(delivery, headers, drop)), delivery.queue)
+            for delivery, headers, drop in copied
+        ])  # fmt: skip
+        if self.on_confirmed is not None:
+            self.on_confirmed("republish", time.monotonic() - started)
 
     def task(self, wire: WireMessage, *, queue: QueueSpec) -> None:
         """Send a task a finished task asked for (a chain's next step, a callback); confirmed.
@@ -181,6 +195,15 @@ class FeedReplies:
         self._connection.publish(message, routing_key, declare=declare)
         if self.on_confirmed is not None:
             self.on_confirmed(kind, time.monotonic() - started)
+
+
+def _copied_headers(
+    delivery: TaskDelivery, headers: Mapping[str, Any], drop: Sequence[str]
+) -> dict[str, Any]:
+    # A copy's headers: the delivery's, without ``drop``, with ``headers`` over them.
+    merged = {key: value for key, value in delivery.headers.items() if key not in drop}
+    merged.update(headers)
+    return merged
 
 
 def copy_of(delivery: TaskDelivery, headers: dict[str, Any], *, body: bytes | None = None) -> WireMessage:

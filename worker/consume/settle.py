@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Final
 
 import structlog
@@ -95,6 +95,28 @@ class FeedSettler:
         self._replies = replies
         self._namespace = namespace
         self.copies = copies
+
+    def copy_back_all(self, settles: Sequence[tuple[TaskDelivery, Disposition]]) -> None:
+        """Settle deliveries each of whose dispositions is a plain copy back onto its own queue (a
+        hand-back that keeps its delivery count): every copy published at once and confirmed, then
+        every original acked in one write, so a hand-back of many takes one round trip, not one each.
+
+        Raises:
+            BrokerSvcError: a copy was not confirmed (none of them is acked: the broker has them).
+            ValueError: a disposition is not a plain copy back.
+        """
+        for _delivery, disposition in settles:
+            plain = disposition.to is None and disposition.delay_ms is None and disposition.body is None
+            if disposition.fate is not Fate.REPUBLISH or not plain:
+                raise ValueError(f"not a copy back onto its queue: {disposition}")
+        if self.copies is not None:  # --threads: each copy waits for its own ack (CopiesInFlight)
+            for delivery, disposition in settles:
+                self.settle(delivery, disposition)
+            return
+        if not settles:
+            return
+        self._replies.copies([(delivery, d.headers, d.drop) for delivery, d in settles])
+        self._connection.ack_all([delivery for delivery, _disposition in settles])
 
     def settle(
         self, delivery: TaskDelivery, disposition: Disposition, *, then: Callable[[], None] | None = None
