@@ -194,7 +194,7 @@ class SharedFeedConnection(FeedConnection):
                 if self._sock is None:
                     raise self._gone("not connected")
                 if self._deliveries:
-                    delivery = self._deliveries.popleft()
+                    delivery = self._next_in_turn()
                     if self._reader is None:
                         self._hand_on()
                     return delivery
@@ -213,7 +213,7 @@ class SharedFeedConnection(FeedConnection):
                 self._read_until(lambda: bool(self._deliveries), deadline)
                 with self._state:
                     if self._deliveries:
-                        return self._deliveries.popleft()
+                        return self._next_in_turn()
             finally:
                 self._taking = False
                 self._leave_role()

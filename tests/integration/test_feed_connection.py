@@ -175,6 +175,38 @@ def test_publish_all_is_confirmed_together_and_ack_all_settles_each(test_vhost_u
     assert [m.body for m in drain(test_vhost_url, made)][:5] == [f'{{"n": {i}}}'.encode() for i in range(5)]
 
 
+def test_queues_take_turns_among_what_a_deep_prefetch_holds(test_vhost_url: str, queue: str):
+    # A quiet queue's task waits for one task of a busy queue, not for all the child holds of it.
+    quiet = f"{queue}.made"
+    with channel(test_vhost_url) as ch:
+        ch.queue_declare(quiet, durable=True)
+    for i in range(20):
+        publish_raw(test_vhost_url, queue, b"{}", headers={"id": f"busy{i}"})
+    settings = Settings(broker_url=test_vhost_url, confirm_timeout_s=5.0)
+    connection = FeedConnection(settings, name="test-feed", queues=[queue, quiet], prefetch=30)
+    connection.connect()
+    try:
+
+        def holding(count: int) -> bool:
+            connection.check()
+            return len(connection.held()) == count
+
+        wait_for(lambda: holding(20), timeout_s=5, message="the busy queue's 20 delivered")
+        first = connection.next_delivery(5.0)  # the busy queue's turn
+        for i in range(2):
+            publish_raw(test_vhost_url, quiet, b"{}", headers={"id": f"quiet{i}"})
+        wait_for(lambda: holding(21), timeout_s=5, message="the quiet queue's 2 delivered")
+        taken = [first, *(connection.next_delivery(5.0) for _ in range(21))]
+        ids = [d.headers["id"] for d in taken if d is not None]
+        assert ids[:4] == ["busy0", "quiet0", "busy1", "quiet1"], ids
+        assert [i for i in ids if i.startswith("busy")] == [f"busy{i}" for i in range(20)]  # FIFO
+        for delivery in taken:
+            if delivery is not None:
+                connection.ack(delivery)
+    finally:
+        connection.close()
+
+
 def test_a_channel_error_is_a_lost_connection_that_connects_again(test_vhost_url: str, queue: str):
     connection = _connection(test_vhost_url, queue)
     try:
