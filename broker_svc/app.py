@@ -32,7 +32,7 @@ from broker_svc.tasks.task_modules import Discovery, import_task_modules
 from broker_svc.topology import QueueSpec, new_reply_queue_name, result_queue
 from broker_svc.wire import codec
 from broker_svc.wire.results.meta import is_redis_url
-from broker_svc.wire.task_message import WireMessage
+from broker_svc.wire.task.task_message import WireMessage
 
 if TYPE_CHECKING:
     # Imported when the app first publishes: a worker, its forkserver and its children import the

@@ -15,7 +15,7 @@ from broker_svc.errors import ConfigurationError, ResultTimeout, TaskDeclined, T
 from broker_svc.results.store import OnMessage, ResultStore
 from broker_svc.wire.results.message import Outcome, exception_from_wire
 from broker_svc.wire.results.view import OutcomeView, ResultsView
-from broker_svc.wire.states import State
+from broker_svc.wire.task.states import State
 
 __all__ = ["AsyncResult", "GroupResult", "ResultSet", "outcome_error", "outcome_value", "result_from_tuple"]
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from broker_svc.results.result import AsyncResult as ResultHandle
     from broker_svc.settings import Settings
     from broker_svc.topology import QueueSpec
-    from broker_svc.wire.task_message import WireMessage
+    from broker_svc.wire.task.task_message import WireMessage
 
 __all__ = ["TaskApp", "current_app", "set_current_app"]
 
