@@ -8,12 +8,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from broker_svc.apps.conf import Config
+from broker_svc.apps.control_plane import ControlPlane, load_control
+from broker_svc.apps.open_apps import open_apps
 from broker_svc.clock import LamportClock
-from broker_svc.conf import Config
 from broker_svc.connection.pending import PendingPublish
-from broker_svc.control_plane import ControlPlane, load_control
 from broker_svc.logging import get_logger
-from broker_svc.open_apps import open_apps
 from broker_svc.results.backend import ResultBackend
 from broker_svc.results.result import AsyncResult
 from broker_svc.results.store import ResultStore

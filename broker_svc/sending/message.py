@@ -39,7 +39,7 @@ from broker_svc.wire.task.stamps import message_stamps
 from broker_svc.wire.task.task_message import TaskMessage
 
 if TYPE_CHECKING:
-    from broker_svc.conf import Config
+    from broker_svc.apps.conf import Config
     from broker_svc.connection.pending import PendingPublish
     from broker_svc.results.store import ResultStore
     from broker_svc.sending.batch import Batch
