@@ -38,8 +38,8 @@ from broker_svc.settings import Settings
 from broker_svc.topology import QueueSpec, result_queue
 from broker_svc.wire import codec
 from broker_svc.wire.results.message import Outcome
-from broker_svc.wire.states import State
-from broker_svc.wire.task_message import CLOCK_HEADER, TaskMessage, WireMessage, encode_task
+from broker_svc.wire.task.states import State
+from broker_svc.wire.task.task_message import CLOCK_HEADER, TaskMessage, WireMessage, encode_task
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIRM_WINDOW = 1000

@@ -39,7 +39,7 @@ from bench.ceiling import (
 from bench.scenarios import WARMUP_CALLS, Produced
 from broker_svc.topology import QueueSpec
 from broker_svc.wire.ids import uuid4_str
-from broker_svc.wire.task_message import WireMessage
+from broker_svc.wire.task.task_message import WireMessage
 
 SYSTEM = "pika"
 

@@ -34,7 +34,7 @@ from broker_svc.logging import configure_logging
 from broker_svc.settings import Settings
 from broker_svc.topology import task_queue
 from broker_svc.wire.amqp_fields import encode_properties
-from broker_svc.wire.task_message import TaskMessage, decode_task, encode_task
+from broker_svc.wire.task.task_message import TaskMessage, decode_task, encode_task
 from worker.child.consumer import Shared
 from worker.child.serve import build_consumers
 from worker.child.soft_limits import SoftLimit

@@ -63,7 +63,7 @@ from bench.stats import Spread
 from broker_svc import App, AsyncResult, Settings
 from broker_svc.logging import configure_logging
 from broker_svc.topology import LEGACY_NAMESPACE, dedup_gate_queue
-from broker_svc.wire.dedup import GATE_SHARDS, shard_of
+from broker_svc.wire.records.dedup import GATE_SHARDS, shard_of
 
 ROOT = Path(__file__).resolve().parent.parent
 LOADS = ("plain", "distinct", "bursts")

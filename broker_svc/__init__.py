@@ -52,9 +52,9 @@ if TYPE_CHECKING:
     from broker_svc.tasks.shared import shared_task
     from broker_svc.tasks.task import Task
     from broker_svc.tasks.task_app import current_app
-    from broker_svc.wire.states import State
-    from broker_svc.wire.task_message import TaskMessage
-    from broker_svc.wire.task_state import JobState
+    from broker_svc.wire.records.task_state import JobState
+    from broker_svc.wire.task.states import State
+    from broker_svc.wire.task.task_message import TaskMessage
 
 __all__ = [
     # the app and its tasks
@@ -118,7 +118,7 @@ _EXPORTS = {
     "App": "broker_svc.app",
     "AsyncResult": "broker_svc.results.result",
     "Job": "broker_svc.results.jobs",
-    "JobState": "broker_svc.wire.task_state",
+    "JobState": "broker_svc.wire.records.task_state",
     "BrokerBlocked": "broker_svc.errors",
     "BrokerSvcError": "broker_svc.errors",
     "BrokerUnavailable": "broker_svc.errors",
@@ -147,11 +147,11 @@ _EXPORTS = {
     "SpoolError": "broker_svc.errors",
     "SpoolFull": "broker_svc.errors",
     "StampingVisitor": "broker_svc.canvas.stamping",
-    "State": "broker_svc.wire.states",
+    "State": "broker_svc.wire.task.states",
     "Task": "broker_svc.tasks.task",
     "TaskDeclined": "broker_svc.errors",
     "TaskError": "broker_svc.errors",
-    "TaskMessage": "broker_svc.wire.task_message",
+    "TaskMessage": "broker_svc.wire.task.task_message",
     "TaskRevokedError": "broker_svc.errors",
     "TimeLimitExceeded": "broker_svc.errors",
     "Unroutable": "broker_svc.errors",

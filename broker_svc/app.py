@@ -8,12 +8,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from broker_svc.apps.conf import Config
+from broker_svc.apps.control_plane import ControlPlane, load_control
+from broker_svc.apps.open_apps import open_apps
 from broker_svc.clock import LamportClock
-from broker_svc.conf import Config
 from broker_svc.connection.pending import PendingPublish
-from broker_svc.control_plane import ControlPlane, load_control
 from broker_svc.logging import get_logger
-from broker_svc.open_apps import open_apps
 from broker_svc.results.backend import ResultBackend
 from broker_svc.results.result import AsyncResult
 from broker_svc.results.store import ResultStore
@@ -32,7 +32,7 @@ from broker_svc.tasks.task_modules import Discovery, import_task_modules
 from broker_svc.topology import QueueSpec, new_reply_queue_name, result_queue
 from broker_svc.wire import codec
 from broker_svc.wire.results.meta import is_redis_url
-from broker_svc.wire.task_message import WireMessage
+from broker_svc.wire.task.task_message import WireMessage
 
 if TYPE_CHECKING:
     # Imported when the app first publishes: a worker, its forkserver and its children import the

@@ -33,7 +33,7 @@ from celery.backends.rpc import RPCBackend
 from kombu.entity import Queue
 
 from broker_svc.topology import app_namespace, chord_join_queue
-from broker_svc.wire.chord_part import NAMESPACE_KEY, ChordGrowth, growth_map, join_namespace
+from broker_svc.wire.records.chord_part import NAMESPACE_KEY, ChordGrowth, growth_map, join_namespace
 
 __all__ = ["ChordBackend"]
 
@@ -93,7 +93,8 @@ class ChordBackend(RPCBackend):  # type: ignore[misc]  # Celery is untyped
 
     def add_to_chord(self, group_id: str, result: Any) -> None:
         """A header task on a Celery worker added ``result``'s task to its chord (``self.add_to_chord``):
-        tell the joiner before the task is sent, as a Clockwork worker does (``wire/chord_part.py``)."""
+        tell the joiner before the task is sent, as a Clockwork worker does
+        (``wire/records/chord_part.py``)."""
         task = self.app.current_worker_task
         body = getattr(getattr(task, "request", None), "chord", None) or {}
         size = body.get("chord_size")

@@ -438,7 +438,7 @@ def revocation_log(namespace: str) -> QueueSpec:
 
 
 def task_states_stream(namespace: str) -> QueueSpec:
-    """The stream of task states (QUEUED from clients, the rest from workers; ``wire/task_state.py``).
+    """The stream of task states (QUEUED from clients, the rest from workers; ``wire/records/task_state.py``).
 
     Bounded like a result: records live a day (Celery's ``result_expires``) and the stream holds at
     most 256 MB (about a million records), dropped a segment at a time, so a reader that starts from
@@ -484,7 +484,7 @@ def scheduled_stream(namespace: str) -> QueueSpec:
 
 
 def dedup_gate_queue(shard: int, namespace: str) -> QueueSpec:
-    """One shard of the keyed-deduplication gate (``broker_svc/wire/dedup.py``).
+    """One shard of the keyed-deduplication gate (``broker_svc/wire/records/dedup.py``).
 
     A quorum queue with a single active consumer: one worker of the cluster keeps each shard's
     keys, holding head markers and waiting tasks unacked; if it dies the broker hands them to

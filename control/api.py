@@ -6,8 +6,8 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from broker_svc.apps.control_plane import Destination
 from broker_svc.clock import LamportClock
-from broker_svc.control_plane import Destination
 from broker_svc.errors import BrokerSvcError
 from broker_svc.logging import get_logger
 from broker_svc.schedules.client import ScheduleClient

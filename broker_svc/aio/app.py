@@ -37,7 +37,7 @@ from broker_svc.tasks.task import Task
 from broker_svc.topology import new_reply_queue_name, result_queue
 from broker_svc.wire import codec
 from broker_svc.wire.results.meta import is_redis_url
-from broker_svc.wire.task_message import TaskMessage
+from broker_svc.wire.task.task_message import TaskMessage
 
 if TYPE_CHECKING:
     from broker_svc.app import App

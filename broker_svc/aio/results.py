@@ -24,7 +24,7 @@ from broker_svc.results.store import ResultSource
 from broker_svc.wire import codec
 from broker_svc.wire.results.message import Outcome
 from broker_svc.wire.results.view import OutcomeView, ResultsView
-from broker_svc.wire.states import State
+from broker_svc.wire.task.states import State
 
 __all__ = ["AioGroupResult", "AioResult", "ResultWaiters"]
 

@@ -36,7 +36,7 @@ from broker_svc.logging import get_logger
 from broker_svc.settings import Settings, redact_url
 from broker_svc.topology import QueueSpec
 from broker_svc.wire.amqp_fields import encode_properties
-from broker_svc.wire.task_message import WireMessage
+from broker_svc.wire.task.task_message import WireMessage
 
 __all__ = ["ConnectionLost", "FeedConnection", "TaskDelivery"]
 

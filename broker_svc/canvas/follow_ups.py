@@ -17,8 +17,8 @@ from typing import Any, Protocol
 
 from broker_svc.canvas.chord_header import MEMBERSHIP, as_joined, group_as_chord, unrolled
 from broker_svc.wire.ids import uuid4_str
-from broker_svc.wire.stamps import message_stamps
-from broker_svc.wire.task_message import TaskMessage, parse_iso_datetime
+from broker_svc.wire.task.stamps import message_stamps
+from broker_svc.wire.task.task_message import TaskMessage, parse_iso_datetime
 
 __all__ = [
     "FollowUp",

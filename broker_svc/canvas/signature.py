@@ -37,8 +37,8 @@ from broker_svc.canvas.stamping import StampingVisitor
 from broker_svc.results.result import GroupResult
 from broker_svc.sending.routes import queue_for
 from broker_svc.tasks.task_app import current_app
-from broker_svc.wire.chord_part import NAMESPACE_KEY
 from broker_svc.wire.ids import uuid4_str
+from broker_svc.wire.records.chord_part import NAMESPACE_KEY
 
 if TYPE_CHECKING:
     from broker_svc.results.result import AsyncResult

@@ -1,7 +1,7 @@
 """Celery's stamping API: ``sig.stamp(visitor, append_stamps, **headers)`` over a whole canvas.
 
 A stamp is a send option of its own name, listed in the ``stamped_headers`` option, so it travels
-in the task message's ``stamped_headers`` and ``stamps`` headers (``broker_svc/wire/stamps.py``)
+in the task message's ``stamped_headers`` and ``stamps`` headers (``broker_svc/wire/task/stamps.py``)
 and on every follow-up the worker sends from a stamped signature. Stamping walks a canvas as
 Celery 5.7's does, with its merge rules, so a canvas stamped here carries what Celery's would:
 

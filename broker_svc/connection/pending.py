@@ -24,8 +24,8 @@ from broker_svc.topology import (
     delay_bucket_ms,
     delay_queue,
 )
-from broker_svc.wire.dedup import KEY_HEADER, shard_of
-from broker_svc.wire.task_message import RESENT_HEADER, TaskMessage, WireMessage, encode_task
+from broker_svc.wire.records.dedup import KEY_HEADER, shard_of
+from broker_svc.wire.task.task_message import RESENT_HEADER, TaskMessage, WireMessage, encode_task
 
 __all__ = ["Delivery", "PendingPublish", "prepare_publish"]
 

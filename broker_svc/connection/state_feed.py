@@ -27,7 +27,7 @@ from broker_svc.errors import BrokerUnavailable, MessageError
 from broker_svc.logging import get_logger
 from broker_svc.settings import Settings
 from broker_svc.topology import DEFAULT_EXCHANGE, task_states_stream
-from broker_svc.wire.task_state import MARKER_HEADER, StateRecord
+from broker_svc.wire.records.task_state import MARKER_HEADER, StateRecord
 
 __all__ = ["StateFeed"]
 

@@ -10,7 +10,7 @@ from broker_svc.errors import MessageError
 from broker_svc.redis_results.backend_conf import RedisBackendConf
 from broker_svc.redis_results.connection import WRITE_BUDGET_S, with_retries
 from broker_svc.wire import codec
-from broker_svc.wire.states import State
+from broker_svc.wire.task.states import State
 
 __all__ = ["ResultWriter"]
 

@@ -16,7 +16,7 @@ from broker_svc.results.result import AsyncResult, GroupResult, result_from_tupl
 from broker_svc.results.store import ResultSource
 from broker_svc.wire.results.message import Outcome, exception_to_wire
 from broker_svc.wire.results.meta import result_meta
-from broker_svc.wire.states import State
+from broker_svc.wire.task.states import State
 
 __all__ = ["ResultBackend"]
 

@@ -19,9 +19,7 @@ from broker_svc.results.result import AsyncResult
 from broker_svc.sending.message import CLIENT_HOSTNAME, build_message, state_publish
 from broker_svc.tasks.task_app import TaskApp
 from broker_svc.topology import DEFAULT_EXCHANGE, QueueSpec, dependents_queue, task_states_stream
-from broker_svc.wire.results.meta import is_redis_url
-from broker_svc.wire.task_message import encode_task
-from broker_svc.wire.task_state import (
+from broker_svc.wire.records.task_state import (
     ALLOW_FAILURE_HEADER,
     DEPENDS_ON_HEADER,
     FINAL_STATES,
@@ -30,6 +28,8 @@ from broker_svc.wire.task_state import (
     JobState,
     StateRecord,
 )
+from broker_svc.wire.results.meta import is_redis_url
+from broker_svc.wire.task.task_message import encode_task
 
 if TYPE_CHECKING:
     from broker_svc.clock import LamportClock

@@ -9,13 +9,13 @@ from typing import Any, Final, Generic, Literal, Protocol, overload
 
 from typing_extensions import TypeVar
 
-from broker_svc import open_apps
+from broker_svc.apps import open_apps
 from broker_svc.connection.pending import PendingPublish
 from broker_svc.errors import ConfigurationError, ResultTimeout, TaskDeclined, TaskError
 from broker_svc.results.store import OnMessage, ResultStore
 from broker_svc.wire.results.message import Outcome, exception_from_wire
 from broker_svc.wire.results.view import OutcomeView, ResultsView
-from broker_svc.wire.states import State
+from broker_svc.wire.task.states import State
 
 __all__ = ["AsyncResult", "GroupResult", "ResultSet", "outcome_error", "outcome_value", "result_from_tuple"]
 
@@ -66,7 +66,7 @@ class AsyncResult(OutcomeView, Generic[R]):
     """A handle on one task's result, as in Celery.
 
     ``AsyncResult(task_id)`` alone, as in Celery, reads the results of the current app (``app``
-    if given): the last one made, or made current (``broker_svc/open_apps.py``). It is then
+    if given): the last one made, or made current (``broker_svc/apps/open_apps.py``). It is then
     ``app.AsyncResult(task_id)``: results of the tasks that app sent, or of any task with a Redis
     result backend.
 
@@ -399,7 +399,7 @@ class GroupResult(ResultSet):
     def restore(cls, id: str, backend: Any = None, app: object | None = None) -> GroupResult | None:
         """The group saved under ``id`` (by this process or any other, Celery's client included),
         or None. It reads the ``backend`` given, else ``app``'s, else, as Celery does, the current
-        app's: the last one made, or made current (``broker_svc/open_apps.py``).
+        app's: the last one made, or made current (``broker_svc/apps/open_apps.py``).
 
         Raises:
             NotImplementedError: the app's results are ``rpc://``.

@@ -14,7 +14,7 @@ from typing import Any
 
 from broker_svc.schedules import Entry
 from broker_svc.schedules.journal_record import Change, Done, Fire, JournalItem, Marker, TermOpened
-from broker_svc.wire.states import READY_STATES
+from broker_svc.wire.task.states import READY_STATES
 
 __all__ = ["BeatState", "OpenRun"]
 

@@ -3,7 +3,7 @@
 Pure: no broker. ``@app.task(dedup_key=..., dedup_timeout=...)`` is checked when the task is
 declared (``task_dedup``); each send's key is formed and checked as the task is sent
 (``resolve_dedup``), and a canvas that carries a key where a worker, not this client, will send
-the task is refused then (the gate sees only what a client sends: ``broker_svc/wire/dedup.py``).
+the task is refused then (the gate sees only what a client sends: ``broker_svc/wire/records/dedup.py``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from broker_svc.canvas.signature import Signature
-from broker_svc.wire.dedup import DEFAULT_DEDUP_TIMEOUT_S, MAX_DEDUP_TIMEOUT_S
+from broker_svc.wire.records.dedup import DEFAULT_DEDUP_TIMEOUT_S, MAX_DEDUP_TIMEOUT_S
 
 __all__ = [
     "KEY_MAX_BYTES",

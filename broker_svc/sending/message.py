@@ -26,20 +26,20 @@ from broker_svc.sending.routes import route_for
 from broker_svc.settings import Settings
 from broker_svc.tasks.request import SEND_OPTIONS, countdown_to_eta, current_request
 from broker_svc.topology import DEFAULT_EXCHANGE, QueueSpec, task_states_stream
-from broker_svc.wire.dedup import (
+from broker_svc.wire.records.dedup import (
     DEADLINE_HEADER,
     KEY_HEADER,
     MAX_DEDUP_TIMEOUT_S,
     TIMEOUT_HEADER,
     dedup_headers,
 )
-from broker_svc.wire.stamps import message_stamps
-from broker_svc.wire.task_message import TaskMessage
-from broker_svc.wire.task_state import CONTENT_TYPE as STATE_CONTENT_TYPE
-from broker_svc.wire.task_state import JobState, StateRecord
+from broker_svc.wire.records.task_state import CONTENT_TYPE as STATE_CONTENT_TYPE
+from broker_svc.wire.records.task_state import JobState, StateRecord
+from broker_svc.wire.task.stamps import message_stamps
+from broker_svc.wire.task.task_message import TaskMessage
 
 if TYPE_CHECKING:
-    from broker_svc.conf import Config
+    from broker_svc.apps.conf import Config
     from broker_svc.connection.pending import PendingPublish
     from broker_svc.results.store import ResultStore
     from broker_svc.sending.batch import Batch
@@ -65,7 +65,7 @@ def build_message(
     """A signature as the task message to send, where to send it, and its serializer (None: default).
 
     A send with a dedup key (its ``dedup_key`` option, formed by ``resolve_dedup``) carries the
-    gate's headers (``broker_svc/wire/dedup.py``), the destination queue among them.
+    gate's headers (``broker_svc/wire/records/dedup.py``), the destination queue among them.
 
     Raises:
         TypeError: an unknown send option, kwargs that are not a map, ``stamped_headers`` that is

@@ -21,8 +21,8 @@ import structlog
 
 from broker_svc.connection.pending import PendingPublish
 from broker_svc.topology import DEFAULT_EXCHANGE, DELAY_HOLD_WINDOW_S, scheduled_stream
-from broker_svc.wire.parked import CONTENT_TYPE, parked_record
-from broker_svc.wire.task_message import TaskMessage, WireMessage
+from broker_svc.wire.records.parked import CONTENT_TYPE, parked_record
+from broker_svc.wire.task.task_message import TaskMessage, WireMessage
 
 __all__ = ["park_records"]
 

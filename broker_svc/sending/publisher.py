@@ -15,7 +15,7 @@ from broker_svc.connection.pending import PendingPublish, prepare_publish
 from broker_svc.errors import BrokerSvcError, PublishError
 from broker_svc.settings import Settings
 from broker_svc.topology import QueueSpec, QueueType
-from broker_svc.wire.task_message import TaskMessage
+from broker_svc.wire.task.task_message import TaskMessage
 
 __all__ = ["Publisher"]
 

@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
-from broker_svc.conf import load_object
+from broker_svc.apps.conf import load_object
 from broker_svc.errors import ConfigurationError
 
 __all__ = ["ROUTE_OPTIONS", "queue_for", "route_for"]

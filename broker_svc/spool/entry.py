@@ -6,7 +6,7 @@ from broker_svc.connection.pending import PendingPublish
 from broker_svc.settings import Settings
 from broker_svc.spool.record import QueueKind, SpooledMessage
 from broker_svc.topology import LEGACY_NAMESPACE, QueueSpec, dedup_gate_queue, task_queue
-from broker_svc.wire.dedup import GATE_SHARDS
+from broker_svc.wire.records.dedup import GATE_SHARDS
 
 __all__ = ["Entry", "spooled_of", "template_of"]
 

@@ -17,7 +17,7 @@ from typing import Any, Final, Literal
 import msgpack
 
 from broker_svc.wire.codec import refuse_ext
-from broker_svc.wire.task_message import WireMessage
+from broker_svc.wire.task.task_message import WireMessage
 
 __all__ = [
     "HEADER",

@@ -30,7 +30,7 @@ SEND_OPTIONS: Final = frozenset(
         "routing_key", "exchange", "retry", "retry_policy",
         # keyed deduplication (broker_svc/sending/dedup_keys.py)
         "dedup_key", "dedup_timeout",
-        # Celery's stamps: the names of the options that are stamps (broker_svc/wire/stamps.py)
+        # Celery's stamps: the names of the options that are stamps (broker_svc/wire/task/stamps.py)
         "stamped_headers",
     }
 )  # fmt: skip

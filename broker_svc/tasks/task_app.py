@@ -13,17 +13,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from broker_svc import open_apps
+from broker_svc.apps import open_apps
 from broker_svc.errors import ConfigurationError
 
 if TYPE_CHECKING:
-    from broker_svc.conf import Config
-    from broker_svc.control_plane import ControlPlane
+    from broker_svc.apps.conf import Config
+    from broker_svc.apps.control_plane import ControlPlane
     from broker_svc.results.backend import ResultBackend
     from broker_svc.results.result import AsyncResult as ResultHandle
     from broker_svc.settings import Settings
     from broker_svc.topology import QueueSpec
-    from broker_svc.wire.task_message import WireMessage
+    from broker_svc.wire.task.task_message import WireMessage
 
 __all__ = ["TaskApp", "current_app", "set_current_app"]
 
@@ -79,7 +79,7 @@ class TaskApp(Protocol):
 
 def current_app() -> TaskApp:
     """The app ``shared_task`` proxies and app-less signatures use: the last one made with
-    ``set_as_current=True`` (or ``app.set_current()``; ``broker_svc/open_apps.py``).
+    ``set_as_current=True`` (or ``app.set_current()``; ``broker_svc/apps/open_apps.py``).
 
     Raises:
         ConfigurationError: no app has been made.

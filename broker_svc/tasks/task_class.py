@@ -9,7 +9,7 @@ from typing import Any
 
 from broker_svc.sending.dedup_keys import task_dedup
 from broker_svc.tasks.task import Task
-from broker_svc.wire.rates import parse_rate
+from broker_svc.wire.task.rates import parse_rate
 
 __all__ = ["build_task_class", "check_task_class"]
 

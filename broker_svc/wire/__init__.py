@@ -1,1 +1,1 @@
-"""Celery's formats, pure: task and result messages, states, codecs, AMQP fields, ids, rate strings."""
+"""Wire formats, pure: codecs, AMQP and event fields, ids; task/, results/ and records/ by role."""

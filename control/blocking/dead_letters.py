@@ -41,7 +41,7 @@ from broker_svc.errors import BrokerUnavailable, DeadLetterNotFound, DeadQueueBu
 from broker_svc.logging import get_logger
 from broker_svc.settings import Settings
 from broker_svc.topology import DEFAULT_EXCHANGE, dead_letter_lock_queue, expired_queue
-from broker_svc.wire.dead_letter import (
+from broker_svc.wire.records.dead_letter import (
     DEAD_SUFFIX,
     DeadLetter,
     Requeued,

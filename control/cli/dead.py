@@ -14,7 +14,7 @@ import json
 from typing import Any, TextIO
 
 from broker_svc.errors import DeadLetterNotFound, DeadQueueBusy, PublishNacked
-from broker_svc.wire.dead_letter import (
+from broker_svc.wire.records.dead_letter import (
     DeadLetter,
     RequeueResult,
     jsonable,

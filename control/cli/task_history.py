@@ -9,7 +9,7 @@ from typing import TextIO
 
 from broker_svc.connection.state_feed import StateFeed
 from broker_svc.results.jobs import latest_state
-from broker_svc.wire.task_state import StateRecord
+from broker_svc.wire.records.task_state import StateRecord
 from control.blocking.client import ControlClient
 from control.cli.exit_codes import EX_FAILURE, EX_OK
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from broker_svc.errors import MessageError
-from broker_svc.wire.stamps import revoke_headers
+from broker_svc.wire.task.stamps import revoke_headers
 
 __all__ = ["LOGGED_HEADER", "MAX_ENTRY_BYTES", "MAX_IDS_PER_ENTRY", "RevokeEntry"]
 
@@ -38,7 +38,7 @@ class RevokeEntry:
     signal: str = "SIGTERM"
     timestamp: float = 0.0
     hostname: str = ""
-    # Stamp name -> the values revoked (``broker_svc.wire.stamps.revoke_headers``); None: ids only.
+    # Stamp name -> the values revoked (``broker_svc.wire.task.stamps.revoke_headers``); None: ids only.
     stamps: Mapping[str, list[Any]] | None = None
 
     @classmethod

@@ -25,7 +25,7 @@ from broker_svc.amqp.feed_connection import FeedConnection
 from broker_svc.amqp.lease_connection import LeaseConnection
 from broker_svc.amqp.shared_feed_connection import SharedFeedConnection
 from broker_svc.topology import QueueSpec
-from broker_svc.wire.task_message import WireMessage
+from broker_svc.wire.task.task_message import WireMessage
 from tests.support.amqp import channel, delete_queues, drain
 from tests.support.waiting import wait_for
 from tests.support.workers import unique_queue

@@ -17,7 +17,7 @@ import pytest
 from broker_svc import App, AsyncResult, Settings, TaskError
 from broker_svc.canvas.signature import chain
 from broker_svc.errors import TaskRevokedError, TimeLimitExceeded
-from broker_svc.wire.states import State
+from broker_svc.wire.task.states import State
 from tests.support.amqp import channel, delete_queues, drain, publish_raw, queue_depth
 from tests.support.pidbox import call
 from tests.support.waiting import wait_for

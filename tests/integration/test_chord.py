@@ -18,7 +18,7 @@ import pytest
 
 from broker_svc import App, AsyncResult, ChordError, Settings, Signature, chain, chord, group
 from broker_svc.topology import LEGACY_NAMESPACE, chord_join_queue
-from broker_svc.wire.chord_part import ChordPart, encode_part
+from broker_svc.wire.records.chord_part import ChordPart, encode_part
 from tests.infra.session_broker import SessionBroker
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerProcess, unique_queue

@@ -16,7 +16,7 @@ import pytest
 
 from broker_svc import App, Settings, TaskDeclined, TaskError
 from broker_svc.topology import LEGACY_NAMESPACE, dedup_gate_queue
-from broker_svc.wire.dedup import GATE_SHARDS, shard_of
+from broker_svc.wire.records.dedup import GATE_SHARDS, shard_of
 from tests.infra.session_broker import SessionBroker
 from tests.integration import dedup_tasks
 from tests.support.events import EventTap

@@ -18,7 +18,7 @@ from broker_svc import App, AsyncResult, Settings, TaskDeclined, chain
 from broker_svc.aio import AsyncApp
 from broker_svc.topology import LEGACY_NAMESPACE, dedup_gate_queue
 from broker_svc.wire import codec
-from broker_svc.wire.dedup import KEY_HEADER, TARGET_QUEUE_HEADER, TIMEOUT_HEADER, shard_of
+from broker_svc.wire.records.dedup import KEY_HEADER, TARGET_QUEUE_HEADER, TIMEOUT_HEADER, shard_of
 from broker_svc.wire.results.message import Outcome, wire_exception
 from tests.infra.session_broker import SessionBroker
 from tests.support.amqp import Got, channel, drain, publish_raw, queue_depth

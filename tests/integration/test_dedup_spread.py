@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from broker_svc import App, Settings, TaskDeclined
-from broker_svc.wire.dedup import GATE_SHARDS, shard_of
+from broker_svc.wire.records.dedup import GATE_SHARDS, shard_of
 from tests.infra.session_broker import SessionBroker
 from tests.integration import dedup_tasks
 from tests.integration.gate_fault_tasks import KILL_AFTER_COMMIT_ENV

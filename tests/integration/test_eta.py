@@ -18,7 +18,7 @@ from broker_svc.clock import LamportClock
 from broker_svc.connection.pending import PendingPublish
 from broker_svc.topology import DEFAULT_EXCHANGE, delay_queue, task_queue
 from broker_svc.wire import codec
-from broker_svc.wire.task_message import encode_task
+from broker_svc.wire.task.task_message import encode_task
 from control.blocking.client import ControlClient
 from tests.infra.rabbitmq_tools import Rabbitmqctl
 from tests.infra.session_broker import SessionBroker

@@ -13,7 +13,7 @@ from broker_svc import Settings
 from broker_svc.amqp.feed_connection import ConnectionLost, FeedConnection
 from broker_svc.errors import BrokerUnavailable, Unroutable
 from broker_svc.topology import QueueSpec, dead_letter_queue, task_queue
-from broker_svc.wire.task_message import WireMessage
+from broker_svc.wire.task.task_message import WireMessage
 from tests.support.amqp import channel, delete_queues, drain, publish_raw, queue_depth
 from tests.support.waiting import wait_for
 from tests.support.workers import unique_queue

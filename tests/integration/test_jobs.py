@@ -11,7 +11,7 @@ import pytest
 
 from broker_svc import App, Settings, TaskRevokedError
 from broker_svc.errors import ConfigurationError
-from broker_svc.wire.task_message import parse_iso_datetime
+from broker_svc.wire.task.task_message import parse_iso_datetime
 from tests.infra.session_broker import SessionBroker
 from tests.integration import e2e_tasks
 from tests.support.amqp import channel, delete_queues, drain, queue_depth

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from broker_svc import App, PublishError, Settings, Unroutable
 from broker_svc.spool.segment import segment_paths
 from broker_svc.spool.stats import spool_collector
-from broker_svc.wire.task_message import RESENT_HEADER
+from broker_svc.wire.task.task_message import RESENT_HEADER
 from tests.infra.node_setup import find_free_amqp_port
 from tests.support.amqp import drain, queue_depth
 from tests.support.workers import ROOT, WorkerProcess

@@ -28,7 +28,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from broker_svc.wire.dedup import shard_of
+from broker_svc.wire.records.dedup import shard_of
 from worker.single_active.gate_keys import GateKeys, Verdict
 
 __all__ = ["ARRIVALS", "ENDINGS", "GateEvent", "Replay", "replay"]

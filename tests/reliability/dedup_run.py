@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from broker_svc import App, Settings
-from broker_svc.wire.dedup import GATE_SHARDS
+from broker_svc.wire.records.dedup import GATE_SHARDS
 from tests.reliability.dedup_check import DedupVerdict, Kill, Mark, Sent, check
 from tests.reliability.dedup_replay import GateEvent
 from tests.reliability.dedup_stress_tasks import JOURNAL_DIR_ENV

@@ -23,7 +23,7 @@ from broker_svc.amqp.feed_connection import FeedConnection
 from broker_svc.amqp.shared_feed_connection import SharedFeedConnection
 from broker_svc.errors import BrokerUnavailable
 from broker_svc.topology import QueueSpec
-from broker_svc.wire.task_message import WireMessage
+from broker_svc.wire.task.task_message import WireMessage
 from tests.infra.node_setup import find_free_amqp_port
 from tests.infra.private_node import PrivateNode
 from tests.reliability.certs import TestPki, make_pki, tls_listener_conf

@@ -29,7 +29,7 @@ from broker_svc.connection.pending import PendingPublish
 from broker_svc.errors import MessageError
 from broker_svc.topology import DEFAULT_EXCHANGE, task_queue
 from broker_svc.wire import codec
-from broker_svc.wire.task_message import WireMessage, decode_task
+from broker_svc.wire.task.task_message import WireMessage, decode_task
 from tests.reliability.delivery_tasks import PICKLE_SPY_ENV
 from tests.reliability.journal import SIZES, Journal, report
 from tests.support.amqp import channel, delete_queues, drain, publish_raw, queue_depth

@@ -24,7 +24,7 @@ import pytest
 
 from broker_svc import App, Settings, SpoolFull, Task
 from broker_svc.errors import BrokerSvcError
-from broker_svc.wire.task_message import RESENT_HEADER
+from broker_svc.wire.task.task_message import RESENT_HEADER
 from tests.infra.private_node import PrivateNode
 from tests.reliability.journal import Journal, check, report
 from tests.support.amqp import drain

@@ -9,7 +9,7 @@ from broker_svc.clock import LamportClock
 from broker_svc.connection.pending import PendingPublish, prepare_publish
 from broker_svc.settings import Settings
 from broker_svc.wire.amqp_fields import encode_properties
-from broker_svc.wire.task_message import TaskMessage
+from broker_svc.wire.task.task_message import TaskMessage
 
 
 def _pending() -> PendingPublish:

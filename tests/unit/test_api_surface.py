@@ -137,7 +137,7 @@ def test_the_client_nouns_import_no_amqp_library_directly():
 
 def test_app_control_is_typed_by_a_protocol_that_control_api_satisfies():
     # mypy checks the assignment (the signatures); this checks every Protocol member exists.
-    from broker_svc.control_plane import ControlPlane, Inspector
+    from broker_svc.apps.control_plane import ControlPlane, Inspector
     from control.api import Control, Inspect
 
     control: ControlPlane = Control(settings=broker_svc.Settings())

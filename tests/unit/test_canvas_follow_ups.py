@@ -8,7 +8,7 @@ import pytest
 
 from broker_svc import App
 from broker_svc.canvas.follow_ups import follow_ups, runs_in_process, unhonoured
-from broker_svc.wire.task_message import TaskMessage
+from broker_svc.wire.task.task_message import TaskMessage
 
 
 def sig(

@@ -307,7 +307,7 @@ _PRECEDENCE: dict[str, tuple[Any, str]] = {
 
 @pytest.mark.parametrize("celery_name", sorted(_PRECEDENCE))
 def test_each_setting_follows_the_one_rule(celery_name: str, monkeypatch: pytest.MonkeyPatch):
-    from broker_svc.conf import SETTINGS_FIELDS
+    from broker_svc.apps.conf import SETTINGS_FIELDS
     from broker_svc.settings import Settings
 
     field, convert = SETTINGS_FIELDS[celery_name]

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from broker_svc import App, Settings, Signature, chord
-from broker_svc.wire.chord_part import NAMESPACE_KEY, join_namespace
+from broker_svc.wire.records.chord_part import NAMESPACE_KEY, join_namespace
 
 
 @pytest.fixture

@@ -10,8 +10,8 @@ import pytest
 from broker_svc import App, chain, chord, group
 from broker_svc.canvas.follow_ups import chord_header_problem, follow_ups, unhonoured
 from broker_svc.canvas.signature import maybe_signature
-from broker_svc.wire.chord_part import ChordPart, decode_part, encode_part
-from broker_svc.wire.task_message import TaskMessage
+from broker_svc.wire.records.chord_part import ChordPart, decode_part, encode_part
+from broker_svc.wire.task.task_message import TaskMessage
 
 PARENT = TaskMessage(
     id="p1", task="t.parent", root_id="r1", reply_to="client-q", content_type="application/json"

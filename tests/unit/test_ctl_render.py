@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from broker_svc.wire.dead_letter import DeadLetter, Requeued, RequeueResult
+from broker_svc.wire.records.dead_letter import DeadLetter, Requeued, RequeueResult
 from control.blocking.client import QueueDepth
 from control.cli.dead import format_letter, format_letters, format_requeued
 from control.cli.main import build_parser

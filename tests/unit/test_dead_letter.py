@@ -1,4 +1,4 @@
-"""Dead letters read and planned for a requeue (broker_svc.wire.dead_letter), without a broker."""
+"""Dead letters read and planned for a requeue (broker_svc.wire.records.dead_letter), without a broker."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from broker_svc.wire.dead_letter import (
+from broker_svc.wire.records.dead_letter import (
     DeadLetter,
     dead_queue_name,
     letter_key,
@@ -19,7 +19,13 @@ from broker_svc.wire.dead_letter import (
     plan_requeue,
     view_body,
 )
-from broker_svc.wire.dedup import DEADLINE_HEADER, KEY_HEADER, TARGET_QUEUE_HEADER, TIMEOUT_HEADER, shard_of
+from broker_svc.wire.records.dedup import (
+    DEADLINE_HEADER,
+    KEY_HEADER,
+    TARGET_QUEUE_HEADER,
+    TIMEOUT_HEADER,
+    shard_of,
+)
 
 NOW = dt.datetime(2025, 1, 2, 3, 4, 5, tzinfo=dt.UTC)
 BODY = json.dumps([[1, 2], {"k": "v"}, {}]).encode()

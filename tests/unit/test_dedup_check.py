@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from broker_svc.wire.dedup import shard_of
+from broker_svc.wire.records.dedup import shard_of
 from tests.reliability.dedup_check import DedupVerdict, Kill, Mark, Sent, check, runs_of
 from tests.reliability.dedup_replay import GateEvent, replay
 

@@ -19,7 +19,7 @@ from broker_svc.sending.dedup_keys import KEY_MAX_BYTES, TaskDedup, check_dedup_
 from broker_svc.sending.message import Destination, build_message
 from broker_svc.spool.entry import spooled_of, template_of
 from broker_svc.topology import LEGACY_NAMESPACE, dedup_gate_queue
-from broker_svc.wire.dedup import (
+from broker_svc.wire.records.dedup import (
     DEADLINE_HEADER,
     DEFAULT_DEDUP_TIMEOUT_S,
     KEY_HEADER,
@@ -28,7 +28,7 @@ from broker_svc.wire.dedup import (
     TIMEOUT_HEADER,
     shard_of,
 )
-from broker_svc.wire.task_message import TaskMessage, encode_task
+from broker_svc.wire.task.task_message import TaskMessage, encode_task
 
 
 @pytest.fixture

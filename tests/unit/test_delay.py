@@ -15,7 +15,7 @@ from broker_svc.topology import (
     delay_queue,
     task_queue,
 )
-from broker_svc.wire.task_message import WireMessage
+from broker_svc.wire.task.task_message import WireMessage
 
 
 @pytest.mark.parametrize(

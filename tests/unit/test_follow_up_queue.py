@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from broker_svc import App, Settings
 from broker_svc.canvas.follow_ups import FollowUp
-from broker_svc.wire.task_message import TaskMessage
+from broker_svc.wire.task.task_message import TaskMessage
 from worker.rules.canvas_plan import follow_up_queue
 
 

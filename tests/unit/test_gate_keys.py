@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import random
 
-from broker_svc.wire.dedup import eta_wait_s
+from broker_svc.wire.records.dedup import eta_wait_s
 from worker.single_active.gate_keys import GateKeys, Verdict
 
 

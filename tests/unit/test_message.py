@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from broker_svc.errors import ContentDisallowed, InvalidTaskMessage
 from broker_svc.wire import codec
-from broker_svc.wire.task_message import TaskMessage, decode_task, encode_task
+from broker_svc.wire.task.task_message import TaskMessage, decode_task, encode_task
 
 ACCEPT = codec.accept_set(["msgpack", "json"])
 

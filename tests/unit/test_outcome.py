@@ -13,6 +13,7 @@ from broker_svc.errors import (
     TimeLimitExceeded,
 )
 from broker_svc.results.result import outcome_error, outcome_value
+from broker_svc.wire.records.task_state import FINAL_STATES
 from broker_svc.wire.results.message import (
     Outcome,
     describe_wire_exception,
@@ -21,8 +22,7 @@ from broker_svc.wire.results.message import (
     wire_exception,
 )
 from broker_svc.wire.results.view import OutcomeView
-from broker_svc.wire.states import READY_STATES
-from broker_svc.wire.task_state import FINAL_STATES
+from broker_svc.wire.task.states import READY_STATES
 
 
 def test_exception_map_has_celerys_shape():

@@ -13,8 +13,8 @@ from broker_svc.errors import MessageError
 from broker_svc.sending.park_records import park_records
 from broker_svc.settings import Settings
 from broker_svc.topology import scheduled_stream
-from broker_svc.wire.parked import Parked, parked_record
-from broker_svc.wire.task_message import TaskMessage
+from broker_svc.wire.records.parked import Parked, parked_record
+from broker_svc.wire.task.task_message import TaskMessage
 from worker.remote.queue_members import QueueMembership
 from worker.rules.listers import QUEUES_FIELD, lister_of
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from broker_svc import App, Settings, Task
-from broker_svc.wire.rates import parse_rate
+from broker_svc.wire.task.rates import parse_rate
 from worker.child.spec import FeedSpec
 from worker.pool.feeding import Feeding
 
@@ -134,7 +134,7 @@ async def test_the_rate_limit_command_answers_as_celery_does():
 
 
 def test_the_rate_modules_do_no_io():
-    for path in ("broker_svc/wire/rates.py", "worker/rules/rate_limits.py"):
+    for path in ("broker_svc/wire/task/rates.py", "worker/rules/rate_limits.py"):
         tree = ast.parse((ROOT / path).read_text())
         tops = {
             name.split(".")[0]

@@ -6,7 +6,7 @@ import pytest
 
 from broker_svc.wire.results.message import Outcome, wire_exception
 from broker_svc.wire.results.meta import ResultKeys, chord_member, extended_fields, is_redis_url, result_meta
-from broker_svc.wire.task_message import TaskMessage
+from broker_svc.wire.task.task_message import TaskMessage
 
 
 def test_keys_are_celerys_and_take_the_global_prefix_with_celerys_separator_rule():

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from broker_svc.wire.dedup import GATE_SHARDS
+from broker_svc.wire.records.dedup import GATE_SHARDS
 from worker.rules.shard_owners import HandoverPacing, shard_owners
 
 NAMES = [f"worker{i}@host-{i % 3}" for i in range(12)]

@@ -6,7 +6,7 @@ import msgpack
 import pytest
 
 from broker_svc.spool.record import HEADER, SpooledMessage, decode_payload, encode_payload, frame, scan
-from broker_svc.wire.task_message import WireMessage
+from broker_svc.wire.task.task_message import WireMessage
 
 
 def _spooled(n: int = 1, *, queue_type: str | None = "classic") -> SpooledMessage:

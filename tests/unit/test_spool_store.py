@@ -19,7 +19,7 @@ from broker_svc.spool.segment import MAGIC, recover, segment_paths
 from broker_svc.spool.slots import claim_slot, try_slot
 from broker_svc.spool.store import SpoolStore
 from broker_svc.topology import task_queue
-from broker_svc.wire.task_message import RESENT_HEADER, WireMessage
+from broker_svc.wire.task.task_message import RESENT_HEADER, WireMessage
 from tests.support.waiting import wait_for
 from tests.support.workers import ROOT
 

@@ -17,8 +17,8 @@ from broker_svc.errors import InvalidTaskMessage
 from broker_svc.sending.message import build_message
 from broker_svc.tasks.request import Request
 from broker_svc.wire import codec
-from broker_svc.wire.stamps import message_stamps, revoke_headers, task_stamps
-from broker_svc.wire.task_message import TaskMessage, decode_task, encode_task
+from broker_svc.wire.task.stamps import message_stamps, revoke_headers, task_stamps
+from broker_svc.wire.task.task_message import TaskMessage, decode_task, encode_task
 from worker.rules.job_request import request_context
 
 

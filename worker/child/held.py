@@ -18,7 +18,7 @@ from broker_svc.amqp.feed_connection import FeedConnection, TaskDelivery
 from broker_svc.errors import MessageError
 from broker_svc.settings import Settings
 from broker_svc.wire import codec
-from broker_svc.wire.task_message import decode_task, safe_repr
+from broker_svc.wire.task.task_message import decode_task, safe_repr
 from worker import ipc
 from worker.rules.job_request import delivery_info
 

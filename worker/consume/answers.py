@@ -18,10 +18,10 @@ from broker_svc.amqp.feed_connection import TaskDelivery
 from broker_svc.app import App
 from broker_svc.wire.codec import reply_type
 from broker_svc.wire.event_fields import describe_repr
+from broker_svc.wire.records.task_state import WORKER_STATES, result_expiration
 from broker_svc.wire.results.message import Outcome, wire_exception
-from broker_svc.wire.states import State
-from broker_svc.wire.task_message import TaskMessage
-from broker_svc.wire.task_state import WORKER_STATES, result_expiration
+from broker_svc.wire.task.states import State
+from broker_svc.wire.task.task_message import TaskMessage
 from worker.consume.canvas import FeedCanvas
 from worker.consume.ledger import FeedLedger
 from worker.consume.records.events import FeedEvents

@@ -37,8 +37,8 @@ from broker_svc.redis_results.writer import ResultWriter
 from broker_svc.wire.codec import reply_type
 from broker_svc.wire.results.message import Outcome, wire_exception
 from broker_svc.wire.results.meta import extended_fields, result_meta
-from broker_svc.wire.states import READY_STATES, State
-from broker_svc.wire.task_message import TaskMessage
+from broker_svc.wire.task.states import READY_STATES, State
+from broker_svc.wire.task.task_message import TaskMessage
 from worker.consume.replies import FeedReplies
 
 __all__ = ["FeedBackend"]

@@ -13,9 +13,9 @@ import structlog
 from broker_svc.app import App
 from broker_svc.canvas.follow_ups import FollowUp
 from broker_svc.topology import chord_join_queue
-from broker_svc.wire.chord_part import join_namespace
-from broker_svc.wire.states import State
-from broker_svc.wire.task_message import TaskMessage
+from broker_svc.wire.records.chord_part import join_namespace
+from broker_svc.wire.task.states import State
+from broker_svc.wire.task.task_message import TaskMessage
 from worker.consume.replies import FeedReplies
 from worker.rules import canvas_plan
 

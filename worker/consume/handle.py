@@ -28,9 +28,9 @@ from broker_svc.topology import DELAY_HOLD_WINDOW_S, delay_bucket_ms, expired_qu
 from broker_svc.wire import codec
 from broker_svc.wire.results.message import CELERY_EXCEPTIONS_MODULE, Outcome, wire_exception
 from broker_svc.wire.results.meta import is_redis_url
-from broker_svc.wire.stamps import task_stamps
-from broker_svc.wire.states import State
-from broker_svc.wire.task_message import TaskMessage, decode_task, eta_and_expires, safe_repr
+from broker_svc.wire.task.stamps import task_stamps
+from broker_svc.wire.task.states import State
+from broker_svc.wire.task.task_message import TaskMessage, decode_task, eta_and_expires, safe_repr
 from worker.child.spec import FeedSpec
 from worker.consume.answers import FeedAnswers, Handled
 from worker.consume.canvas import FeedCanvas

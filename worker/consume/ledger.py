@@ -25,7 +25,7 @@ import structlog
 
 from broker_svc.amqp.feed_connection import TaskDelivery
 from broker_svc.topology import DEAD_LETTER_REQUEUED_HEADER
-from broker_svc.wire.task_message import TaskMessage
+from broker_svc.wire.task.task_message import TaskMessage
 from worker import ipc
 from worker.child.channel import ChildChannel
 from worker.child.spec import FeedSpec

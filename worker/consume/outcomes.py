@@ -16,8 +16,8 @@ from broker_svc.app import App
 from broker_svc.topology import DELAY_HOLD_WINDOW_S, delay_bucket_ms
 from broker_svc.wire.event_fields import describe_repr
 from broker_svc.wire.results.message import Outcome, describe_wire_exception, wire_exception
-from broker_svc.wire.states import State
-from broker_svc.wire.task_message import TaskMessage, safe_repr
+from broker_svc.wire.task.states import State
+from broker_svc.wire.task.task_message import TaskMessage, safe_repr
 from worker.consume.answers import FeedAnswers, Handled
 from worker.consume.canvas import FeedCanvas
 from worker.consume.records.events import FeedEvents

@@ -27,8 +27,8 @@ from broker_svc.topology import (
 )
 from broker_svc.wire import codec
 from broker_svc.wire.results.message import Outcome, wire_exception
-from broker_svc.wire.states import State
-from broker_svc.wire.task_message import CLOCK_HEADER, WireMessage
+from broker_svc.wire.task.states import State
+from broker_svc.wire.task.task_message import CLOCK_HEADER, WireMessage
 
 __all__ = ["FeedReplies"]
 

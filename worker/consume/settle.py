@@ -19,7 +19,7 @@ import structlog
 from broker_svc.amqp.feed_connection import FeedConnection, TaskDelivery
 from broker_svc.errors import BrokerSvcError
 from broker_svc.topology import QueueSpec, dedup_gate_queue, delay_queue
-from broker_svc.wire.dedup import gate_headers, release_of, shard_of
+from broker_svc.wire.records.dedup import gate_headers, release_of, shard_of
 from worker.consume.replies import FeedReplies
 from worker.rules.disposition import Disposition, Fate
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from broker_svc.wire.task_message import safe_repr
+from broker_svc.wire.task.task_message import safe_repr
 from worker.pool.feeding import Feeding
 from worker.shared.board import Running
 

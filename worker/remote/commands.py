@@ -14,7 +14,7 @@ import structlog
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
 from broker_svc.topology import task_queue
-from broker_svc.wire.stamps import revoke_headers
+from broker_svc.wire.task.stamps import revoke_headers
 from control.aio.node import request_headers
 from control.protocol.commands import CommandRegistry
 from control.protocol.request import nok, ok

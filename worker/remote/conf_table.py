@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from broker_svc.app import App
-from broker_svc.conf import ACCEPTED_AS_DESIGNED, READ_BY_CLOCKWORK, SETTINGS_FIELDS
+from broker_svc.apps.conf import ACCEPTED_AS_DESIGNED, READ_BY_CLOCKWORK, SETTINGS_FIELDS
 from broker_svc.topology import node_queue
 from worker.config import WorkerConfig
 

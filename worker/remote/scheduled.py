@@ -2,7 +2,7 @@
 
 A task not yet due waits in one of its queue's delay queues, not in a worker (docs/design.md,
 ETA), so nothing in a worker's memory lists it. Each park is a record on the app's scheduled
-stream (``broker_svc/wire/parked.py``): written by the parking child before its ack, or by our
+stream (``broker_svc/wire/records/parked.py``): written by the parking child before its ack, or by our
 client as it sends a task straight to a delay queue (a record with no worker's name). Every
 worker follows the stream from its start and keeps each task's latest record. It lists the tasks
 whose ETA has not passed and whose latest park was its own, or was a client's and falls to it:
@@ -27,7 +27,7 @@ import structlog
 
 from broker_svc.errors import MessageError
 from broker_svc.topology import DEFAULT_NAMESPACE, LEGACY_NAMESPACE, scheduled_stream
-from broker_svc.wire.parked import Parked
+from broker_svc.wire.records.parked import Parked
 from control.aio.members_feed import AsyncMembersFeed
 from worker.events import SW_IDENT
 from worker.remote.queue_members import QueueMembership

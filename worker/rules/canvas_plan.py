@@ -22,10 +22,10 @@ from broker_svc.canvas.follow_ups import (
 )
 from broker_svc.sending.routes import queue_for
 from broker_svc.wire import codec
-from broker_svc.wire.chord_part import ChordPart, encode_part
+from broker_svc.wire.records.chord_part import ChordPart, encode_part
 from broker_svc.wire.results.message import wire_exception
-from broker_svc.wire.states import State
-from broker_svc.wire.task_message import TaskMessage, WireMessage, encode_task
+from broker_svc.wire.task.states import State
+from broker_svc.wire.task.task_message import TaskMessage, WireMessage, encode_task
 
 __all__ = [
     "after_success",

@@ -14,7 +14,7 @@ from typing import Any
 
 from broker_svc.topology import QueueSpec
 from broker_svc.wire import codec
-from broker_svc.wire.task_message import TaskMessage, parse_iso_datetime, safe_repr
+from broker_svc.wire.task.task_message import TaskMessage, parse_iso_datetime, safe_repr
 
 __all__ = ["ACK", "HAND_BACK", "LEFT_TO_BROKER", "Disposition", "Fate", "Owed", "retry_copy", "retry_eta"]
 

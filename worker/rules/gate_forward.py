@@ -16,8 +16,8 @@ import structlog
 from broker_svc.sending.dedup_keys import dedup_call
 from broker_svc.tasks.task import Task
 from broker_svc.topology import dedup_gate_queue
-from broker_svc.wire.dedup import FORWARDED_HEADER, KEY_HEADER, dedup_headers, shard_of
-from broker_svc.wire.task_message import TaskMessage
+from broker_svc.wire.records.dedup import FORWARDED_HEADER, KEY_HEADER, dedup_headers, shard_of
+from broker_svc.wire.task.task_message import TaskMessage
 from worker.rules.disposition import Disposition
 
 __all__ = ["to_gate"]

@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from typing import Any, Final, Protocol
 
 from broker_svc.tasks.task import Task
-from broker_svc.wire.dedup import head_deadline
-from broker_svc.wire.task_message import RESENT_HEADER, TaskMessage, eta_and_expires
+from broker_svc.wire.records.dedup import head_deadline
+from broker_svc.wire.task.task_message import RESENT_HEADER, TaskMessage, eta_and_expires
 from worker.rules.deliveries import delivery_count
 
 __all__ = [

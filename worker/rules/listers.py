@@ -1,7 +1,7 @@
 """Which live worker lists a task our client parked itself, in ``inspect scheduled`` (pure).
 
 A client sends an ETA task straight to a delay queue and records the park with no worker's name
-(``broker_svc/wire/parked.py``). Such a task is listed by exactly one worker: among the live
+(``broker_svc/wire/records/parked.py``). Such a task is listed by exactly one worker: among the live
 workers of the app that consume the task's queue, the one that ranks the task highest (a hash of
 task id and node name, the same on every host: rendezvous hashing, as the dedup gate spreads its
 shards, ``worker/rules/shard_owners.py``). Workers that see the same members agree with no

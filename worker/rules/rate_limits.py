@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from broker_svc.wire.rates import parse_rate
+from broker_svc.wire.task.rates import parse_rate
 
 __all__ = ["RATE_RESERVED_HEADER", "parse_rate"]
 

@@ -60,7 +60,7 @@ class RevokedStamps:
         """The first ``(name, value)`` of a task's stamps that is revoked, or None.
 
         ``stamps`` are the task's stamps as its ``stamped_headers`` lists them
-        (``broker_svc.wire.stamps.task_stamps``); a value that is a list matches by any item.
+        (``broker_svc.wire.task.stamps.task_stamps``); a value that is a list matches by any item.
         """
         return next(self._matches(stamps), None)
 

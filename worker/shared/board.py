@@ -26,8 +26,8 @@ import msgpack
 
 from broker_svc.errors import DecodeError
 from broker_svc.wire.codec import refuse_ext
-from broker_svc.wire.stamps import task_stamps
-from broker_svc.wire.task_message import safe_repr
+from broker_svc.wire.task.stamps import task_stamps
+from broker_svc.wire.task.task_message import safe_repr
 from worker.ipc import Job
 from worker.shared.shared_file import SharedFile
 

@@ -50,11 +50,17 @@ from broker_svc.canvas.follow_ups import FollowUp, as_list, follow_ups
 from broker_svc.clock import LamportClock
 from broker_svc.topology import chord_join_queue, dead_letter_queue
 from broker_svc.wire import codec
-from broker_svc.wire.chord_part import ChordGrowth, ChordPart, decode_part, encode_part, join_namespace
+from broker_svc.wire.records.chord_part import (
+    ChordGrowth,
+    ChordPart,
+    decode_part,
+    encode_part,
+    join_namespace,
+)
 from broker_svc.wire.results.message import Outcome, wire_exception
 from broker_svc.wire.results.meta import is_redis_url, result_meta
-from broker_svc.wire.states import State
-from broker_svc.wire.task_message import CLOCK_HEADER, TaskMessage, WireMessage, encode_task
+from broker_svc.wire.task.states import State
+from broker_svc.wire.task.task_message import CLOCK_HEADER, TaskMessage, WireMessage, encode_task
 from control.aio.declare import declare_queue
 
 if TYPE_CHECKING:

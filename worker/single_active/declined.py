@@ -11,10 +11,10 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from broker_svc.wire import codec
-from broker_svc.wire.dedup import FORWARDED_HEADER
+from broker_svc.wire.records.dedup import FORWARDED_HEADER
+from broker_svc.wire.records.task_state import JobState, StateRecord
 from broker_svc.wire.results.message import Outcome, wire_exception
-from broker_svc.wire.states import State
-from broker_svc.wire.task_state import JobState, StateRecord
+from broker_svc.wire.task.states import State
 
 __all__ = ["declined_record", "declined_result"]
 

@@ -37,10 +37,7 @@ from broker_svc.errors import MessageError
 from broker_svc.settings import Settings
 from broker_svc.topology import dependents_queue, task_states_stream
 from broker_svc.wire import codec
-from broker_svc.wire.results.message import Outcome, wire_exception
-from broker_svc.wire.states import State
-from broker_svc.wire.task_message import CLOCK_HEADER
-from broker_svc.wire.task_state import (
+from broker_svc.wire.records.task_state import (
     ALLOW_FAILURE_HEADER,
     CONTENT_TYPE,
     DEPENDS_ON_HEADER,
@@ -50,6 +47,9 @@ from broker_svc.wire.task_state import (
     JobState,
     StateRecord,
 )
+from broker_svc.wire.results.message import Outcome, wire_exception
+from broker_svc.wire.task.states import State
+from broker_svc.wire.task.task_message import CLOCK_HEADER
 from control.aio.declare import declare_queue
 from worker.amqp.connection import one_time_channel
 from worker.single_active.resubscribe import resubscribing

@@ -49,7 +49,7 @@ from broker_svc.topology import (
     event_exchange,
     task_states_stream,
 )
-from broker_svc.wire.dedup import (
+from broker_svc.wire.records.dedup import (
     DEADLINE_HEADER,
     DEFAULT_DEDUP_TIMEOUT_S,
     KEY_HEADER,
@@ -62,7 +62,7 @@ from broker_svc.wire.dedup import (
     gate_headers,
     gate_message,
 )
-from broker_svc.wire.task_message import CLOCK_HEADER
+from broker_svc.wire.task.task_message import CLOCK_HEADER
 from control.aio.declare import declare_queue
 from worker.amqp.connection import one_time_channel
 from worker.events import EventDispatcher

@@ -42,8 +42,8 @@ from aiormq import spec
 from broker_svc.clock import LamportClock
 from broker_svc.settings import Settings
 from broker_svc.topology import DEFAULT_NAMESPACE, LEGACY_NAMESPACE, QueueSpec, dedup_gate_queue
-from broker_svc.wire.dedup import GATE_SHARDS, GateMessage, gate_headers
-from broker_svc.wire.task_message import CLOCK_HEADER
+from broker_svc.wire.records.dedup import GATE_SHARDS, GateMessage, gate_headers
+from broker_svc.wire.task.task_message import CLOCK_HEADER
 from control.aio.declare import declare_queue
 from control.aio.members_feed import AsyncMembersFeed
 from control.protocol.membership import Membership

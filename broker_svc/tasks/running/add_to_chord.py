@@ -3,7 +3,7 @@
 The added task joins the chord as its adder's sibling: it carries the adder's chord id, place
 (``group_index``) and body, and the body waits for it too, its value right after the adder's. A
 chord joined on RabbitMQ is told first, by a growth record in its join queue confirmed before the
-task is sent (``wire/chord_part.py``), so the joiner knows of it before the adder's own part or the
+task is sent (``wire/records/chord_part.py``), so the joiner knows of it before the adder's own part or the
 added task's part can reach it. A chord a Celery client sent on Redis results is counted in Redis,
 as Celery's workers count it (``<group>.t`` + 1).
 """
@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from broker_svc.topology import chord_join_queue
-from broker_svc.wire.chord_part import ChordGrowth, encode_growth, join_namespace
-from broker_svc.wire.task_message import WireMessage
+from broker_svc.wire.records.chord_part import ChordGrowth, encode_growth, join_namespace
+from broker_svc.wire.task.task_message import WireMessage
 
 if TYPE_CHECKING:
     from broker_svc.canvas.signature import Signature

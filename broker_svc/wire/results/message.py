@@ -20,7 +20,7 @@ from broker_svc.errors import (
     TaskRevokedError,
     TimeLimitExceeded,
 )
-from broker_svc.wire.states import READY_STATES
+from broker_svc.wire.task.states import READY_STATES
 
 __all__ = [
     "CELERY_EXCEPTIONS_MODULE",

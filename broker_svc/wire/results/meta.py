@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from broker_svc.wire.results.message import Outcome
-from broker_svc.wire.task_message import TaskMessage
+from broker_svc.wire.task.task_message import TaskMessage
 
 __all__ = [
     "CHORD_KEY_SUFFIXES",

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from broker_svc.wire.results.message import Outcome
-from broker_svc.wire.states import READY_STATES, State
+from broker_svc.wire.task.states import READY_STATES, State
 
 __all__ = ["OutcomeView", "ResultsView"]
 

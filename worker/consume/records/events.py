@@ -16,7 +16,7 @@ from broker_svc.clock import LamportClock
 from broker_svc.errors import BrokerUnavailable
 from broker_svc.topology import event_exchange
 from broker_svc.wire.event_fields import encode_event, event_body, routing_key
-from broker_svc.wire.task_message import WireMessage
+from broker_svc.wire.task.task_message import WireMessage
 
 __all__ = ["FeedEvents"]
 

@@ -8,8 +8,8 @@ import structlog
 
 from broker_svc.errors import BrokerSvcError, BrokerUnavailable
 from broker_svc.topology import scheduled_stream
-from broker_svc.wire.parked import CONTENT_TYPE, parked_record
-from broker_svc.wire.task_message import TaskMessage
+from broker_svc.wire.records.parked import CONTENT_TYPE, parked_record
+from broker_svc.wire.task.task_message import TaskMessage
 from worker.consume.replies import FeedReplies
 
 __all__ = ["FeedParked"]

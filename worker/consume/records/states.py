@@ -14,8 +14,8 @@ import structlog
 from broker_svc.clock import LamportClock
 from broker_svc.errors import BrokerSvcError
 from broker_svc.topology import task_states_stream
-from broker_svc.wire.task_message import TaskMessage
-from broker_svc.wire.task_state import CONTENT_TYPE, StateRecord, worker_info
+from broker_svc.wire.records.task_state import CONTENT_TYPE, StateRecord, worker_info
+from broker_svc.wire.task.task_message import TaskMessage
 from worker.consume.replies import FeedReplies
 
 __all__ = ["FeedStates"]

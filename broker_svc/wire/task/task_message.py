@@ -98,7 +98,7 @@ class TaskMessage:
     extra_headers: dict[str, Any] = field(default_factory=dict)
     # How many ``Task.replace`` calls led here (Celery's header; 0 for a task sent as itself).
     replaced_task_nesting: int = 0
-    # Celery's stamps (``Signature.stamp``): the names stamped, and their values (wire/stamps.py).
+    # Celery's stamps (``Signature.stamp``): the names stamped, and their values (wire/task/stamps.py).
     stamped_headers: list[str] | None = None
     stamps: dict[str, Any] = field(default_factory=dict)
 

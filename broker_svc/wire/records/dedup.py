@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from broker_svc.wire.task_state import TARGET_QUEUE_HEADER
+from broker_svc.wire.records.task_state import TARGET_QUEUE_HEADER
 
 __all__ = [
     "DEADLINE_HEADER",

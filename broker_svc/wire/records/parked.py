@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from broker_svc.errors import MessageError
-from broker_svc.wire.task_message import TaskMessage
+from broker_svc.wire.task.task_message import TaskMessage
 
 __all__ = ["CONTENT_TYPE", "Parked", "parked_record"]
 

@@ -32,8 +32,14 @@ from broker_svc.topology import (
     expired_queue,
 )
 from broker_svc.wire import codec
-from broker_svc.wire.dedup import DEADLINE_HEADER, KEY_HEADER, TARGET_QUEUE_HEADER, TOKEN_HEADER, shard_of
-from broker_svc.wire.task_message import CLOCK_HEADER
+from broker_svc.wire.records.dedup import (
+    DEADLINE_HEADER,
+    KEY_HEADER,
+    TARGET_QUEUE_HEADER,
+    TOKEN_HEADER,
+    shard_of,
+)
+from broker_svc.wire.task.task_message import CLOCK_HEADER
 
 __all__ = [
     "DEAD_SUFFIX",

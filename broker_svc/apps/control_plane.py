@@ -17,7 +17,7 @@ from broker_svc.version import DISTRIBUTION
 
 if TYPE_CHECKING:
     from broker_svc.schedules.client import ScheduleClient
-    from broker_svc.wire.dead_letter import DeadLetter, RequeueResult
+    from broker_svc.wire.records.dead_letter import DeadLetter, RequeueResult
 
 __all__ = [
     "CONTROL_ENTRY_POINT_GROUP",

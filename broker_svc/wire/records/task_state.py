@@ -17,7 +17,7 @@ from enum import StrEnum
 from typing import Any, Final
 
 from broker_svc.errors import MessageError
-from broker_svc.wire.task_message import CLOCK_HEADER, WireMessage
+from broker_svc.wire.task.task_message import CLOCK_HEADER, WireMessage
 
 __all__ = [
     "ALLOW_FAILURE_HEADER",

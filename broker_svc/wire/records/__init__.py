@@ -1,0 +1,1 @@
+"""Clockwork's own records on its queues and streams: chord parts, dead letters, gates, parks, states."""

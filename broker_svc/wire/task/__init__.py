@@ -1,0 +1,1 @@
+"""A task message and the fields Celery gives it: the message, its states, stamps and rate strings."""
