@@ -354,8 +354,12 @@ class FeedConnection(Channel):
         properties, body = self._content()
         tag = deliver.consumer_tag
         queue = self._tags.get(tag) or self._retired.get(tag) or deliver.routing_key
-        self._deliveries.append(task_delivery(deliver, properties, body, queue, self.generation))
-        self._waiting[queue] += 1
+        self._arrived(task_delivery(deliver, properties, body, queue, self.generation))
+
+    def _arrived(self, delivery: TaskDelivery) -> None:
+        # A delivery read, for the consumer to take; counted by queue for their turns.
+        self._deliveries.append(delivery)
+        self._waiting[delivery.queue] += 1
 
     # -- publishing ------------------------------------------------------------------------------
 

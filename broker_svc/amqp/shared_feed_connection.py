@@ -339,8 +339,9 @@ class SharedFeedConnection(FeedConnection):
         with self._state:
             super()._on_returned(exchange, routing_key, body, why=why)
 
-    def _on_deliver(self, payload: bytes) -> None:
-        super()._on_deliver(payload)
-        with self._state:  # an idle thread for each delivery the reader does not take itself
-            if self._idle and len(self._deliveries) > self._taking:
-                self._delivered.notify()
+    def _arrived(self, delivery: TaskDelivery) -> None:
+        # Under the state lock: the threads that take deliveries count them down under it too.
+        with self._state:
+            super()._arrived(delivery)
+            if self._idle and len(self._deliveries) > self._taking:  # an idle thread for each
+                self._delivered.notify()  # delivery the reader does not take itself
