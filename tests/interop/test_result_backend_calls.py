@@ -15,7 +15,8 @@ from celery import Celery
 from celery.result import AsyncResult as CeleryAsyncResult
 from celery.result import GroupResult as CeleryGroupResult
 
-from broker_svc import App, AsyncResult, GroupResult, Settings, open_apps
+from broker_svc import App, AsyncResult, GroupResult, Settings
+from broker_svc.apps import open_apps
 from broker_svc.errors import TaskError
 
 pytestmark = pytest.mark.interop

@@ -6,7 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from broker_svc import App, AsyncResult, GroupResult, open_apps
+from broker_svc import App, AsyncResult, GroupResult
+from broker_svc.apps import open_apps
 from broker_svc.errors import ConfigurationError
 
 URL = "amqp://guest:guest@127.0.0.1:5672/%2Fcurrent-app"
