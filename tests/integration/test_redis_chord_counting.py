@@ -21,13 +21,14 @@ from broker_svc.redis_results.connection import open_client
 from broker_svc.redis_results.writer import ResultWriter
 from broker_svc.settings import Settings
 from broker_svc.wire.results.message import wire_exception
+from tests.interop.conftest import close_celery_client
 
 
 @pytest.fixture
 def celery_backend(redis_url: str) -> Iterator[Any]:
     app = Celery("counting", broker="memory://", backend=redis_url)
     yield app.backend
-    app.close()
+    close_celery_client(app)
 
 
 @pytest.fixture

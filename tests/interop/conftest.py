@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -31,11 +32,43 @@ def celery_client(test_vhost_url: str):
 
 
 def close_celery_client(app: Any) -> None:
-    """Close a Celery client app, and its rpc backend's own consumer connection (no socket leaks)."""
-    consumer = getattr(app.backend, "result_consumer", None)
+    """Close a Celery client app and its result backend's sockets, which ``app.close()`` leaves
+    open: the rpc backend's consumer connection, the Redis backend's pub/sub and pool."""
+    backend = app.backend
+    consumer = getattr(backend, "result_consumer", None)
     if consumer is not None and getattr(consumer, "_connection", None) is not None:
         consumer._connection.close()
+    if consumer is not None and getattr(consumer, "_pubsub", None) is not None:
+        # Its handles unsubscribe when collected, maybe after a private Redis stopped: none is
+        # needed any more.
+        consumer.subscribed_to.clear()
+        consumer.stop()
+    redis_client = backend.__dict__.get("client")  # a cached property: only if it was opened
+    if redis_client is not None:
+        redis_client.connection_pool.disconnect()
     app.close()
+
+
+def connected_sockets(port: int) -> int:
+    """How many of this process's TCP sockets are connected to ``port`` on loopback (Linux /proc).
+
+    A socket left open is closed when collected, with a ``ResourceWarning`` that the suite turns into
+    a failure of whichever test the collection lands in."""
+    inodes = set()
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{name}")
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    count = 0
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as rows:
+            for row in list(rows)[1:]:
+                fields = row.split()
+                remote_port = int(fields[2].rsplit(":", 1)[1], 16)
+                if remote_port == port and fields[9] in inodes and fields[3] == "01":  # ESTABLISHED
+                    count += 1
+    return count
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from broker_svc import App, ChordError
 from broker_svc import chord as our_chord
 from broker_svc.aio import AsyncApp
 from tests.infra.redis_server import private_redis_server
-from tests.interop.conftest import ROOT, close_celery_client
+from tests.interop.conftest import ROOT, close_celery_client, connected_sockets
 from tests.interop.nested_chords import nested_chords
 from tests.support.amqp import delete_queues
 from tests.support.waiting import wait_for
@@ -67,11 +67,13 @@ def store(redis_url: str) -> Iterator[redis.Redis]:
 
 
 @pytest.fixture
-def client(test_vhost_url: str, redis_url: str) -> Iterator[Celery]:
+def client(test_vhost_url: str, redis_url: str, redis_server: Any) -> Iterator[Celery]:
     app = Celery("interop-redis", broker=test_vhost_url, backend=redis_url)
     app.conf.update(accept_content=["json"], result_accept_content=["json"], task_serializer="json")
     yield app
     close_celery_client(app)
+    # What the chords and results above opened to Redis is closed now, not when collected.
+    assert connected_sockets(redis_server.port) == 0
 
 
 def s(client: Celery, name: str, *args: Any, queue: str, **options: Any) -> Any:

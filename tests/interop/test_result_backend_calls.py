@@ -18,6 +18,7 @@ from celery.result import GroupResult as CeleryGroupResult
 from broker_svc import App, AsyncResult, GroupResult, Settings
 from broker_svc.apps import open_apps
 from broker_svc.errors import TaskError
+from tests.interop.conftest import close_celery_client
 
 pytestmark = pytest.mark.interop
 
@@ -34,11 +35,7 @@ def theirs(redis_url: str) -> Iterator[Celery]:
     app = Celery("backend-calls", broker="memory://", backend=redis_url)
     app.conf.update(accept_content=["json"], result_accept_content=["json"])
     yield app
-    # Celery's handles unsubscribe when collected, which may be after the private Redis stopped:
-    # nothing of this app needs its pubsub any more.
-    app.backend.result_consumer.subscribed_to.clear()
-    app.backend.client.connection_pool.disconnect()
-    app.close()
+    close_celery_client(app)
 
 
 def ids(result: object) -> object:
