@@ -255,8 +255,9 @@ class FeedConnection(Channel):
         self.paused = False
 
     def catch_up(self) -> None:
-        """Between tasks: once what cancelled consumers delivered is settled, consume with the whole
-        prefetch again (a resubscribe sized the newest consumers to what was outstanding).
+        """Between tasks: once what cancelled consumers delivered is settled (parked copies aside),
+        consume with the whole prefetch again (a resubscribe sized the newest consumers to what was
+        outstanding).
 
         Raises:
             ConnectionLost: the connection failed meanwhile.
@@ -265,10 +266,12 @@ class FeedConnection(Channel):
             self._resubscribe(whole=True)
 
     def _catch_up_due(self) -> bool:
+        # What cancelled consumers delivered is settled, but for parked copies (the held count
+        # makes room for those already): a copy may stay parked as long as its first run goes on.
         return (
             self._sock is not None
             and not self.paused
-            and self._retired_left <= 0
+            and self._retired_left <= self._held
             and self._limit < self._prefetch + self._held
         )
 
