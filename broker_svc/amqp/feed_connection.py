@@ -73,6 +73,16 @@ class FeedConnection(Channel):
         self._declare_on_connect = tuple(declare)
         self._prefetch = prefetch
         self._held = 0  # parked copies on this connection, each one more unacked (``hold``)
+        # What the broker's per-consumer limits leave out: a consumer a resubscribe cancelled keeps
+        # its unacked deliveries, and the one made instead gets a limit of its own. So the new one
+        # is sized to what is outstanding, and given the whole prefetch again (``catch_up``) once
+        # the cancelled ones' deliveries are settled; else every park or prefetch change would add
+        # a whole prefetch more (hundreds held after a reconnect brought many copies back).
+        self._unsettled = 0  # deliveries of this connection read and not acked or nacked yet
+        self._last_tag = 0  # the newest delivery tag read
+        self._retired_below = 0  # deliveries up to this tag came to consumers cancelled since
+        self._retired_left = 0  # how many of those are not settled yet
+        self._limit = prefetch  # the limit the newest consumers were given
         # Ordered queues (x-single-active-consumer) are consumed with prefetch 1 whatever ``prefetch``.
         self._ordered = frozenset(spec.name for spec in declare if spec.single_active)
         self._deliveries: collections.deque[TaskDelivery] = collections.deque()
@@ -98,6 +108,8 @@ class FeedConnection(Channel):
         # A new generation before the socket: what the consumes below deliver is this connection's.
         self.generation += 1
         self._held = 0
+        self._unsettled = self._last_tag = self._retired_below = self._retired_left = 0
+        self._limit = self._prefetch
         self.paused = False
         tls = self._handshake(url)
         self._deliveries.clear()
@@ -239,20 +251,48 @@ class FeedConnection(Channel):
             self._qos(self._prefetch + self._held)
             for queue in self._queues:
                 self._consume(queue)
+            self._limit = self._prefetch + self._held
         self.paused = False
 
-    def _resubscribe(self) -> None:
+    def catch_up(self) -> None:
+        """Between tasks: once what cancelled consumers delivered is settled (parked copies aside),
+        consume with the whole prefetch again (a resubscribe sized the newest consumers to what was
+        outstanding).
+
+        Raises:
+            ConnectionLost: the connection failed meanwhile.
+        """
+        if self._catch_up_due():
+            self._resubscribe(whole=True)
+
+    def _catch_up_due(self) -> bool:
+        # What cancelled consumers delivered is settled, but for parked copies (the held count
+        # makes room for those already): a copy may stay parked as long as its first run goes on.
+        return (
+            self._sock is not None
+            and not self.paused
+            and self._retired_left <= self._held
+            and self._limit < self._prefetch + self._held
+        )
+
+    def _resubscribe(self, *, whole: bool = False) -> None:
         # basic.qos binds only the consumers made after it (RabbitMQ keeps each consumer's own
         # limit), so each queue gets a new consumer with the new limit, then the old one is
-        # cancelled: nothing is requeued, what it delivered stays with us. An ordered queue keeps
-        # its one consumer (its prefetch is 1 whatever this says): a new one would lose its turn.
+        # cancelled: nothing is requeued, what it delivered stays with us. The new limit leaves
+        # out what is outstanding (the old consumers' deliveries no longer count against any
+        # limit); ``whole`` (catch_up) once they are settled. An ordered queue keeps its one
+        # consumer (its prefetch is 1 whatever this says): a new one would lose its turn.
         if self._sock is None:
             return
-        self._qos(self._prefetch + self._held)
+        target = self._prefetch + self._held
+        limit = target if whole else max(1, target - self._unsettled)
+        self._qos(limit)
         for tag, queue in list(self._tags.items()):
             if queue not in self._ordered:
                 self._subscribe(queue)
                 self._unsubscribe(tag)
+        self._limit = limit
+        self._retired_below, self._retired_left = self._last_tag, self._unsettled
 
     def ack(self, delivery: TaskDelivery) -> None:
         """Ack ``delivery``; not sent if its connection is gone (the broker requeued it).
@@ -268,7 +308,7 @@ class FeedConnection(Channel):
         Raises:
             ConnectionLost: the write failed.
         """
-        acks = b"".join(self._ack_frame(delivery.tag) for delivery in deliveries if self._current(delivery))
+        acks = b"".join(self._ack_frame(delivery.tag) for delivery in deliveries if self._settling(delivery))
         if acks:
             self._write(acks)
 
@@ -282,8 +322,20 @@ class FeedConnection(Channel):
 
     def _settle_frame(self, delivery: TaskDelivery, frame: bytes) -> None:
         # Written only on the connection that delivered it: a tag means nothing on another.
-        if self._current(delivery):
+        if self._settling(delivery):
             self._write(frame)
+
+    def _settling(self, delivery: TaskDelivery) -> bool:
+        """Whether ``delivery``'s settle goes out on this connection; if so it is counted settled."""
+        if not self._current(delivery):
+            return False
+        self._count_settled(delivery)
+        return True
+
+    def _count_settled(self, delivery: TaskDelivery) -> None:
+        self._unsettled -= 1
+        if delivery.tag <= self._retired_below:
+            self._retired_left -= 1
 
     def _current(self, delivery: TaskDelivery) -> bool:
         if delivery.generation == self.generation and self._sock is not None:
@@ -360,6 +412,8 @@ class FeedConnection(Channel):
         # A delivery read, for the consumer to take; counted by queue for their turns.
         self._deliveries.append(delivery)
         self._waiting[delivery.queue] += 1
+        self._unsettled += 1
+        self._last_tag = delivery.tag
 
     # -- publishing ------------------------------------------------------------------------------
 

@@ -75,7 +75,7 @@ class SharedFeedConnection(FeedConnection):
         self._wanting = self._idle = self._confirming = 0  # threads waiting, by what for
         self._taking = False  # the reader waits for a delivery: the first one read is its own
         self._connecting = threading.Lock()
-        self._settles = SettleQueue(self._lock, self._write, self._current)
+        self._settles = SettleQueue(self._lock, self._write, self._settling)
         self._told = -1  # the connection (generation) whose loss a thread has logged
         self._loss: tuple[int, ConnectionLost] | None = None  # the last loss, as first seen
         # Any thread may be in a task at any time: the heartbeat thread sends whenever one is due.
@@ -270,6 +270,16 @@ class SharedFeedConnection(FeedConnection):
         """``FeedConnection.hold`` (each thread counts its own parked copies), with the role held."""
         with self._role():
             super().hold(delta, generation)
+
+    def catch_up(self) -> None:
+        """``FeedConnection.catch_up``, with the role held, by the first thread to find it due."""
+        if self._catch_up_due():  # looked at without the role: most calls find nothing to do
+            with self._role():
+                super().catch_up()
+
+    def _count_settled(self, delivery: TaskDelivery) -> None:
+        with self._state:  # threads settle under the socket lock, deliveries arrive under this one
+            super()._count_settled(delivery)
 
     def set_prefetch(self, prefetch: int) -> None:
         """``FeedConnection.set_prefetch``, with the role held (a thread that sees no change waits not)."""

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 
 from broker_svc import Settings
-from broker_svc.amqp.feed_connection import ConnectionLost, FeedConnection
+from broker_svc.amqp.feed_connection import ConnectionLost, FeedConnection, TaskDelivery
 from broker_svc.errors import BrokerUnavailable, Unroutable
 from broker_svc.topology import QueueSpec, dead_letter_queue, task_queue
 from broker_svc.wire.task.task_message import WireMessage
@@ -81,7 +81,8 @@ def test_prefetch_bounds_what_is_delivered_unacked(test_vhost_url: str, queue: s
 
 
 def test_a_new_prefetch_binds_at_once_and_keeps_what_was_delivered(test_vhost_url: str, queue: str):
-    # basic.qos alone binds only later consumers: set_prefetch makes each queue's consumer anew.
+    # basic.qos alone binds only later consumers: set_prefetch makes each queue's consumer anew,
+    # sized to what is outstanding (a cancelled consumer's deliveries count against no limit).
     for i in range(8):
         publish_raw(test_vhost_url, queue, b"{}", headers={"id": f"t{i}"})
     connection = _connection(test_vhost_url, queue, prefetch=1)
@@ -89,22 +90,62 @@ def test_a_new_prefetch_binds_at_once_and_keeps_what_was_delivered(test_vhost_ur
         first = connection.next_delivery(5.0)
         assert first is not None and connection.next_delivery(0.3) is None  # one unacked at prefetch 1
         connection.set_prefetch(4)
-        more = [connection.next_delivery(5.0) for _ in range(4)]
-        assert all(more) and connection.next_delivery(0.3) is None  # 1 of the old consumer + 4 of the new
+        more = [connection.next_delivery(5.0) for _ in range(3)]
+        assert all(more) and connection.next_delivery(0.3) is None  # 1 of the old consumer + 3: 4 in all
         assert connection.prefetch == 4
         connection.set_prefetch(1)
-        fifth = connection.next_delivery(5.0)  # the newest consumer's one
+        fifth = connection.next_delivery(5.0)  # the newest consumer's one (at least one each)
         assert fifth is not None and connection.next_delivery(0.3) is None
         for delivery in [first, *more, fifth]:
             assert delivery is not None and delivery.queue == queue
             connection.ack(delivery)  # the cancelled consumers' deliveries are acked as any other
-        for _ in range(2):  # then one at a time
+        for _ in range(3):  # then one at a time
+            connection.catch_up()  # nothing to catch up at prefetch 1
             delivery = connection.next_delivery(5.0)
             assert delivery is not None and connection.next_delivery(0.3) is None
             connection.ack(delivery)
     finally:
         connection.close()
     assert queue_depth(test_vhost_url, queue) == 0  # all 8 acked: nothing lost or requeued
+
+
+def _all_delivered(connection: FeedConnection) -> list[TaskDelivery]:
+    got = []
+    while (delivery := connection.next_delivery(0.3)) is not None:
+        got.append(delivery)
+    return got
+
+
+def test_each_parked_copy_lets_one_more_come_and_catch_up_restores_the_whole_prefetch(
+    test_vhost_url: str, queue: str
+):
+    # A park (hold) makes the consumers anew. Sized to what is outstanding, the broker sends one
+    # more per parked copy; with a whole prefetch each time, a burst of copies after a reconnect
+    # left hundreds held in one child (R6 under --threads).
+    for i in range(40):
+        publish_raw(test_vhost_url, queue, b"{}", headers={"id": f"t{i}"})
+    connection = _connection(test_vhost_url, queue, prefetch=4)
+    try:
+        taken = _all_delivered(connection)
+        assert len(taken) == 4
+        for parked in range(1, 6):
+            connection.hold(1, connection.generation)
+            more = _all_delivered(connection)
+            assert len(more) == 1, f"park {parked}: {len(more)} more came"
+            taken += more
+        assert len(taken) == 9  # the prefetch and the five parked copies
+        for delivery in taken:
+            connection.ack(delivery)
+        # The newest consumer (limit 1) may have taken one more since its delivery was acked.
+        taken = _all_delivered(connection)
+        assert len(taken) <= 1
+        connection.catch_up()  # what cancelled consumers held is settled: the whole 4 + 5 again
+        taken += _all_delivered(connection)
+        assert 9 <= len(taken) <= 10, len(taken)
+        for delivery in taken:
+            connection.ack(delivery)
+    finally:
+        connection.close()
 
 
 def test_a_nack_with_requeue_comes_back_redelivered(test_vhost_url: str, queue: str):

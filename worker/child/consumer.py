@@ -185,6 +185,7 @@ class Consumer:
                     connection.set_queues(list(wanted))
                     log.debug("feed_child_queues", queues=list(wanted))
                 self._look_at_parked()
+                connection.catch_up()  # the whole prefetch again, once a resubscribe's leftovers are settled
                 delivery = connection.next_delivery(
                     _PARKED_CHECK_S if self.redeliveries.parked else STOP_CHECK_S
                 )
