@@ -266,13 +266,15 @@ class FeedConnection(Channel):
             self._resubscribe(whole=True)
 
     def _catch_up_due(self) -> bool:
-        # What cancelled consumers delivered is settled, but for parked copies (the held count
-        # makes room for those already): a copy may stay parked as long as its first run goes on.
+        # Asked before every delivery: the test nearly always false (no resubscribe shrank the
+        # limit) comes first. Then what cancelled consumers delivered is settled, but for parked
+        # copies (the held count makes room for those already): a copy may stay parked as long as
+        # its first run goes on.
         return (
-            self._sock is not None
-            and not self.paused
+            self._limit < self._prefetch + self._held
             and self._retired_left <= self._held
-            and self._limit < self._prefetch + self._held
+            and self._sock is not None
+            and not self.paused
         )
 
     def _resubscribe(self, *, whole: bool = False) -> None:
