@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import select
+import ssl
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Final
 
 from broker_svc.amqp import methods
 from broker_svc.amqp.channel import Channel
@@ -41,6 +44,14 @@ from broker_svc.wire.task.task_message import WireMessage
 __all__ = ["ConnectionLost", "FeedConnection", "TaskDelivery"]
 
 log = get_logger(__name__)
+
+# Before a quorum queue's consumer is cancelled, what the broker has sent it is let arrive: a
+# delivery that reaches the channel after the cancel is returned to the queue, and a return counts
+# as a delivery (``x-delivery-count``, RabbitMQ 3.x), so a task could reach its delivery limit
+# without running. An ack frees a place that the broker fills a few ms later, once the ack is
+# through the queue's log: a cancel right after an ack nearly always lost one delivery so.
+_IN_FLIGHT_QUIET_S: Final = 0.1  # nothing came for this long: the queue has no more to send
+_IN_FLIGHT_MAX_S: Final = 1.0
 
 
 class FeedConnection(Channel):
@@ -85,6 +96,14 @@ class FeedConnection(Channel):
         self._limit = prefetch  # the limit the newest consumers were given
         # Ordered queues (x-single-active-consumer) are consumed with prefetch 1 whatever ``prefetch``.
         self._ordered = frozenset(spec.name for spec in declare if spec.single_active)
+        self._quorum = frozenset(
+            spec.name for spec in declare if spec.arguments.get("x-queue-type") == "quorum"
+        )
+        # A quorum queue's consumers: tag -> [its limit, deliveries of it not settled yet]; and
+        # each such delivery's consumer (``_await_in_flight``).
+        self._credit: dict[str, list[int]] = {}
+        self._consumer_of: dict[int, str] = {}
+        self._qos_now = prefetch
         self._deliveries: collections.deque[TaskDelivery] = collections.deque()
         # How many of ``_deliveries`` each queue has, and whose was taken last: queues take turns.
         self._waiting: collections.Counter[str] = collections.Counter()
@@ -110,6 +129,8 @@ class FeedConnection(Channel):
         self._held = 0
         self._unsettled = self._last_tag = self._retired_below = self._retired_left = 0
         self._limit = self._prefetch
+        self._credit.clear()
+        self._consumer_of.clear()
         self.paused = False
         tls = self._handshake(url)
         self._deliveries.clear()
@@ -236,8 +257,7 @@ class FeedConnection(Channel):
         """
         if self._sock is None or self.ordered or self.paused:
             return None
-        for tag in list(self._tags):
-            self._unsubscribe(tag)
+        self._cancel_consumers(list(self._tags))
         self.paused = True
         return self._take_all()
 
@@ -289,10 +309,10 @@ class FeedConnection(Channel):
         target = self._prefetch + self._held
         limit = target if whole else max(1, target - self._unsettled)
         self._qos(limit)
-        for tag, queue in list(self._tags.items()):
-            if queue not in self._ordered:
-                self._subscribe(queue)
-                self._unsubscribe(tag)
+        replaced = [tag for tag, queue in self._tags.items() if queue not in self._ordered]
+        for tag in replaced:
+            self._subscribe(self._tags[tag])
+        self._cancel_consumers(replaced)
         self._limit = limit
         self._retired_below, self._retired_left = self._last_tag, self._unsettled
 
@@ -338,6 +358,9 @@ class FeedConnection(Channel):
         self._unsettled -= 1
         if delivery.tag <= self._retired_below:
             self._retired_left -= 1
+        if self._consumer_of and (consumer := self._consumer_of.pop(delivery.tag, None)) is not None:
+            if (credit := self._credit.get(consumer)) is not None:
+                credit[1] -= 1
 
     def _current(self, delivery: TaskDelivery) -> bool:
         if delivery.generation == self.generation and self._sock is not None:
@@ -362,9 +385,7 @@ class FeedConnection(Channel):
         self._queues, before = wanted, set(self._tags.values())
         if self._sock is None or self.paused:  # resume() consumes them
             return
-        for tag, queue in list(self._tags.items()):
-            if queue not in wanted:
-                self._unsubscribe(tag)
+        self._cancel_consumers([tag for tag, queue in self._tags.items() if queue not in wanted])
         for queue in wanted:
             if queue not in before:
                 self._consume(queue)
@@ -393,9 +414,46 @@ class FeedConnection(Channel):
         Raises:
             ConnectionLost: the connection failed meanwhile.
         """
-        for tag in list(self._tags):
-            self._unsubscribe(tag)
+        self._cancel_consumers(list(self._tags))
         return self._take_all()
+
+    def _cancel_consumers(self, tags: Sequence[str]) -> None:
+        self._await_in_flight(tags)
+        for tag in tags:
+            self._unsubscribe(tag)
+            self._credit.pop(tag, None)
+
+    def _await_in_flight(self, tags: Iterable[str]) -> None:
+        # Until each quorum queue consumer in ``tags`` holds its whole limit (the broker has no
+        # place to send more), or nothing came for a quiet while (its queue has no more).
+        short = [credit for tag in tags if (credit := self._credit.get(tag)) is not None]
+        if not short:
+            return
+        self._read_arrived()
+        deadline = time.monotonic() + _IN_FLIGHT_MAX_S
+        while any(outstanding < limit for limit, outstanding in short):
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._readable(min(_IN_FLIGHT_QUIET_S, left)):
+                return
+            self._read_arrived()
+
+    def _readable(self, timeout_s: float) -> bool:
+        sock = self._sock
+        if sock is None:
+            raise ConnectionLost("not connected")
+        if isinstance(sock, ssl.SSLSocket) and sock.pending():
+            return True
+        return bool(select.select([sock], [], [], timeout_s)[0])
+
+    def _qos(self, count: int) -> None:
+        super()._qos(count)
+        self._qos_now = count
+
+    def _subscribe(self, queue: str) -> str:
+        tag = super()._subscribe(queue)
+        if queue in self._quorum:
+            self._credit[tag] = [self._qos_now, 0]
+        return tag
 
     def _take_all(self) -> list[TaskDelivery]:
         left = list(self._deliveries)
@@ -408,14 +466,17 @@ class FeedConnection(Channel):
         properties, body = self._content()
         tag = deliver.consumer_tag
         queue = self._tags.get(tag) or self._retired.get(tag) or deliver.routing_key
-        self._arrived(task_delivery(deliver, properties, body, queue, self.generation))
+        self._arrived(task_delivery(deliver, properties, body, queue, self.generation), tag)
 
-    def _arrived(self, delivery: TaskDelivery) -> None:
+    def _arrived(self, delivery: TaskDelivery, consumer: str) -> None:
         # A delivery read, for the consumer to take; counted by queue for their turns.
         self._deliveries.append(delivery)
         self._waiting[delivery.queue] += 1
         self._unsettled += 1
         self._last_tag = delivery.tag
+        if (credit := self._credit.get(consumer)) is not None:
+            credit[1] += 1
+            self._consumer_of[delivery.tag] = consumer
 
     # -- publishing ------------------------------------------------------------------------------
 

@@ -349,9 +349,9 @@ class SharedFeedConnection(FeedConnection):
         with self._state:
             super()._on_returned(exchange, routing_key, body, why=why)
 
-    def _arrived(self, delivery: TaskDelivery) -> None:
+    def _arrived(self, delivery: TaskDelivery, consumer: str) -> None:
         # Under the state lock: the threads that take deliveries count them down under it too.
         with self._state:
-            super()._arrived(delivery)
+            super()._arrived(delivery, consumer)
             if self._idle and len(self._deliveries) > self._taking:  # an idle thread for each
                 self._delivered.notify()  # delivery the reader does not take itself
