@@ -137,3 +137,34 @@ def test_a_task_that_crashes_child_after_child_takes_no_prefetched_task_down_wit
         wait_for(lambda: queue_depth(test_vhost_url, f"{queue}.dead") == 1, timeout_s=30,
                  message="the task that crashes its child was not dead-lettered")  # fmt: skip
         assert not poison.ready() or poison.state == "FAILURE"
+
+
+def test_redelivered_tasks_come_one_at_a_time_not_each_behind_a_hand_back(
+    test_vhost_url: str, queue: str, client: App
+):
+    # A crash brings many deliveries back at once, each maybe the one that crashed. The first
+    # hands back what the child holds; then the child takes one at a time until a task that never
+    # failed comes. Paused and handed back before each, 60 of them made about 60 hand-backs of
+    # all the rest (quadratic copies) and as many consumers cancelled and made anew.
+    args = ["--prefetch-budget", "10ms", "--delivery-limit", "5"]
+    with WorkerProcess(test_vhost_url, queues=[queue], concurrency=1, extra_args=args) as worker:
+        worker.wait_ready()
+        for result in [client.send_task(NOOP, queue=queue) for _ in range(300)]:
+            result.get(timeout=60)
+        wait_for(
+            lambda: worker.count("feed_prefetch_changed") > 0, timeout_s=10, message="the prefetch never grew"
+        )
+        # Counted as one earlier delivery that did not finish, as a crash would leave them.
+        suspects = [
+            client.send_task(NOOP, queue=queue, headers={"x-clockwork-deliveries": 1}) for _ in range(60)
+        ]
+        for result in suspects:
+            result.get(timeout=60)
+        fresh = [client.send_task(NOOP, queue=queue) for _ in range(100)]
+        for result in fresh:
+            result.get(timeout=60)
+        handed = [e for e in worker.events() if e.get("event") == "tasks_handed_back_behind_redelivery"]
+        assert len(handed) <= 3, [e["count"] for e in handed]
+        prefetches = [e["prefetch"] for e in worker.events() if e.get("event") == "feed_prefetch_changed"]
+        assert prefetches[-1] > 1, prefetches  # deep again once tasks that never failed came
+    assert queue_depth(test_vhost_url, f"{queue}.dead") == 0

@@ -158,6 +158,7 @@ class Consumer:
         # With a prefetch budget, what a child holds behind a task that outlives it goes back
         # (worker/child/stall.py); a --threads child's other threads take what one holds.
         self.stall: StallWatch | None = None
+        self._suspecting = False  # at prefetch 1 while redelivered tasks come (_guard_against_crashers)
         if spec.prefetch_budget_s is not None and spec.threads == 1:
             self.stall = StallWatch(connection, self.settler, updates.lock, spec.prefetch_budget_s)
 
@@ -250,12 +251,7 @@ class Consumer:
     def _take(self, delivery: TaskDelivery) -> None:
         # One delivery from read to settle; it shows on the board from its run's start until then.
         started, stall = time.monotonic(), self.stall
-        if stall is not None and delivery_count(delivery.headers, redelivered=delivery.redelivered):
-            # Maybe the task that crashed its last child: nothing of ours waits behind it.
-            held = self.connection.pause()
-            if held:
-                hand_back(self.settler, held)
-                log.info("tasks_handed_back_behind_redelivery", count=len(held))
+        guarded = stall is not None and self._guard_against_crashers(delivery)
         if stall is not None:
             stall.arm(delivery)
         try:
@@ -264,18 +260,42 @@ class Consumer:
             if stall is not None:
                 stall.disarm()
         if self._shared.budget is not None:
-            self._follow_budget(started)
+            # Past the budget if the stall watcher handed back what waited behind it.
+            self._follow_budget(started, long=self.connection.paused and not guarded)
         if self.connection.paused:  # what it held went back while the task ran: consume again
             self.connection.resume()
 
-    def _follow_budget(self, started: float) -> None:
+    def _guard_against_crashers(self, delivery: TaskDelivery) -> bool:
+        # A redelivered task may be the one that crashed its last child: nothing of ours waits
+        # behind it. A crash brings many back at once, each a suspect: rather than a pause and a
+        # hand-back of all the rest before each, they come one at a time (prefetch 1) until a
+        # task that never failed comes, and the budget's prefetch is back before that one runs
+        # (its consumer holds it alone then: nothing is on its way to a consumer made anew).
+        # Whether it paused the connection for this task.
+        if delivery_count(delivery.headers, redelivered=delivery.redelivered):
+            if self._suspecting or (held := self.connection.pause()) is None:
+                return False
+            if held:
+                hand_back(self.settler, held)
+                log.info("tasks_handed_back_behind_redelivery", count=len(held))
+            self._suspecting = True
+            self.connection.set_prefetch(1)  # paused: consumes at 1 once this task ends
+            return True
+        if self._suspecting:
+            self._suspecting = False
+            if (budget := self._shared.budget) is not None:
+                self.connection.set_prefetch(budget.current)
+                log.info("feed_prefetch_changed", prefetch=budget.current)
+        return False
+
+    def _follow_budget(self, started: float, *, long: bool) -> None:
         # The task's own run, not the child's work around it (decode, settle, ack), which the
         # broker's share of the CPU stretches on a small machine; a delivery that did not run
         # (revoked, refused, parked) counts as the whole of its handling.
-        long = self.connection.paused  # the stall watcher handed back what waited behind it
         concluding = self.handler.concluding
         took_s = concluding[2] / 1000 if concluding is not None else time.monotonic() - started
-        if (prefetch := self._shared.task_took(took_s, long=long)) is not None:
+        prefetch = self._shared.task_took(took_s, long=long)
+        if prefetch is not None and not self._suspecting:  # else set when a task that never failed comes
             self.connection.set_prefetch(prefetch)
             log.info("feed_prefetch_changed", prefetch=prefetch)
 

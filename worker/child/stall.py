@@ -12,9 +12,10 @@ without ever running. So each is published again with the count it arrived with 
 ordered queue could not allow: a child consuming one never pauses (its prefetch is 1 anyway).
 
 A redelivered task may be the one that crashed its last child: before it runs, a child with a
-prefetch budget hands back what it holds the same way, so a task that crashes child after child
-counts against its own delivery limit only, never (after its first crash) against the tasks that
-happened to be prefetched behind it.
+prefetch budget hands back what it holds the same way, and consumes at prefetch 1 until a task
+that never failed comes (a crash brings many back at once: each comes alone, with no hand-back of
+its own), so a task that crashes child after child counts against its own delivery limit only,
+never (after its first crash) against the tasks that happened to be prefetched behind it.
 
 The watcher holds the running task's update lock and the socket lock while it works, and the task's
 thread takes the socket lock to leave the task, so the two never use the socket at once.
@@ -51,10 +52,17 @@ def hand_back(settler: FeedSettler, held: Iterable[TaskDelivery]) -> None:
     """
     settler.copy_back_all(
         [
-            (delivery, recount(delivery_count(delivery.headers, redelivered=delivery.redelivered)))
+            (
+                delivery,
+                recount(delivery_count(delivery.headers, redelivered=delivery.redelivered), resent=True),
+            )
             for delivery in held
         ]
     )
+
+
+def _count(delivery: TaskDelivery) -> int:
+    return delivery_count(delivery.headers, redelivered=delivery.redelivered)
 
 
 class StallWatch:

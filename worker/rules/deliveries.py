@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
+from broker_svc.wire.task.task_message import RESENT_HEADER
 from worker.rules.disposition import Disposition
 
 __all__ = [
@@ -76,9 +77,16 @@ def carries_count(headers: Mapping[str, Any] | None, *, redelivered: bool | None
     return not redelivered or _count((headers or {}).get(BROKER_COUNT_HEADER)) is not None
 
 
-def recount(count: int, *, ran: bool = False) -> Disposition:
-    """A copy back on its queue carrying ``count`` unfinished deliveries (the broker's count dropped)."""
-    return Disposition.republish({DELIVERIES_HEADER: count}, drop=(BROKER_COUNT_HEADER,), ran=ran)
+def recount(count: int, *, ran: bool = False, resent: bool = False) -> Disposition:
+    """A copy back on its queue carrying ``count`` unfinished deliveries (the broker's count dropped).
+
+    ``resent``: the copy says it may run beside its original (a hand-back: a kill between its
+    confirm and the original's ack leaves both), so its run is marked ``redelivered``.
+    """
+    headers: dict[str, Any] = (
+        {DELIVERIES_HEADER: count, RESENT_HEADER: 1} if resent else {DELIVERIES_HEADER: count}
+    )
+    return Disposition.republish(headers, drop=(BROKER_COUNT_HEADER,), ran=ran)
 
 
 def expected_failure(throws: tuple[type[BaseException], ...], error: Mapping[str, Any] | None) -> bool:

@@ -26,8 +26,10 @@ __all__ = [
 ]
 
 CLOCK_HEADER: Final = "clock"
-# Set by our client on a message it sends again (lost connection, confirm timeout, nack): the
-# broker may have taken the earlier send too, so a worker marks the delivery ``redelivered``.
+# Set by our client on a message it sends again (lost connection, confirm timeout, nack), and by a
+# worker on the copy of a delivery it hands back: the broker may keep the earlier one too (a send
+# taken unconfirmed; a worker killed between the copy's confirm and the original's ack), so a
+# worker marks the delivery ``redelivered``.
 RESENT_HEADER: Final = "x-clockwork-resent"
 _REPR_LIMIT: Final = 1024
 _INT32: Final = 2**31
