@@ -147,6 +147,13 @@ def test_a_close_seen_by_the_heartbeat_peek_and_by_a_read_at_once_is_told_once(
     # the role just then and read the same close: its loss is made before the peek marks the close
     # seen, so both would tell it (CI saw two feed_connection_lost lines for one close).
     connection = _connection(test_vhost_url, queue, prefetch=1)
+    # The test stages the peek and the read itself: the heartbeat thread, which peeks on its own
+    # every second, could tell the close first (it did, under load). Stopped and waited for.
+    connection._beating.clear()
+    for thread in threading.enumerate():
+        if thread.name == "clockwork-beat-test-shared-feed":
+            thread.join(timeout=5)
+            assert not thread.is_alive()
     told: list[ConnectionLost] = []
     connection.on_close_seen = told.append
     try:
