@@ -283,7 +283,8 @@ class Consumer:
             return True
         if self._suspecting:
             self._suspecting = False
-            if (budget := self._shared.budget) is not None:
+            budget = self._shared.budget
+            if budget is not None and budget.current != self.connection.prefetch:
                 self.connection.set_prefetch(budget.current)
                 log.info("feed_prefetch_changed", prefetch=budget.current)
         return False
