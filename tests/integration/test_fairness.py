@@ -99,8 +99,10 @@ def test_a_prefetch_budget_deepens_for_short_tasks_and_falls_to_one_after_a_long
 def test_what_a_child_holds_behind_a_task_that_outlives_the_budget_goes_back_uncounted(
     test_vhost_url: str, queue: str, client: App
 ):
-    # --delivery-limit 0: a hand-back counted as a failed delivery would dead-letter the task.
-    args = ["--prefetch-budget", "10ms", "--delivery-limit", "0"]
+    # --delivery-limit 0: a hand-back counted as a failed delivery would dead-letter the task. A
+    # budget of 100 ms: at 10 ms a no-op that a loaded machine stretches past it counts as long
+    # and empties the child's prefetch, and then the long task's child holds nothing to hand back.
+    args = ["--prefetch-budget", "100ms", "--delivery-limit", "0"]
     with WorkerProcess(test_vhost_url, queues=[queue], concurrency=2, extra_args=args) as worker:
         worker.wait_ready()
         for result in [client.send_task(NOOP, queue=queue) for _ in range(300)]:
