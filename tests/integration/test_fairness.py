@@ -87,13 +87,12 @@ def test_a_prefetch_budget_deepens_for_short_tasks_and_falls_to_one_after_a_long
         for result in shorts:
             result.get(timeout=60)
 
-        def prefetches() -> list[int]:
-            return [int(e["prefetch"]) for e in worker.events() if e.get("event") == "feed_prefetch_changed"]
-
-        wait_for(lambda: any(p > 1 for p in prefetches()), timeout_s=10, message="the prefetch never grew")
-        assert max(prefetches()) <= 64
+        grew = "the prefetch never grew"
+        wait_for(lambda: any(p > 1 for p in _prefetches(worker)), timeout_s=10, message=grew)
+        assert max(_prefetches(worker)) <= 64
         client.send_task(TIMED, args=(0.3,), queue=queue).get(timeout=30)
-        wait_for(lambda: prefetches()[-1] == 1, timeout_s=10, message="a long task left the prefetch deep")
+        deep = "a long task left the prefetch deep"
+        wait_for(lambda: _prefetches(worker)[-1] == 1, timeout_s=10, message=deep)
 
 
 def test_what_a_child_holds_behind_a_task_that_outlives_the_budget_goes_back_uncounted(
@@ -105,12 +104,7 @@ def test_what_a_child_holds_behind_a_task_that_outlives_the_budget_goes_back_unc
     args = ["--prefetch-budget", "100ms", "--delivery-limit", "0"]
     with WorkerProcess(test_vhost_url, queues=[queue], concurrency=2, extra_args=args) as worker:
         worker.wait_ready()
-        for result in [client.send_task(NOOP, queue=queue) for _ in range(300)]:
-            result.get(timeout=60)
-        wait_for(
-            lambda: any(e.get("event") == "feed_prefetch_changed" for e in worker.events()),
-            timeout_s=10, message="the prefetch never grew",
-        )  # fmt: skip
+        _warm(worker, client, queue)
         long = client.send_task(TIMED, args=(5.0,), queue=queue)
         sent = time.time()
         shorts = [client.send_task(TIMED, args=(0.01,), queue=queue) for _ in range(100)]
@@ -151,11 +145,7 @@ def test_redelivered_tasks_come_one_at_a_time_not_each_behind_a_hand_back(
     args = ["--prefetch-budget", "10ms", "--delivery-limit", "5"]
     with WorkerProcess(test_vhost_url, queues=[queue], concurrency=1, extra_args=args) as worker:
         worker.wait_ready()
-        for result in [client.send_task(NOOP, queue=queue) for _ in range(300)]:
-            result.get(timeout=60)
-        wait_for(
-            lambda: worker.count("feed_prefetch_changed") > 0, timeout_s=10, message="the prefetch never grew"
-        )
+        _warm(worker, client, queue)
         # Counted as one earlier delivery that did not finish, as a crash would leave them.
         suspects = [
             client.send_task(NOOP, queue=queue, headers={"x-clockwork-deliveries": 1}) for _ in range(60)
@@ -167,6 +157,18 @@ def test_redelivered_tasks_come_one_at_a_time_not_each_behind_a_hand_back(
             result.get(timeout=60)
         handed = [e for e in worker.events() if e.get("event") == "tasks_handed_back_behind_redelivery"]
         assert len(handed) <= 3, [e["count"] for e in handed]
-        prefetches = [e["prefetch"] for e in worker.events() if e.get("event") == "feed_prefetch_changed"]
+        prefetches = _prefetches(worker)
         assert prefetches[-1] > 1, prefetches  # deep again once tasks that never failed came
     assert queue_depth(test_vhost_url, f"{queue}.dead") == 0
+
+
+def _prefetches(worker: WorkerProcess) -> list[int]:
+    """The prefetches the worker's children changed to, in order."""
+    return [int(e["prefetch"]) for e in worker.events() if e.get("event") == "feed_prefetch_changed"]
+
+
+def _warm(worker: WorkerProcess, client: App, queue: str) -> None:
+    """300 no-op tasks run, then the budget's prefetch has grown at least once."""
+    for result in [client.send_task(NOOP, queue=queue) for _ in range(300)]:
+        result.get(timeout=60)
+    wait_for(lambda: bool(_prefetches(worker)), timeout_s=10, message="the prefetch never grew")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
@@ -28,9 +28,13 @@ def queue(test_vhost_url: str) -> Iterator[str]:
     delete_queues(test_vhost_url, name, f"{name}.made")
 
 
-def _connection(url: str, queue: str, *, prefetch: int = 1, heartbeat_s: int = 30) -> FeedConnection:
+def _connection(
+    url: str, queue: str, *, prefetch: int = 1, heartbeat_s: int = 30, declare: Sequence[QueueSpec] = ()
+) -> FeedConnection:
     settings = Settings(broker_url=url, heartbeat_s=heartbeat_s, confirm_timeout_s=5.0)
-    connection = FeedConnection(settings, name="test-feed", queues=[queue], prefetch=prefetch)
+    connection = FeedConnection(
+        settings, name="test-feed", queues=[queue], prefetch=prefetch, declare=declare
+    )
     connection.connect()
     return connection
 
@@ -162,11 +166,7 @@ def test_a_quorum_consumer_changed_right_after_an_ack_returns_nothing_to_the_que
     # A quorum queue returns what reaches a consumer after its cancel, counted as a delivery
     # (x-delivery-count): without waiting for what was on its way, each change right after an ack
     # counted one task a delivery it never had.
-    settings = Settings(broker_url=test_vhost_url, heartbeat_s=30, confirm_timeout_s=5.0)
-    connection = FeedConnection(
-        settings, name="test-feed", queues=[quorum_queue.name], prefetch=4, declare=[quorum_queue]
-    )
-    connection.connect()
+    connection = _connection(test_vhost_url, quorum_queue.name, prefetch=4, declare=[quorum_queue])
     try:
         for i in range(60):
             publish_raw(test_vhost_url, quorum_queue.name, b"{}", headers={"id": f"t{i}"})

@@ -61,10 +61,6 @@ def hand_back(settler: FeedSettler, held: Iterable[TaskDelivery]) -> None:
     )
 
 
-def _count(delivery: TaskDelivery) -> int:
-    return delivery_count(delivery.headers, redelivered=delivery.redelivered)
-
-
 class StallWatch:
     """Hands back what a child holds once its running task outlives ``after_s``.
 

@@ -83,9 +83,9 @@ def recount(count: int, *, ran: bool = False, resent: bool = False) -> Dispositi
     ``resent``: the copy says it may run beside its original (a hand-back: a kill between its
     confirm and the original's ack leaves both), so its run is marked ``redelivered``.
     """
-    headers: dict[str, Any] = (
-        {DELIVERIES_HEADER: count, RESENT_HEADER: 1} if resent else {DELIVERIES_HEADER: count}
-    )
+    headers: dict[str, Any] = {DELIVERIES_HEADER: count}
+    if resent:
+        headers[RESENT_HEADER] = 1
     return Disposition.republish(headers, drop=(BROKER_COUNT_HEADER,), ran=ran)
 
 
