@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import time
+from pathlib import Path
+
+import pytest
 
 from broker_svc import App, Settings
 from control import ControlClient
-from tests.support.amqp import queue_depth
+from tests.integration import dedup_tasks
+from tests.support.amqp import queue_depth, queue_exists
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerProcess
 
 SLEEP = "tests.integration.e2e_tasks.sleep_s"
+COUNTED = dedup_tasks.refresh_counted.name
 
 
 def test_sigterm_with_tasks_running_loses_none(test_vhost_url: str, queue: str, client: App):
@@ -65,3 +71,62 @@ def test_ctrl_c_with_two_tasks_running_says_how_many_and_that_a_second_ctrl_c_st
         assert [r.get(timeout=10) for r in results] == ["0", "1"]  # the warm stop let them finish
     finally:
         worker.close()
+
+
+def _runs_started(journal: Path) -> int:
+    if not journal.exists():
+        return 0
+    return sum(json.loads(line)["event"] == "start" for line in journal.read_text().splitlines())
+
+
+@pytest.mark.parametrize("queue_type", ["classic", "quorum"])
+def test_tasks_handed_back_at_shutdown_never_count_against_the_delivery_limit(
+    test_vhost_url: str, queue: str, tmp_path: Path, queue_type: str
+):
+    # A rolling deploy: three workers in a row each start one task and stop, handing back the
+    # rest of what they hold. At a delivery limit of 1, a hand-back that counted (a nack: the
+    # redelivered flag, a quorum queue's x-delivery-count) would dead-letter the tasks it held
+    # twice before they ever ran.
+    quorum = (queue,) if queue_type == "quorum" else ()
+    options = ["--delivery-limit", "1", *(["--quorum-queues", queue] if quorum else [])]
+    client = App("deploys", settings=Settings(broker_url=test_vhost_url, quorum_queues=quorum))
+    journal = tmp_path / "runs.jsonl"
+
+    def dead_letters() -> int:
+        dead = f"{queue}.dead"
+        return queue_depth(test_vhost_url, dead) if queue_exists(test_vhost_url, dead) else 0
+
+    try:
+        results = [client.send_task(COUNTED, (str(journal), f"k{i}", 0.3), queue=queue) for i in range(8)]
+        client.flush(timeout=10)
+        for stop in range(3):
+            worker = WorkerProcess(
+                test_vhost_url, app="tests.integration.dedup_tasks:app", queues=[queue], concurrency=1,
+                extra_args=["--prefetch-multiplier", "8", *options],
+            ).wait_ready()  # fmt: skip
+            try:
+                wait_for(
+                    lambda: _runs_started(journal) > stop or dead_letters() > 0,  # noqa: B023
+                    timeout_s=30,
+                    message="no task started",
+                )
+                assert dead_letters() == 0, f"stop {stop}: dead-lettered, their hand-backs counted"
+                assert worker.terminate(timeout_s=30) == 0
+                assert worker.count("task_requeued_on_shutdown") >= 1, f"stop {stop}: it held nothing"
+                assert worker.count("task_hand_back_failed") == 0
+            finally:
+                worker.close()
+        with WorkerProcess(
+            test_vhost_url, app="tests.integration.dedup_tasks:app", queues=[queue], concurrency=1,
+            extra_args=options,
+        ) as last:  # fmt: skip
+            last.wait_ready()
+            outcomes = [result.get(timeout=60) for result in results]
+        assert sorted(outcome["id"] for outcome in outcomes) == sorted(result.id for result in results)
+        assert [outcome["delivery_count"] for outcome in outcomes] == [0] * 8
+        assert (
+            not queue_exists(test_vhost_url, f"{queue}.dead")
+            or queue_depth(test_vhost_url, f"{queue}.dead") == 0
+        )
+    finally:
+        client.close(timeout=10)

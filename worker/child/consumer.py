@@ -23,7 +23,7 @@ from structlog.contextvars import bind_contextvars, clear_contextvars
 from broker_svc.amqp.feed_connection import ConnectionLost, FeedConnection, TaskDelivery
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
-from broker_svc.errors import BrokerUnavailable
+from broker_svc.errors import BrokerSvcError, BrokerUnavailable
 from worker.child.hard_limit import HardLimit
 from worker.child.redeliveries import FeedRedeliveries, RecentRuns, Verdict, task_identity
 from worker.child.run import run_limited
@@ -196,13 +196,12 @@ class Consumer:
                     # Delivered, never started: another worker runs it (an ordered queue's: handed
                     # back by the close at the end).
                     if not connection.ordered:
-                        settler.settle(delivery, HAND_BACK)
-                        log.info("task_requeued_on_shutdown", count=1)
+                        _hand_back_uncounted(settler, [delivery], why="task_requeued_on_shutdown")
                     continue
                 if delivery.queue not in shared.wanted:
                     # cancel_consumer came while it was on its way (the worker has already answered
                     # that nobody here consumes the queue): back to the queue; the loop cancels next.
-                    settler.settle(delivery, HAND_BACK)
+                    _hand_back_uncounted(settler, [delivery], why=None)
                     continue
                 # A copy of a task run here (with --dedupe-window, the window skips it instead).
                 if delivery.redelivered and not self.handler.ledger.dedupes and self._joined(delivery):
@@ -234,10 +233,8 @@ class Consumer:
         elif connected:
             with contextlib.suppress(BrokerUnavailable):
                 unstarted = [*connection.cancel(), *(parked.delivery for parked in self.redeliveries.parked)]
-                for late in unstarted:
-                    settler.settle(late, HAND_BACK)
-                if unstarted:  # another worker runs them
-                    log.info("task_requeued_on_shutdown", count=len(unstarted))
+                # Another worker runs them.
+                _hand_back_uncounted(settler, unstarted, why="task_requeued_on_shutdown")
 
     def _connect(self) -> None:
         self.connection.connect()
@@ -412,6 +409,26 @@ def _one(
         handler.log_success()  # after the ack, while the broker sends the next delivery
         return disposition.fate
     return None
+
+
+def _hand_back_uncounted(settler: FeedSettler, unstarted: list[TaskDelivery], *, why: str | None) -> None:
+    # Never started here, so not a delivery that failed: each goes back as a copy carrying the
+    # count it came with. A nack would count one more, and a task held by a few workers in a row
+    # that stop (a rolling deploy) could reach its delivery limit without ever running.
+    if not unstarted:
+        return
+    try:
+        hand_back(settler, unstarted)
+    except BrokerUnavailable:
+        raise  # the broker has them back with the connection, counted: nothing to settle
+    except BrokerSvcError as exc:
+        # A copy was refused or not confirmed: the originals go back as they are, counted, rather
+        # than stay unacked until the connection closes.
+        log.warning("task_hand_back_failed", count=len(unstarted), error=str(exc))
+        for delivery in unstarted:
+            settler.settle(delivery, HAND_BACK)
+    if why is not None:
+        log.info(why, count=len(unstarted))
 
 
 def _log_lost(exc: BrokerUnavailable, *, retry_in_s: float | None) -> None:
