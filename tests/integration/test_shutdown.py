@@ -11,6 +11,7 @@ import pytest
 
 from broker_svc import App, Settings
 from control import ControlClient
+from tests.infra.session_broker import SessionBroker
 from tests.integration import dedup_tasks
 from tests.support.amqp import queue_depth, queue_exists
 from tests.support.waiting import wait_for
@@ -130,3 +131,48 @@ def test_tasks_handed_back_at_shutdown_never_count_against_the_delivery_limit(
         )
     finally:
         client.close(timeout=10)
+
+
+def test_copies_the_full_queue_refuses_go_back_as_they_came(
+    session_broker: SessionBroker, test_vhost_url: str, queue: str, client: App
+):
+    # A queue at its length limit refuses what is published to it (overflow reject-publish), the
+    # copies of a hand-back too: the originals then go back as a nack would send them (counted),
+    # never left unacked on a live connection, out of every consumer's reach.
+    ctl = session_broker.rabbitmqctl
+    if ctl is None:
+        pytest.fail("this test sets a policy, which needs rabbitmqctl for the broker")
+    vhost = test_vhost_url.rsplit("/", 1)[1]
+    policy = {"max-length": 2, "overflow": "reject-publish"}
+    ctl("set_policy", "-p", vhost, queue, f"^{queue}$", json.dumps(policy), "--apply-to", "queues")
+    limited = True
+    try:
+        first = WorkerProcess(
+            test_vhost_url, queues=[queue], concurrency=1, extra_args=["--prefetch-multiplier", "8"]
+        ).wait_ready()
+        try:
+            held = []  # one at a time, each taken by the child before the next: the queue stays short
+            for i in range(8):
+                held.append(client.send_task(SLEEP, (0.5, f"held{i}"), queue=queue))
+                client.flush(timeout=10)
+                wait_for(lambda: queue_depth(test_vhost_url, queue) == 0, timeout_s=10, message="not taken")
+            full = [client.send_task(SLEEP, (0.0, f"ready{i}"), queue=queue) for i in range(2)]
+            client.flush(timeout=10)  # the child holds 8: these two wait, and the queue is full
+            assert queue_depth(test_vhost_url, queue) == 2
+            assert first.terminate(timeout_s=30) == 0
+            assert first.count("task_hand_back_failed") >= 1
+            assert first.count("task_requeued_on_shutdown") >= 1
+        finally:
+            first.close()
+        # Everything the first worker did not run is in the queue, though the copies were refused
+        # (a copy confirmed before the refusal of another leaves its original there too).
+        assert queue_depth(test_vhost_url, queue) >= 9
+        ctl("clear_policy", "-p", vhost, queue)
+        limited = False
+        with WorkerProcess(test_vhost_url, queues=[queue], concurrency=2) as second:
+            second.wait_ready()
+            done = sorted(result.get(timeout=60) for result in [*held, *full])
+        assert done == sorted([*(f"held{i}" for i in range(8)), "ready0", "ready1"])
+    finally:
+        if limited:
+            ctl("clear_policy", "-p", vhost, queue)

@@ -23,7 +23,7 @@ from structlog.contextvars import bind_contextvars, clear_contextvars
 from broker_svc.amqp.feed_connection import ConnectionLost, FeedConnection, TaskDelivery
 from broker_svc.app import App
 from broker_svc.clock import LamportClock
-from broker_svc.errors import BrokerSvcError, BrokerUnavailable
+from broker_svc.errors import BrokerUnavailable
 from worker.child.hard_limit import HardLimit
 from worker.child.redeliveries import FeedRedeliveries, RecentRuns, Verdict, task_identity
 from worker.child.run import run_limited
@@ -415,20 +415,10 @@ def _hand_back_uncounted(settler: FeedSettler, unstarted: list[TaskDelivery], *,
     # Never started here, so not a delivery that failed: each goes back as a copy carrying the
     # count it came with. A nack would count one more, and a task held by a few workers in a row
     # that stop (a rolling deploy) could reach its delivery limit without ever running.
-    if not unstarted:
-        return
-    try:
+    if unstarted:
         hand_back(settler, unstarted)
-    except BrokerUnavailable:
-        raise  # the broker has them back with the connection, counted: nothing to settle
-    except BrokerSvcError as exc:
-        # A copy was refused or not confirmed: the originals go back as they are, counted, rather
-        # than stay unacked until the connection closes.
-        log.warning("task_hand_back_failed", count=len(unstarted), error=str(exc))
-        for delivery in unstarted:
-            settler.settle(delivery, HAND_BACK)
-    if why is not None:
-        log.info(why, count=len(unstarted))
+        if why is not None:
+            log.info(why, count=len(unstarted))
 
 
 def _log_lost(exc: BrokerUnavailable, *, retry_in_s: float | None) -> None:

@@ -30,9 +30,10 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from broker_svc.errors import BrokerSvcError
+from broker_svc.errors import BrokerSvcError, BrokerUnavailable
 from worker.child.hard_limit import signals_blocked
 from worker.rules.deliveries import delivery_count, recount
+from worker.rules.disposition import HAND_BACK
 
 if TYPE_CHECKING:
     from broker_svc.amqp.feed_connection import FeedConnection, TaskDelivery
@@ -47,18 +48,30 @@ def hand_back(settler: FeedSettler, held: Iterable[TaskDelivery]) -> None:
     """Each of ``held`` (never started) back on its queue with the delivery count it came with: all
     the copies published at once and confirmed, then all the originals acked.
 
+    If the broker refuses a copy, the originals go back as they are (a nack: counted, and a task
+    whose copy was confirmed runs twice, each run marked) rather than stay unacked, out of every
+    consumer's reach, until the connection closes.
+
     Raises:
-        BrokerSvcError: a copy was not confirmed (no original is acked: the broker has them all).
+        BrokerUnavailable: the connection failed (the broker has the originals back).
     """
-    settler.copy_back_all(
-        [
-            (
-                delivery,
-                recount(delivery_count(delivery.headers, redelivered=delivery.redelivered), resent=True),
-            )
-            for delivery in held
-        ]
-    )
+    held = list(held)
+    try:
+        settler.copy_back_all(
+            [
+                (
+                    delivery,
+                    recount(delivery_count(delivery.headers, redelivered=delivery.redelivered), resent=True),
+                )
+                for delivery in held
+            ]
+        )
+    except BrokerUnavailable:
+        raise
+    except BrokerSvcError as exc:
+        log.warning("task_hand_back_failed", count=len(held), error=str(exc))
+        for delivery in held:
+            settler.settle(delivery, HAND_BACK)
 
 
 class StallWatch:
@@ -128,7 +141,7 @@ class StallWatch:
                 self._connection.paused_while_running(lambda: self._still(behind)) as held,
             ):
                 hand_back(self._settler, held or ())
-        except BrokerSvcError as exc:  # the connection is gone: the task's thread finds out, connects again
+        except BrokerUnavailable as exc:  # the connection is gone: the task's thread connects again
             log.warning("task_hand_back_failed", error=str(exc))
             return
         if held is not None:
