@@ -8,7 +8,6 @@ entry point, without an import from here. ``tests/unit/test_api_surface.py`` che
 
 from __future__ import annotations
 
-import importlib.metadata
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
@@ -181,6 +180,8 @@ def load_control(app: object) -> ControlPlane:
     Raises:
         ConfigurationError: the entry point is missing (Clockwork is not installed).
     """
+    import importlib.metadata  # it imports email, zipfile, csv (3 MiB): not in a process that never asks
+
     found = importlib.metadata.entry_points(group=CONTROL_ENTRY_POINT_GROUP, name="default")
     if not found:
         raise ConfigurationError(

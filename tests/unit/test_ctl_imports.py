@@ -7,9 +7,7 @@ the machine's speed. What each one cost when it was there is in BENCHMARKS.md ("
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
+from tests.support.imports import heavy, loaded_after
 
 # Never needed to parse ``ctl``'s arguments or to run ``ctl inspect ping``. structlog (with the
 # asyncio it imports) is loaded only when ``ctl`` writes a log line; the canvas, the result
@@ -47,29 +45,18 @@ NEVER_FOR_THE_PARSER = (
 )
 
 
-def _loaded(code: str) -> set[str]:
-    probe = f"import json, sys\n{code}\nprint(json.dumps(sorted(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    return set(json.loads(out.stdout.splitlines()[-1]))
-
-
-def _heavy(loaded: set[str], names: tuple[str, ...]) -> list[str]:
-    return sorted(m for m in loaded for name in names if m == name or m.startswith(f"{name}."))
-
-
 def test_parsing_ctls_arguments_loads_no_amqp_client_structlog_or_command_module() -> None:
-    loaded = _loaded(
+    loaded = loaded_after(
         "from control.cli.main import build_parser\nbuild_parser().parse_args(['inspect', 'ping'])"
     )
     assert "control.cli.parser" in loaded  # the probe did run
-    assert _heavy(loaded, NEVER_FOR_THE_PARSER) == []
+    assert heavy(loaded, NEVER_FOR_THE_PARSER) == []
 
 
 def test_inspect_ping_loads_the_blocking_client_and_nothing_of_the_other_commands() -> None:
     # What ``main`` imports for ``ctl inspect ping`` before it connects: the settings, the
     # client, the command's module; logging set up as ``ctl`` does (deferred).
-    loaded = _loaded(
+    loaded = loaded_after(
         "from control.cli import main\n"
         "from broker_svc.logging import configure_logging\n"
         "from broker_svc.settings import Settings\n"
@@ -79,7 +66,7 @@ def test_inspect_ping_loads_the_blocking_client_and_nothing_of_the_other_command
         "ControlClient(Settings.from_env())"
     )
     assert {"pika", "control.blocking.client", "control.cli.mailbox"} <= loaded
-    assert _heavy(loaded, NEVER_FOR_PING) == []
+    assert heavy(loaded, NEVER_FOR_PING) == []
 
 
 def test_every_command_name_has_a_function_to_run_it() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import platform
 import pprint
 from collections.abc import Mapping
-from importlib import metadata
 from typing import Any
 
 from broker_svc.version import version
@@ -35,6 +34,8 @@ def bug_report(*, app_spec: str, results: str, settings: Mapping[str, Any]) -> s
 
 
 def _version(distribution: str) -> str:
+    from importlib import metadata  # it imports email, zipfile, csv (3 MiB): only for a report
+
     try:
         return metadata.version(distribution)
     except metadata.PackageNotFoundError:
