@@ -37,6 +37,7 @@ from bench.ceiling import (
     with_correlation_id,
 )
 from bench.scenarios import WARMUP_CALLS, Produced
+from broker_svc.connection.pika_internals import underlying_channel
 from broker_svc.topology import QueueSpec
 from broker_svc.wire.ids import uuid4_str
 from broker_svc.wire.task.task_message import WireMessage
@@ -114,13 +115,15 @@ def produce(url: str, queue: str, count: int, wire: WireMessage) -> Produced:
 
 
 def round_trip(
-    url: str, queue: str, replies: QueueSpec, calls: int, *, fresh_ids: bool = False
+    url: str, queue: str, replies: QueueSpec, calls: int, *, fresh_ids: bool = False, confirms: bool = False
 ) -> list[float]:
     """``WARMUP_CALLS`` then ``calls`` calls in a row: publish, wait for the reply; each in ms.
 
     The ceiling sends our call message encoded once, with a fresh ``correlation_id`` per call.
     With ``fresh_ids`` each call is encoded in the timed part for a task id of its own, as our
-    client does, so that our worker can answer it too (``bench.latency_split``).
+    client does, so that our worker can answer it too (``bench.latency_split``). With ``confirms``
+    the channel is in confirm mode and the confirms are read as they come, never waited for (as
+    our client's pipelined confirms; ``BlockingChannel.confirm_delivery`` would wait for each).
 
     Raises:
         TimeoutError: a reply did not come within ``CALL_TIMEOUT_S``.
@@ -140,6 +143,13 @@ def round_trip(
                 arrived.add(props.correlation_id)
 
         channel.basic_consume(replies.name, on_reply, auto_ack=True)
+        confirmed: list[int] = []
+        if confirms:
+            impl = underlying_channel(channel)
+            if impl is None:
+                raise RuntimeError("pika's BlockingChannel no longer wraps a Channel: no confirm mode")
+            impl.confirm_delivery(ack_nack_callback=lambda frame: confirmed.append(frame.method.delivery_tag))
+            connection.process_data_events(time_limit=1)  # its confirm.select-ok
         samples = []
         for i in range(WARMUP_CALLS + calls):
             started = time.perf_counter()
@@ -159,6 +169,8 @@ def round_trip(
             arrived.discard(correlation_id)
             if i >= WARMUP_CALLS:
                 samples.append((time.perf_counter() - started) * 1000)
+        if confirms and not confirmed:
+            raise RuntimeError("confirm mode was set, yet no confirm came")
         return samples
     finally:
         if connection.is_open:

@@ -8,8 +8,10 @@ Prints one JSON line per pairing and round, then the medians as a table.
 The echo worker is one pika process that answers each call with our result message for the call's
 task id (encoded per call, a few microseconds), then acks; the raw client publishes our call message
 (a fresh task id per call, as our client makes) and reads the reply queue without acks. Set against
-each other, the four pairings split our round trip's excess over raw pika's into the client's part
-and the worker's part.
+each other, the pairings split our round trip's excess over raw pika's into the client's part and
+the worker's part. ``pika+confirms`` is the raw client with its channel in confirm mode, confirms
+read as they come and never waited for, as our client's are: the share of the publisher confirms,
+which raw pika's ceiling (``bench.ceiling_pika``) does not pay.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from bench.stats import latency_ms
 from broker_svc.logging import configure_logging
 from broker_svc.wire.ids import uuid4_str
 
-CLIENTS = ("ours", "pika")
+CLIENTS = ("ours", "pika", "pika+confirms")
 WORKERS = ("ours", "pika")
 
 
@@ -69,9 +71,9 @@ def echo(url: str, queue: str) -> None:
     channel.start_consuming()
 
 
-def pika_client(url: str, queue: str, calls: int) -> list[float]:
+def pika_client(url: str, queue: str, calls: int, *, confirms: bool = False) -> list[float]:
     """The raw pika client of ``bench.ceiling_pika``; ``measure`` deletes its reply queue."""
-    return ceiling_pika.round_trip(url, queue, reply_queue(queue), calls, fresh_ids=True)
+    return ceiling_pika.round_trip(url, queue, reply_queue(queue), calls, fresh_ids=True, confirms=confirms)
 
 
 @contextmanager
@@ -92,9 +94,12 @@ def _consuming(depth: Depth) -> bool:
 def measure(url: str, client: str, worker: str, calls: int, worker_args: list[str]) -> dict[str, float]:
     """One pairing on a fresh queue: p50/p99 of ``calls`` round trips."""
     queue = f"split-{client}-{worker}-{uuid4_str()[:8]}"
-    call: Callable[[str, str, int], list[float]] = (
-        pika_client if client == "pika" else lambda u, q, n: Clockwork(u).round_trip(q, n)
-    )
+    calls_by_client: dict[str, Callable[[str, str, int], list[float]]] = {
+        "ours": lambda u, q, n: Clockwork(u).round_trip(q, n),
+        "pika": pika_client,
+        "pika+confirms": lambda u, q, n: pika_client(u, q, n, confirms=True),
+    }
+    call = calls_by_client[client]
     try:
         with probe(url) as queue_probe, _worker(worker, url, queue, worker_args) as proc:
             queue_probe.wait(
@@ -134,7 +139,7 @@ def main() -> int:
     print("\n| client \\ worker | ours | raw pika echo |\n|---|---|---|")
     for client in CLIENTS:
         cells = [f"{statistics.median(p50s[(client, worker)]):.2f} ms" for worker in WORKERS]
-        print(f"| {'ours' if client == 'ours' else 'raw pika'} | {' | '.join(cells)} |")
+        print(f"| {'ours' if client == 'ours' else 'raw ' + client} | {' | '.join(cells)} |")
     return 0
 
 
