@@ -151,9 +151,11 @@ def test_copies_the_full_queue_refuses_go_back_as_they_came(
             test_vhost_url, queues=[queue], concurrency=1, extra_args=["--prefetch-multiplier", "8"]
         ).wait_ready()
         try:
-            held = []  # one at a time, each taken by the child before the next: the queue stays short
+            # One at a time, each taken by the child before the next: the queue stays short. The
+            # first runs until the stop; the child holds the other seven behind it.
+            held = []
             for i in range(8):
-                held.append(client.send_task(SLEEP, (0.5, f"held{i}"), queue=queue))
+                held.append(client.send_task(SLEEP, (5.0 if i == 0 else 0.0, f"held{i}"), queue=queue))
                 client.flush(timeout=10)
                 wait_for(lambda: queue_depth(test_vhost_url, queue) == 0, timeout_s=10, message="not taken")
             full = [client.send_task(SLEEP, (0.0, f"ready{i}"), queue=queue) for i in range(2)]
