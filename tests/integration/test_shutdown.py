@@ -80,9 +80,9 @@ def _runs_started(journal: Path) -> int:
     return sum(json.loads(line)["event"] == "start" for line in journal.read_text().splitlines())
 
 
-@pytest.mark.parametrize("queue_type", ["classic", "quorum"])
+@pytest.mark.parametrize(("queue_type", "threads"), [("classic", 1), ("quorum", 1), ("classic", 2)])
 def test_tasks_handed_back_at_shutdown_never_count_against_the_delivery_limit(
-    test_vhost_url: str, queue: str, tmp_path: Path, queue_type: str
+    test_vhost_url: str, queue: str, tmp_path: Path, queue_type: str, threads: int
 ):
     # A rolling deploy: three workers in a row each start one task and stop, handing back the
     # rest of what they hold. At a delivery limit of 1, a hand-back that counted (a nack: the
@@ -98,16 +98,19 @@ def test_tasks_handed_back_at_shutdown_never_count_against_the_delivery_limit(
         return queue_depth(test_vhost_url, dead) if queue_exists(test_vhost_url, dead) else 0
 
     try:
-        results = [client.send_task(COUNTED, (str(journal), f"k{i}", 0.3), queue=queue) for i in range(8)]
+        count = 8 * threads  # each stop runs one a thread: the third still holds some
+        args = (str(journal), "k", 0.3)
+        results = [client.send_task(COUNTED, args, queue=queue) for _ in range(count)]
         client.flush(timeout=10)
         for stop in range(3):
+            started = _runs_started(journal)
             worker = WorkerProcess(
                 test_vhost_url, app="tests.integration.dedup_tasks:app", queues=[queue], concurrency=1,
-                extra_args=["--prefetch-multiplier", "8", *options],
+                extra_args=["--prefetch-multiplier", "4", "--threads", str(threads), *options],
             ).wait_ready()  # fmt: skip
             try:
                 wait_for(
-                    lambda: _runs_started(journal) > stop or dead_letters() > 0,  # noqa: B023
+                    lambda: _runs_started(journal) > started or dead_letters() > 0,  # noqa: B023
                     timeout_s=30,
                     message="no task started",
                 )
@@ -124,7 +127,7 @@ def test_tasks_handed_back_at_shutdown_never_count_against_the_delivery_limit(
             last.wait_ready()
             outcomes = [result.get(timeout=60) for result in results]
         assert sorted(outcome["id"] for outcome in outcomes) == sorted(result.id for result in results)
-        assert [outcome["delivery_count"] for outcome in outcomes] == [0] * 8
+        assert [outcome["delivery_count"] for outcome in outcomes] == [0] * count
         assert (
             not queue_exists(test_vhost_url, f"{queue}.dead")
             or queue_depth(test_vhost_url, f"{queue}.dead") == 0
