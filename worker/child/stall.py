@@ -30,8 +30,9 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from broker_svc.errors import BrokerSvcError, BrokerUnavailable
+from broker_svc.errors import BrokerUnavailable
 from worker.child.hard_limit import signals_blocked
+from worker.consume.settle import CopiesRefused
 from worker.rules.deliveries import delivery_count, recount
 from worker.rules.disposition import HAND_BACK
 
@@ -48,14 +49,13 @@ def hand_back(settler: FeedSettler, held: Iterable[TaskDelivery]) -> None:
     """Each of ``held`` (never started) back on its queue with the delivery count it came with: all
     the copies published at once and confirmed, then all the originals acked.
 
-    If the broker refuses a copy, the originals go back as they are (a nack: counted, and a task
-    whose copy was confirmed runs twice, each run marked) rather than stay unacked, out of every
-    consumer's reach, until the connection closes.
+    If the broker refuses a copy, the originals not acked yet go back as they are (a nack:
+    counted, and a task whose copy was confirmed runs twice, each run marked) rather than stay
+    unacked, out of every consumer's reach, until the connection closes.
 
     Raises:
         BrokerUnavailable: the connection failed (the broker has the originals back).
     """
-    held = list(held)
     try:
         settler.copy_back_all(
             [
@@ -66,11 +66,9 @@ def hand_back(settler: FeedSettler, held: Iterable[TaskDelivery]) -> None:
                 for delivery in held
             ]
         )
-    except BrokerUnavailable:
-        raise
-    except BrokerSvcError as exc:
-        log.warning("task_hand_back_failed", count=len(held), error=str(exc))
-        for delivery in held:
+    except CopiesRefused as refused:
+        log.warning("task_hand_back_failed", count=len(refused.unsettled), error=str(refused))
+        for delivery in refused.unsettled:
             settler.settle(delivery, HAND_BACK)
 
 

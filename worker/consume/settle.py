@@ -17,13 +17,13 @@ from typing import Final
 import structlog
 
 from broker_svc.amqp.feed_connection import FeedConnection, TaskDelivery
-from broker_svc.errors import BrokerSvcError
+from broker_svc.errors import BrokerSvcError, BrokerUnavailable
 from broker_svc.topology import QueueSpec, dedup_gate_queue, delay_queue
 from broker_svc.wire.records.dedup import gate_headers, release_of, shard_of
 from worker.consume.replies import FeedReplies
 from worker.rules.disposition import Disposition, Fate
 
-__all__ = ["CopiesInFlight", "FeedSettler"]
+__all__ = ["CopiesInFlight", "CopiesRefused", "FeedSettler"]
 
 log = structlog.get_logger(__name__)
 
@@ -73,6 +73,14 @@ class CopiesInFlight:
             acked.wait(self._timeout_s)
 
 
+class CopiesRefused(BrokerSvcError):
+    """The broker refused (or did not confirm) a copy back; ``unsettled`` are the originals not acked."""
+
+    def __init__(self, message: str, unsettled: Sequence[TaskDelivery]) -> None:
+        super().__init__(message)
+        self.unsettled = list(unsettled)
+
+
 class FeedSettler:
     """Carries out a delivery's disposition with the child's connection.
 
@@ -102,20 +110,28 @@ class FeedSettler:
         every original acked in one write, so a hand-back of many takes one round trip, not one each.
 
         Raises:
-            BrokerSvcError: a copy was not confirmed (none of them is acked: the broker has them).
+            BrokerUnavailable: the connection failed (the broker has back what is not acked).
+            CopiesRefused: a copy was refused or not confirmed; it names the originals not acked
+                (all of them, or under ``--threads``, where each is settled alone, the rest).
             ValueError: a disposition is not a plain copy back.
         """
         for _delivery, disposition in settles:
             plain = disposition.to is None and disposition.delay_ms is None and disposition.body is None
             if disposition.fate is not Fate.REPUBLISH or not plain:
                 raise ValueError(f"not a copy back onto its queue: {disposition}")
-        if self.copies is not None:  # --threads: each copy waits for its own ack (CopiesInFlight)
-            for delivery, disposition in settles:
-                self.settle(delivery, disposition)
-            return
-        if not settles:
-            return
-        self._replies.copies([(delivery, d.headers, d.drop) for delivery, d in settles])
+        done = 0
+        try:
+            if self.copies is not None:  # --threads: each copy waits for its own ack (CopiesInFlight)
+                for delivery, disposition in settles:
+                    self.settle(delivery, disposition)
+                    done += 1
+                return
+            if settles:
+                self._replies.copies([(delivery, d.headers, d.drop) for delivery, d in settles])
+        except BrokerUnavailable:
+            raise
+        except BrokerSvcError as exc:
+            raise CopiesRefused(str(exc), [delivery for delivery, _d in settles[done:]]) from exc
         self._connection.ack_all([delivery for delivery, _disposition in settles])
 
     def settle(
