@@ -111,6 +111,8 @@ def test_a_task_body_calls_a_chain_a_group_and_a_chord_as_celerys_do(
     # chain(...)() and group(...)() send them (Celery's __call__), from inside a running task too.
     sent = client.send_task("canvas.spawn_canvas", (queue, "spawned"), queue=queue).get(timeout=30)
     assert set(sent) == {"chain", "group", "members", "chord"} and sent["members"] == 3
+    # The chain is three hops in a row, the chord two: neither is bound to finish first.
+    wait_for(lambda: _body_runs(notes_path, "spawned-chain"), timeout_s=20, message="the chain ended")
     wait_for(lambda: _body_runs(notes_path, "spawned-chord"), timeout_s=20, message="the chord's body ran")
     wait_for(lambda: len(_body_runs(notes_path, "spawned-group")) == 3, timeout_s=20, message="the group ran")
     assert _body_runs(notes_path, "spawned-chain") == [4]  # type: ignore[comparison-overlap]  # collect(4)
