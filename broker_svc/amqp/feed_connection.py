@@ -52,6 +52,9 @@ log = get_logger(__name__)
 # through the queue's log: a cancel right after an ack nearly always lost one delivery so.
 _IN_FLIGHT_QUIET_S: Final = 0.1  # nothing came for this long: the queue has no more to send
 _IN_FLIGHT_MAX_S: Final = 1.0
+# With deliveries in hand, ``check`` reads again only once the last read is this old: a drain of
+# short tasks then makes one read every few tasks, not one each (a tenth of a child's CPU per task).
+_LOOK_AGAIN_S: Final = 0.001
 
 
 class FeedConnection(Channel):
@@ -109,6 +112,7 @@ class FeedConnection(Channel):
         self._waiting: collections.Counter[str] = collections.Counter()
         self._last_queue: str | None = None
         self._checked = False  # check() was the last call: nothing to read before the next delivery
+        self._looked = 0.0  # when check() last read
         self.paused = False  # no consumer, by pause_running(): resume() consumes again
 
     # -- connecting ------------------------------------------------------------------------------
@@ -196,10 +200,18 @@ class FeedConnection(Channel):
     def check(self, delivery: TaskDelivery | None = None) -> None:
         """Handle what arrived meanwhile, without waiting: a close the broker sent raises here.
 
+        While deliveries wait in hand and its last read is under ``_LOOK_AGAIN_S`` old, it does
+        not read: a close that came within that millisecond is seen a few short tasks later, as
+        one that comes during the next task is (the broker has those deliveries back; their
+        copies come marked redelivered). After any task that ran longer, it reads.
+
         Raises:
             ConnectionLost: the connection failed, or the broker closed the channel.
         """
-        self._read_arrived()
+        now = time.monotonic()
+        if not self._deliveries or now - self._looked >= _LOOK_AGAIN_S:
+            self._looked = now
+            self._read_arrived()
         # The consumer checks after each settle and asks for its next delivery right after: that
         # call need not look again (a select() per task saved).
         self._checked = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import socket
 import time
 from collections.abc import Iterator, Sequence
 from urllib.parse import urlsplit, urlunsplit
@@ -37,6 +38,12 @@ def _connection(
     )
     connection.connect()
     return connection
+
+
+def _holding(connection: FeedConnection, count: int) -> bool:
+    # What arrived is read first: held() alone shows only what a read already took.
+    connection.check()
+    return len(connection.held()) == count
 
 
 def _message(body: bytes = b"{}") -> WireMessage:
@@ -225,6 +232,71 @@ def test_a_settle_from_a_lost_connection_is_not_sent(test_vhost_url: str, queue:
         connection.close()
 
 
+class _CountingReads(FeedConnection):
+    """The real connection, counting the checks that read while deliveries waited in hand."""
+
+    reads = 0
+    looks_in_hand = 0
+
+    def _receive(self, sock: socket.socket, flags: int = 0) -> int | None:
+        self.reads += 1
+        return super()._receive(sock, flags)
+
+    def check(self, delivery: TaskDelivery | None = None) -> None:
+        in_hand, reads = bool(self.held()), self.reads
+        super().check(delivery)
+        if in_hand and self.reads > reads:
+            self.looks_in_hand += 1
+
+
+def test_a_burst_of_short_tasks_looks_at_the_socket_once_a_millisecond_not_once_a_task(
+    test_vhost_url: str, queue: str
+):
+    for i in range(300):
+        publish_raw(test_vhost_url, queue, b"{}", headers={"id": f"t{i}"})
+    settings = Settings(broker_url=test_vhost_url, confirm_timeout_s=5.0)
+    connection = _CountingReads(settings, name="test-feed", queues=[queue], prefetch=50)
+    connection.connect()
+    try:
+        wait_for(lambda: _holding(connection, 50), timeout_s=5, message="the prefetch delivered")
+        looks, started, ids = connection.looks_in_hand, time.monotonic(), []
+        for _ in range(300):  # as a child's loop: take, settle, check
+            delivery = connection.next_delivery(5.0)
+            assert delivery is not None
+            ids.append(delivery.headers["id"])
+            connection.ack(delivery)
+            connection.check(delivery)
+        elapsed_ms = (time.monotonic() - started) * 1000
+        assert ids == [f"t{i}" for i in range(300)]
+        # While deliveries wait in hand, one look per millisecond at most (one per task before); a
+        # machine so slow that a task takes a millisecond looks after each, as it should.
+        in_hand = connection.looks_in_hand - looks
+        assert in_hand <= elapsed_ms + 1, (in_hand, elapsed_ms)
+    finally:
+        connection.close()
+    assert queue_depth(test_vhost_url, queue) == 0
+
+
+def test_a_close_that_came_while_deliveries_wait_in_hand_is_seen_by_the_next_check(
+    test_vhost_url: str, queue: str
+):
+    for i in range(3):
+        publish_raw(test_vhost_url, queue, b"{}", headers={"id": f"t{i}"})
+    connection = _connection(test_vhost_url, queue, prefetch=3)
+    try:
+        first = connection.next_delivery(5.0)
+        assert first is not None
+
+        wait_for(lambda: _holding(connection, 2), timeout_s=5, message="two more in hand")
+        connection.ack(dataclasses.replace(first, tag=first.tag + 100))  # the broker: 406, channel closed
+        wait_for(lambda: queue_depth(test_vhost_url, queue) == 3, timeout_s=10, message="all requeued")
+        with pytest.raises(ConnectionLost, match="406"):
+            connection.check(first)  # its last read is old by now: it reads, and sees the close
+    finally:
+        connection.close()
+    assert queue_depth(test_vhost_url, queue) == 3
+
+
 def test_publishes_are_confirmed_returned_when_unroutable_and_declare_first(test_vhost_url: str, queue: str):
     connection = _connection(test_vhost_url, queue)
     made = f"{queue}.made"
@@ -273,16 +345,11 @@ def test_queues_take_turns_among_what_a_deep_prefetch_holds(test_vhost_url: str,
     connection = FeedConnection(settings, name="test-feed", queues=[queue, quiet], prefetch=30)
     connection.connect()
     try:
-
-        def holding(count: int) -> bool:
-            connection.check()
-            return len(connection.held()) == count
-
-        wait_for(lambda: holding(20), timeout_s=5, message="the busy queue's 20 delivered")
+        wait_for(lambda: _holding(connection, 20), timeout_s=5, message="the busy queue's 20 delivered")
         first = connection.next_delivery(5.0)  # the busy queue's turn
         for i in range(2):
             publish_raw(test_vhost_url, quiet, b"{}", headers={"id": f"quiet{i}"})
-        wait_for(lambda: holding(21), timeout_s=5, message="the quiet queue's 2 delivered")
+        wait_for(lambda: _holding(connection, 21), timeout_s=5, message="the quiet queue's 2 delivered")
         taken = [first, *(connection.next_delivery(5.0) for _ in range(21))]
         ids = [d.headers["id"] for d in taken if d is not None]
         assert ids[:4] == ["busy0", "quiet0", "busy1", "quiet1"], ids

@@ -327,6 +327,9 @@ class Consumer:
         sent = settled is not None and settled is not Fate.HAND_BACK
         try:
             if settled is None:
+                # The runs settled before it on the lost connection: their acks may be lost too
+                # (a close a read after their acks would have seen). Raised, the loop does this.
+                self.redeliveries.connection_lost(exc)
                 self._connect_for_outcome()
                 handled = self.handler.conclude_again()
                 assert handled is not None

@@ -16,10 +16,11 @@ A running copy is parked: held unacked while the child raises its prefetch by on
 other tasks, and looked at again between deliveries. Once the first run is finished, the copy is
 acked unrun; if that run ended without a finished outcome (its child died), the copy runs.
 
-A child under ``--threads`` does not read after each ack (whichever thread waits reads), so it
-cannot tell an ack that a close swallowed. It keeps its last runs by connection instead
-(``RecentRuns``): when a connection is lost, the runs settled on it are written to the table as
-finished, before any of its threads connects again, and their copies are acked unrun.
+A child does not read after every ack (under ``--threads`` whichever thread waits reads; a single
+consumer, while deliveries wait in hand, reads at most once a millisecond), so it cannot tell an
+ack that a close swallowed. It keeps its last runs by connection instead (``RecentRuns``): when a
+connection is lost, the runs settled on it are written to the table as finished, before any of its
+threads connects again, and their copies are acked unrun.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class FeedRedeliveries:
         done: the table of outcomes whose ack was lost (None: none are remembered).
         own_slot: this consumer's board slot (its own runs are not a copy's first run).
         connection: its connection (the prefetch grows by one for each parked copy).
-        recent: the child's last runs, under ``--threads`` (None: the consumer reads after each ack).
+        recent: the child's last runs (None: only a run whose own settle failed is joined).
     """
 
     def __init__(
@@ -193,7 +194,7 @@ class FeedRedeliveries:
         Its outcome went out before the ack, so a copy the broker sends back needs no run.
         """
         if self._recent is None or not ran or fate not in _FINISHED:
-            return  # the default child (it reads after each ack) pays one test per task
+            return
         identity = task_identity(delivery)
         if identity is None:
             return

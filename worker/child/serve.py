@@ -62,8 +62,8 @@ __all__ = ["build_consumers", "serve"]
 
 log = structlog.get_logger(__name__)
 
-# The runs a threaded child remembers, per thread: those whose acks a lost connection may have
-# taken are among the last few each thread settled (worker/child/redeliveries.py).
+# The runs a child remembers, per thread: those whose acks a lost connection may have taken are
+# among the last few each thread settled (worker/child/redeliveries.py).
 _RECENT_RUNS_PER_THREAD = 32
 
 
@@ -132,7 +132,11 @@ def build_consumers(
     from ``ThreadSoftLimits``. The shared connection is returned for the caller to close.
     """
     if spec.threads == 1:
-        return [Consumer(app, spec, shared, clock=clock, board=board, index=0, soft_limit=soft_limit)], None
+        recent = RecentRuns(_RECENT_RUNS_PER_THREAD)
+        consumer = Consumer(
+            app, spec, shared, clock=clock, board=board, index=0, soft_limit=soft_limit, recent=recent
+        )
+        return [consumer], None
     limits = ThreadSoftLimits()
     recent = RecentRuns(_RECENT_RUNS_PER_THREAD * spec.threads)
     copies = CopiesInFlight(timeout_s=spec.settings.confirm_timeout_s)
