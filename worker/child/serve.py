@@ -131,14 +131,13 @@ def build_consumers(
     ``soft_limit`` is the single consumer's (the caller routes SIGALRM to it); threads get theirs
     from ``ThreadSoftLimits``. The shared connection is returned for the caller to close.
     """
+    recent = RecentRuns(_RECENT_RUNS_PER_THREAD * spec.threads)  # one for the child's threads
     if spec.threads == 1:
-        recent = RecentRuns(_RECENT_RUNS_PER_THREAD)
         consumer = Consumer(
             app, spec, shared, clock=clock, board=board, index=0, soft_limit=soft_limit, recent=recent
         )
         return [consumer], None
     limits = ThreadSoftLimits()
-    recent = RecentRuns(_RECENT_RUNS_PER_THREAD * spec.threads)
     copies = CopiesInFlight(timeout_s=spec.settings.confirm_timeout_s)
     connection = SharedFeedConnection(
         spec.settings, name=spec.connection_name(os.getpid()), queues=spec.queues,
